@@ -1,0 +1,397 @@
+"""Typed, frozen run configuration: nested dataclasses, YAML files and dotted CLI overrides.
+
+A config is built from defaults, then a YAML file, then `section.field=value` overrides, and
+every value is coerced to its field's declared type. Mistakes fail early and say exactly what
+is wrong: an unknown key names its full path and the closest valid names; a bad value names
+the field, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config key or value that cannot be accepted; the message names it."""
+
+
+def _check(cond: bool, field: str, value: Any, allowed: str) -> None:
+    if not cond:
+        raise ConfigError(f"{field}={value!r} is not allowed: {allowed}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    # A built-in name (smollm2-135m-instruct), a local HF directory or .gguf file, or a hub id.
+    name: str = "smollm2-135m-instruct"
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    compute_dtype: Literal["float32", "bfloat16"] = "float32"
+    # What the layer scan recomputes in the backward pass: nothing, everything, or all but matmuls.
+    remat: Literal["none", "full", "dots"] = "none"
+    # Tokens per chunk when computing log-probs from hidden states (never materialise [B, T, V]).
+    logprob_chunk: int = 256
+
+    def __post_init__(self):
+        _check(self.logprob_chunk > 0, "model.logprob_chunk", self.logprob_chunk, "a positive integer")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MeshConfig:
+    # Mesh axis sizes; at most one may be -1 (= all remaining devices).
+    data: int = 1
+    fsdp: int = -1
+    tensor: int = 1
+
+    def __post_init__(self):
+        sizes = {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}
+        for name, size in sizes.items():
+            _check(size == -1 or size >= 1, f"mesh.{name}", size, "a positive integer or -1")
+        _check(list(sizes.values()).count(-1) <= 1, "mesh", sizes, "at most one axis may be -1")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SamplerConfig:
+    temperature: float = 1.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+    min_p: float = 0.0  # 0 = off
+    max_new_tokens: int = 128
+    # Extra stop ids besides the tokenizer's EOS and end-of-turn ids.
+    stop_token_ids: tuple[int, ...] = ()
+    # Prompt lengths are rounded up to a multiple of this, so recompiles stay rare.
+    prompt_bucket: int = 64
+
+    def __post_init__(self):
+        _check(self.temperature >= 0, "sampler.temperature", self.temperature, ">= 0 (0 = greedy)")
+        _check(self.top_k >= 0, "sampler.top_k", self.top_k, ">= 0 (0 = off)")
+        _check(0 < self.top_p <= 1, "sampler.top_p", self.top_p, "in (0, 1] (1 = off)")
+        _check(0 <= self.min_p < 1, "sampler.min_p", self.min_p, "in [0, 1) (0 = off)")
+        _check(self.max_new_tokens > 0, "sampler.max_new_tokens", self.max_new_tokens, "a positive integer")
+        _check(self.prompt_bucket > 0, "sampler.prompt_bucket", self.prompt_bucket, "a positive integer")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GRPOConfig:
+    """The objective and the loop shape of GRPO_SPEC.md; names follow the spec."""
+
+    num_generations: int = 8  # G completions per prompt
+    behaviour_refresh: int = 1  # v: behaviour <- current every v iterations (1 = on-policy)
+    inner_steps: int = 1  # i: optimiser steps per batch of samples
+    num_minibatches: int = 1  # each inner step may be split into minibatches (one update each)
+    micro_batches: int = 1  # gradient accumulation inside one update
+    # Advantages (spec §2).
+    advantage_scale: Literal["group", "batch", "none"] = "group"
+    advantage_std: Literal["population", "bessel"] = "population"
+    advantage_eps_placement: Literal["inside_sqrt", "add_to_std"] = "inside_sqrt"
+    advantage_eps: float = 1e-4
+    mask_zero_variance: bool = True
+    # Surrogate (spec §3).
+    off_policy_ratio: Literal["behaviour", "recentred", "current"] = "behaviour"
+    clip_eps_low: float = 0.2
+    clip_eps_high: float = 0.2
+    dual_clip: float | None = None  # c > 1 caps the loss of negative advantages; None = off
+    truncated_is: Literal["none", "token", "sequence"] = "none"
+    truncated_is_cap: float = 2.0
+    sequence_ratio: bool = False  # GSPO: one length-normalised ratio per sequence
+    # KL to the reference (beta = 0 removes the reference entirely).
+    beta: float = 0.04
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    swap_reference: bool = False  # reference <- current after every epoch
+    # Aggregation (spec §4); sum_norm_length is Dr.GRPO's constant L (None = sampler.max_new_tokens).
+    aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = "token_mean"
+    sum_norm_length: int | None = None
+
+    def __post_init__(self):
+        for name in ("num_generations", "behaviour_refresh", "inner_steps", "num_minibatches", "micro_batches"):
+            _check(getattr(self, name) >= 1, f"grpo.{name}", getattr(self, name), "a positive integer")
+        _check(self.num_generations >= 2, "grpo.num_generations", self.num_generations, ">= 2 (a group)")
+        _check(self.advantage_eps >= 0, "grpo.advantage_eps", self.advantage_eps, ">= 0")
+        _check(0 <= self.clip_eps_low < 1, "grpo.clip_eps_low", self.clip_eps_low, "in [0, 1)")
+        _check(self.clip_eps_high >= 0, "grpo.clip_eps_high", self.clip_eps_high, ">= 0")
+        _check(self.dual_clip is None or self.dual_clip > 1, "grpo.dual_clip", self.dual_clip, "None or > 1")
+        _check(self.truncated_is_cap > 0, "grpo.truncated_is_cap", self.truncated_is_cap, "> 0")
+        _check(self.beta >= 0, "grpo.beta", self.beta, ">= 0")
+        _check(
+            self.sum_norm_length is None or self.sum_norm_length > 0,
+            "grpo.sum_norm_length", self.sum_norm_length, "None or a positive integer",
+        )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OptimConfig:
+    learning_rate: float = 1e-6
+    schedule: Literal["constant", "cosine"] = "constant"
+    warmup_steps: int = 0
+    decay_steps: int | None = None  # cosine horizon in optimiser steps (None = the whole run)
+    weight_decay: float = 0.0
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    max_grad_norm: float | None = 1.0  # global-norm clipping; None = off
+
+    def __post_init__(self):
+        _check(self.learning_rate > 0, "optim.learning_rate", self.learning_rate, "> 0")
+        _check(self.warmup_steps >= 0, "optim.warmup_steps", self.warmup_steps, ">= 0")
+        _check(self.weight_decay >= 0, "optim.weight_decay", self.weight_decay, ">= 0")
+        _check(0 <= self.b1 < 1, "optim.b1", self.b1, "in [0, 1)")
+        _check(0 <= self.b2 < 1, "optim.b2", self.b2, "in [0, 1)")
+        _check(self.max_grad_norm is None or self.max_grad_norm > 0, "optim.max_grad_norm",
+               self.max_grad_norm, "None or > 0")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    # A built-in task (arithmetic, countdown) or a local JSONL / Parquet / save_to_disk path, or a hub id.
+    source: str = "arithmetic"
+    split: str = "train"
+    format: Literal["auto", "gsm8k", "math", "custom"] = "auto"
+    question_field: str = "question"
+    answer_field: str = "answer"
+    batch_size: int = 4  # B prompts per iteration (each expanded to G samples)
+    shuffle_seed: int = 0
+    epochs: int = 1
+    system_prompt: str | None = None
+    instruction_suffix: str = ""
+    max_prompt_length: int = 256
+    truncate_long_prompts: bool = False  # False: drop and count; True: keep the last tokens
+    skip_bad_rows: bool = False  # False: a bad row is an error naming file, row and field
+    # Built-in tasks.
+    num_examples: int = 10000
+    num_test_examples: int = 200
+    arithmetic_digits: int = 2
+    arithmetic_operators: str = "+"
+    countdown_numbers: int = 3
+
+    def __post_init__(self):
+        _check(self.batch_size >= 1, "data.batch_size", self.batch_size, "a positive integer")
+        _check(self.epochs >= 1, "data.epochs", self.epochs, "a positive integer")
+        _check(self.max_prompt_length > 0, "data.max_prompt_length", self.max_prompt_length, "> 0")
+        _check(self.arithmetic_digits >= 1, "data.arithmetic_digits", self.arithmetic_digits, ">= 1")
+        _check(set(self.arithmetic_operators) <= set("+-*") and self.arithmetic_operators != "",
+               "data.arithmetic_operators", self.arithmetic_operators, "a non-empty subset of '+-*'")
+        _check(self.countdown_numbers >= 2, "data.countdown_numbers", self.countdown_numbers, ">= 2")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RewardConfig:
+    # Reward function names from jgrpo.rewards, summed with these weights.
+    functions: tuple[str, ...] = ("exact_numeric",)
+    weights: tuple[float, ...] = (1.0,)
+    timeout_s: float = 5.0  # a reward call running longer gives 0 and is counted
+
+    def __post_init__(self):
+        _check(len(self.functions) >= 1, "reward.functions", self.functions, "at least one reward function")
+        _check(len(self.weights) == len(self.functions), "reward.weights", self.weights,
+               f"one weight per function ({len(self.functions)})")
+        _check(self.timeout_s > 0, "reward.timeout_s", self.timeout_s, "> 0")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    every: int = 50  # iterations between saves (0 = only at the end and on SIGTERM)
+    keep: int = 3
+    async_save: bool = True
+    resume: bool = True  # resume from the latest complete checkpoint in the run directory
+
+    def __post_init__(self):
+        _check(self.every >= 0, "checkpoint.every", self.every, ">= 0")
+        _check(self.keep >= 1, "checkpoint.keep", self.keep, ">= 1")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LoggingConfig:
+    tensorboard: bool = True
+    progress_bar: bool = True
+    samples_every: int = 10  # iterations between dumps of prompts/completions (0 = never)
+
+    def __post_init__(self):
+        _check(self.samples_every >= 0, "logging.samples_every", self.samples_every, ">= 0")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    output_dir: str = "runs/default"
+    seed: int = 0
+    iterations: int = 100
+    eval_every: int = 0  # iterations between held-out evaluations (0 = never)
+    eval_samples: int = 4  # k for pass@1 over k samples
+
+    def __post_init__(self):
+        _check(self.iterations >= 1, "run.iterations", self.iterations, "a positive integer")
+        _check(self.eval_every >= 0, "run.eval_every", self.eval_every, ">= 0")
+        _check(self.eval_samples >= 1, "run.eval_samples", self.eval_samples, ">= 1")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Config:
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    sampler: SamplerConfig = dataclasses.field(default_factory=SamplerConfig)
+    grpo: GRPOConfig = dataclasses.field(default_factory=GRPOConfig)
+    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    reward: RewardConfig = dataclasses.field(default_factory=RewardConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
+    run: RunConfig = dataclasses.field(default_factory=RunConfig)
+
+
+# ---------------------------------------------------------------- coercion
+
+
+def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, path: str) -> Any:
+    """Coerce a YAML/CLI value to the annotated type `tp`, or raise ConfigError naming `path`."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+            if type(None) in args:
+                return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, path)
+            except ConfigError:
+                pass
+        raise ConfigError(f"{path}={value!r} is not allowed: expected " + " or ".join(_type_name(a) for a in args))
+    if origin is Literal:
+        if value in args:
+            return value
+        raise ConfigError(f"{path}={value!r} is not allowed: {_type_name(tp)}")
+    if origin is tuple:
+        if isinstance(value, str):
+            value = yaml.safe_load(value) if value.strip().startswith("[") else [v for v in value.split(",") if v]
+        if not isinstance(value, (list, tuple)):
+            value = [value]
+        elem = args[0]
+        return tuple(_coerce(v, elem, f"{path}[{i}]") for i, v in enumerate(value))
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}={value!r} is not allowed: expected a mapping of {tp.__name__} fields")
+        return _build(tp, value, path)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
+            return value.lower() in ("true", "yes", "1")
+        raise ConfigError(f"{path}={value!r} is not allowed: expected a boolean (true/false)")
+    if tp is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{path}={value!r} is not allowed: expected an integer")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{path}={value!r} is not allowed: expected an integer")
+    if tp is float:
+        if isinstance(value, bool):
+            raise ConfigError(f"{path}={value!r} is not allowed: expected a number")
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{path}={value!r} is not allowed: expected a number") from None
+    if tp is str:
+        if isinstance(value, (dict, list)):
+            raise ConfigError(f"{path}={value!r} is not allowed: expected a string")
+        return str(value)
+    raise ConfigError(f"{path}: unsupported field type {tp!r}")
+
+
+def _build(cls: type, values: dict, path: str = "") -> Any:
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in values.items():
+        full = f"{path}.{key}" if path else str(key)
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=3, cutoff=0.5)
+            hint = f"; did you mean {', '.join(close)}?" if close else f"; valid keys: {', '.join(names)}"
+            raise ConfigError(f"unknown config key '{full}'{hint}")
+        kwargs[key] = _coerce(value, hints[key], full)
+    try:
+        return cls(**kwargs)
+    except TypeError as e:  # missing required fields and the like
+        raise ConfigError(f"{path or 'config'}: {e}") from None
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    node = tree
+    for k in keys[:-1]:
+        child = node.setdefault(k, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override '{dotted}': '{k}' is a value, not a section")
+        node = child
+    node[keys[-1]] = value
+
+
+def parse_overrides(overrides: list[str]) -> dict:
+    """`["grpo.beta=0.0", "sampler.temperature=0.7"]` -> nested dict with YAML-parsed values."""
+    tree: dict = {}
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override '{item}' must look like section.field=value")
+        key, raw = item.split("=", 1)
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError:
+            value = raw
+        _set_dotted(tree, key.strip(), value)
+    return tree
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Defaults <- YAML file <- dotted overrides, validated and typed."""
+    tree: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        loaded = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping of sections")
+        tree = loaded
+    tree = _merge(tree, parse_overrides(overrides or []))
+    return _build(Config, tree)
+
+
+def to_dict(config: Any) -> dict:
+    return dataclasses.asdict(config)
+
+
+def save_config(config: Config, run_dir: str | Path) -> Path:
+    """Write the resolved config as YAML into the run directory (and return the path)."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    out = run_dir / "config.yaml"
+    # JSON round trip turns tuples into lists so the YAML is plain and loads back through load_config.
+    out.write_text(yaml.safe_dump(json.loads(json.dumps(to_dict(config))), sort_keys=False))
+    return out

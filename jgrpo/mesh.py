@@ -1,0 +1,134 @@
+"""The device mesh and the logical-axis -> mesh-axis rules.
+
+Every parameter and activation names its dimensions with *logical* axes ("embed", "mlp",
+"heads", "batch", ...). A rules table maps each logical axis to zero or more mesh axes of the
+one mesh `(data, fsdp, tensor)`. Training and sampling use different tables: training shards
+weights over fsdp (ZeRO-3 style) and tensor; sampling keeps weights whole along fsdp so the
+decode loop never all-gathers them at every token.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jgrpo.config import MeshConfig
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+# logical axis -> mesh axis (or tuple of mesh axes, or None = replicated)
+Rules = Mapping[str, str | tuple[str, ...] | None]
+
+TRAIN_RULES: Rules = {
+    "batch": ("data", "fsdp"),
+    "length": None,
+    "vocab": "tensor",
+    "embed": "fsdp",
+    "mlp": "tensor",
+    "heads": "tensor",
+    "kv_heads": "tensor",
+    "head_dim": None,
+    "layers": None,
+    "norm": None,
+}
+
+SAMPLE_RULES: Rules = {
+    **TRAIN_RULES,
+    "embed": None,  # weights whole along fsdp: no per-token all-gather while decoding
+}
+
+
+def mesh_shape(config: MeshConfig, num_devices: int) -> tuple[int, int, int]:
+    """Resolve the axis sizes (one may be -1) for `num_devices`, or fail naming the problem."""
+    sizes = [config.data, config.fsdp, config.tensor]
+    known = math.prod(s for s in sizes if s != -1)
+    if -1 in sizes:
+        if num_devices % known:
+            raise ValueError(
+                f"mesh {dict(zip(MESH_AXES, sizes))}: the fixed axes use {known} devices, "
+                f"which does not divide the {num_devices} available"
+            )
+        sizes[sizes.index(-1)] = num_devices // known
+    if math.prod(sizes) != num_devices:
+        raise ValueError(
+            f"mesh {dict(zip(MESH_AXES, sizes))} needs {math.prod(sizes)} devices but {num_devices} are available"
+        )
+    return tuple(sizes)
+
+
+def make_mesh(config: MeshConfig, devices: list | None = None) -> Mesh:
+    """A Mesh with axes (data, fsdp, tensor) over `devices` (default: all devices, all processes)."""
+    devices = list(jax.devices() if devices is None else devices)
+    shape = mesh_shape(config, len(devices))
+    try:  # topology-aware placement on TPU/GPU; falls back to plain order elsewhere
+        from jax.experimental import mesh_utils
+
+        grid = mesh_utils.create_device_mesh(shape, devices=devices)
+    except Exception:  # noqa: BLE001 - e.g. CPU devices or a device subset the helper can't lay out
+        grid = np.asarray(devices).reshape(shape)
+    return Mesh(grid, MESH_AXES)
+
+
+def logical_to_spec(
+    logical: PartitionSpec | tuple | None, rules: Rules, shape: tuple[int, ...] | None = None, mesh: Mesh | None = None
+) -> PartitionSpec:
+    """Map logical axis names to a mesh PartitionSpec.
+
+    With `shape` and `mesh`, a dimension whose size is not divisible by its mesh axes is left
+    replicated instead (e.g. 3 KV heads on a tensor axis of 2): correct, just less sharded.
+    A mesh axis is used at most once per spec, first come first served.
+    """
+    if logical is None:
+        return PartitionSpec()
+    used: set[str] = set()
+    out = []
+    for dim, name in enumerate(tuple(logical)):
+        if name is None:
+            out.append(None)
+            continue
+        if name not in rules:
+            raise KeyError(f"logical axis '{name}' has no rule; known: {sorted(rules)}")
+        target = rules[name]
+        axes = (target,) if isinstance(target, str) else tuple(target or ())
+        axes = tuple(a for a in axes if a not in used)
+        if shape is not None and mesh is not None and axes:
+            if shape[dim] % math.prod(mesh.shape[a] for a in axes):
+                axes = ()
+        used.update(axes)
+        out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    return PartitionSpec(*out)
+
+
+def _is_spec(x) -> bool:
+    return x is None or isinstance(x, PartitionSpec)
+
+
+def logical_shardings(logical_tree, mesh: Mesh, rules: Rules, shapes=None):
+    """Pytree of logical PartitionSpecs (and optionally matching shapes) -> pytree of NamedShardings."""
+    if shapes is None:
+        return jax.tree.map(lambda s: NamedSharding(mesh, logical_to_spec(s, rules)), logical_tree, is_leaf=_is_spec)
+    return jax.tree.map(
+        lambda s, x: NamedSharding(mesh, logical_to_spec(s, rules, tuple(np.shape(x)), mesh)),
+        logical_tree,
+        shapes,
+        is_leaf=_is_spec,
+    )
+
+
+def place(tree, logical_tree, mesh: Mesh, rules: Rules):
+    """Put every leaf of `tree` on the mesh with the sharding its logical axes ask for."""
+    shardings = logical_shardings(logical_tree, mesh, rules, shapes=tree)
+    return jax.device_put(tree, shardings)
+
+
+def batch_sharding(mesh: Mesh, rules: Rules = TRAIN_RULES, ndim: int = 2) -> NamedSharding:
+    """Sharding for a [batch, ...] array: batch over the data-parallel axes, the rest replicated."""
+    return NamedSharding(mesh, logical_to_spec(("batch",) + (None,) * (ndim - 1), rules))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec())
