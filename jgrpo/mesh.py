@@ -49,13 +49,14 @@ def mesh_shape(config: MeshConfig, num_devices: int) -> tuple[int, int, int]:
     if -1 in sizes:
         if num_devices % known:
             raise ValueError(
-                f"mesh {dict(zip(MESH_AXES, sizes))}: the fixed axes use {known} devices, "
+                f"mesh {dict(zip(MESH_AXES, sizes, strict=True))}: the fixed axes use {known} devices, "
                 f"which does not divide the {num_devices} available"
             )
         sizes[sizes.index(-1)] = num_devices // known
     if math.prod(sizes) != num_devices:
         raise ValueError(
-            f"mesh {dict(zip(MESH_AXES, sizes))} needs {math.prod(sizes)} devices but {num_devices} are available"
+            f"mesh {dict(zip(MESH_AXES, sizes, strict=True))} needs {math.prod(sizes)} devices "
+            f"but {num_devices} are available"
         )
     return tuple(sizes)
 

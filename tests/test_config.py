@@ -46,7 +46,8 @@ def test_unknown_key_names_full_path_and_suggestions(tmp_path):
 @pytest.mark.parametrize(
     "override, pattern",
     [
-        ("grpo.off_policy_ratio=sideways", r"grpo\.off_policy_ratio='sideways'.*one of 'behaviour', 'recentred', 'current'"),
+        ("grpo.off_policy_ratio=sideways",
+         r"grpo\.off_policy_ratio='sideways'.*one of 'behaviour', 'recentred', 'current'"),
         ("grpo.beta=-1", r"grpo\.beta=-1\.0.*>= 0"),
         ("grpo.num_generations=abc", r"grpo\.num_generations='abc'.*integer"),
         ("grpo.num_generations=1", r"grpo\.num_generations=1.*>= 2"),

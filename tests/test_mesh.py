@@ -10,7 +10,13 @@ from jgrpo.mesh import SAMPLE_RULES, TRAIN_RULES, logical_to_spec, make_mesh, me
 
 @pytest.mark.parametrize(
     "sizes, expected",
-    [((2, 2, 2), (2, 2, 2)), ((1, 8, 1), (1, 8, 1)), ((-1, 2, 2), (2, 2, 2)), ((1, -1, 1), (1, 8, 1)), ((2, -1, 1), (2, 4, 1))],
+    [
+        ((2, 2, 2), (2, 2, 2)),
+        ((1, 8, 1), (1, 8, 1)),
+        ((-1, 2, 2), (2, 2, 2)),
+        ((1, -1, 1), (1, 8, 1)),
+        ((2, -1, 1), (2, 4, 1)),
+    ],
 )
 def test_mesh_shapes(sizes, expected):
     assert jax.device_count() == 8
