@@ -1,0 +1,115 @@
+"""How the next token is drawn from the model's logits: greedy, temperature, top-k, top-p, min-p.
+
+One small frozen dataclass holds every knob, so the methods combine freely and the method is a
+hashable static argument of the jitted decode loop. `process_logits` turns raw logits into the
+float32 log-probs of the distribution *actually sampled from*; the sampler records those
+log-probs and the trainer recomputes them with the same function (GRPO_SPEC §6), so the two can
+only agree if both call this one pure function.
+
+Order of the transformations (the same as transformers' `generate`): temperature, then top-k,
+then top-p on the top-k-renormalised distribution, then min-p. Every truncation keeps the tokens
+whose logit is at least some threshold, so the support is always "the m largest logits" and the
+result is computed as one threshold and one mask. Ties at a threshold are all kept.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SamplingMethod:
+    """Temperature 0 is greedy (argmax, ties to the lowest id); top_k 0, top_p 1 and min_p 0 are off."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+
+    def __post_init__(self):
+        if not (isinstance(self.temperature, int | float) and math.isfinite(self.temperature)
+                and self.temperature >= 0):
+            raise ValueError(f"temperature={self.temperature!r}: must be a finite number >= 0 (0 = greedy)")
+        if not (isinstance(self.top_k, int) and self.top_k >= 0):
+            raise ValueError(f"top_k={self.top_k!r}: must be an integer >= 0 (0 = off)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p!r}: must be in (0, 1] (1 = off)")
+        if not 0 <= self.min_p < 1:
+            raise ValueError(f"min_p={self.min_p!r}: must be in [0, 1) (0 = off)")
+
+    @classmethod
+    def from_config(cls, config) -> SamplingMethod:
+        """From a `jgrpo.config.SamplerConfig` (or anything with the same four fields)."""
+        return cls(temperature=config.temperature, top_k=config.top_k, top_p=config.top_p, min_p=config.min_p)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0
+
+    def process_logits(self, logits: jax.Array) -> jax.Array:
+        """[..., V] logits -> [..., V] float32 log-probs of the sampled distribution (-inf outside its support)."""
+        logits = jnp.asarray(logits, jnp.float32)
+        vocab = logits.shape[-1]
+        if self.is_greedy:
+            best = jnp.argmax(logits, axis=-1)[..., None]  # [..., 1]
+            is_best = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1) == best
+            return jnp.where(is_best, 0.0, -jnp.inf)
+        scaled = logits if self.temperature == 1 else logits / jnp.float32(self.temperature)
+        threshold = jnp.full(logits.shape[:-1], -jnp.inf, jnp.float32)  # [...]
+        top_k = self.top_k if 0 < self.top_k < vocab else 0
+        if top_k or self.top_p < 1:
+            # Descending logits: only the top k when top-k is on (cheap), the whole vocab for plain top-p.
+            ranked = jax.lax.top_k(scaled, top_k or vocab)[0]  # [..., K]
+            if top_k:
+                threshold = ranked[..., -1]
+            if self.top_p < 1:
+                threshold = jnp.maximum(threshold, _nucleus_threshold(ranked, self.top_p))
+        if self.min_p > 0:
+            # p_i >= min_p * p_max  <=>  logit_i >= logit_max + log(min_p); renormalising changes neither side.
+            threshold = jnp.maximum(threshold, jnp.max(scaled, axis=-1) + jnp.float32(math.log(self.min_p)))
+        if top_k or self.top_p < 1 or self.min_p > 0:
+            scaled = jnp.where(scaled >= threshold[..., None], scaled, -jnp.inf)
+        return jax.nn.log_softmax(scaled, axis=-1)
+
+    def next_tokens(self, logits: jax.Array, key: jax.Array) -> jax.Array:
+        """[..., V] logits -> [...] int32 token ids. `key` is one key, or one key per row (shape logits[:-1])."""
+        return self.choose(self.process_logits(logits), key)[0]
+
+    def choose(self, logprobs: jax.Array, key: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Draw from already processed log-probs: ([...] int32 tokens, [...] float32 their log-probs)."""
+        if self.is_greedy:
+            tokens = jnp.argmax(logprobs, axis=-1).astype(jnp.int32)
+        else:
+            tokens = _categorical(key, logprobs).astype(jnp.int32)
+        chosen = jnp.take_along_axis(logprobs, tokens[..., None], axis=-1)[..., 0]
+        return tokens, chosen
+
+
+def _nucleus_threshold(ranked: jax.Array, top_p: float) -> jax.Array:
+    """Smallest logit of the nucleus: the shortest prefix of the descending `ranked` with mass >= top_p.
+
+    A token is kept when the probability mass strictly before it is < top_p (transformers' rule),
+    so the most likely token is always kept.
+    """
+    probs = jax.nn.softmax(ranked, axis=-1)  # [..., K]
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    num_kept = jnp.sum(mass_before < top_p, axis=-1, keepdims=True)  # [..., 1], >= 1
+    return jnp.take_along_axis(ranked, num_kept - 1, axis=-1)[..., 0]
+
+
+def _categorical(key: jax.Array, logprobs: jax.Array) -> jax.Array:
+    """jax.random.categorical with either one key for everything or one key per row."""
+    key_shape = key.shape if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key) else key.shape[:-1]
+    batch_shape = logprobs.shape[:-1]
+    if key_shape == ():
+        return jax.random.categorical(key, logprobs, axis=-1)
+    if key_shape != batch_shape:
+        raise ValueError(f"keys of shape {key_shape} do not match the rows of logits {batch_shape}")
+    flat_keys = key.reshape((-1,) + key.shape[len(key_shape):])
+    flat_logprobs = logprobs.reshape(-1, logprobs.shape[-1])
+    flat = jax.vmap(lambda k, lp: jax.random.categorical(k, lp, axis=-1))(flat_keys, flat_logprobs)
+    return flat.reshape(batch_shape)
