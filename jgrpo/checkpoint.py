@@ -1,0 +1,310 @@
+"""Every piece of training state in one Orbax checkpoint, saved asynchronously, restored with fallback.
+
+One checkpoint (a step directory under `RUN_DIR/checkpoints`) holds these Orbax items:
+
+    params      current params                         StandardSave (sharded arrays)
+    opt_state   optimiser state                        StandardSave
+    behaviour   behaviour params, only when a separate copy exists (v > 1)
+    reference   reference params, only when they differ from the initial ones (after a swap)
+    rng         the trainer's PRNG key as raw key data StandardSave (uint32 array)
+    meta        iteration, epoch, behaviour version, counters, which optional items exist   JsonSave
+    data        the prompt iterator's state            JsonSave
+    config      the resolved run config                JsonSave
+
+Restoring places every array directly in the sharding of the abstract target the trainer passes,
+so a multi-host run never materialises a whole tensor on one host. The latest checkpoint that
+restores cleanly wins: one that fails (a missing or truncated file, unreadable metadata, or arrays whose
+content fingerprint differs from the one recorded at save time, e.g. a flipped bit) is logged
+with its step and the reason, moved aside to `checkpoints_corrupt/` so the run can save that step
+again, and the previous one is tried.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+
+from jgrpo.config import CheckpointConfig
+
+log = logging.getLogger(__name__)
+
+_ARRAY_ITEMS = ("params", "opt_state", "behaviour", "reference")
+
+
+@dataclasses.dataclass
+class TrainState:
+    """What a run needs to continue exactly where it stopped."""
+
+    params: Any
+    opt_state: Any
+    behaviour: Any | None  # a separate pytree only when v > 1
+    reference: Any | None  # only when it differs from the initial params (after a reference swap)
+    rng: jax.Array  # typed PRNG key
+    iteration: int  # iterations completed
+    epoch: int  # epochs completed
+    behaviour_version: int  # the iteration whose current params the behaviour copy holds
+    data_state: dict  # the prompt iterator's get_state()
+    counters: dict = dataclasses.field(default_factory=dict)  # JSON counters (non-finite steps, tokens...)
+
+
+class CheckpointError(RuntimeError):
+    """No checkpoint in the run directory could be restored."""
+
+
+def _abstract(tree):
+    """Arrays -> ShapeDtypeStructs that keep the sharding, so restore places each leaf where it belongs."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), tree)
+
+
+class Checkpointer:
+    """Save and restore `TrainState` under `run_dir/checkpoints` with Orbax's CheckpointManager."""
+
+    def __init__(self, run_dir: str | Path, config: CheckpointConfig, resolved_config: dict | None = None):
+        self.run_dir = Path(run_dir)
+        self.directory = self.run_dir / "checkpoints"
+        self.config = config
+        self.resolved_config = resolved_config or {}
+        self._report_partial_saves()
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=config.keep,
+            enable_async_checkpointing=config.async_save,
+            create=True,
+            cleanup_tmp_directories=True,  # partial saves of a killed run; reported above, then removed
+        )
+        self.manager = ocp.CheckpointManager(self.directory.absolute(), options=options)
+
+    # ------------------------------------------------------------------ save
+
+    def should_save(self, iteration: int, last: bool) -> bool:
+        """Every `checkpoint.every` iterations, and always after the final one."""
+        return last or (self.config.every > 0 and iteration % self.config.every == 0)
+
+    def save(self, state: TrainState) -> None:
+        """Start saving `state` as step `state.iteration`; returns once the arrays are copied off the device.
+
+        The write itself continues in the background when `checkpoint.async_save` is on, so the params may be
+        donated to the next training step right away.
+        """
+        step = state.iteration
+        if step in self.manager.all_steps():  # e.g. the final save right after a periodic one
+            return
+        rng = {"key_data": jax.random.key_data(state.rng)}
+        arrays = {"params": state.params, "opt_state": state.opt_state, "rng": rng}
+        if state.behaviour is not None:
+            arrays["behaviour"] = state.behaviour
+        if state.reference is not None:
+            arrays["reference"] = state.reference
+        items = {
+            **{name: ocp.args.StandardSave(tree) for name, tree in arrays.items()},
+            "meta": ocp.args.JsonSave(
+                {
+                    "iteration": state.iteration,
+                    "epoch": state.epoch,
+                    "behaviour_version": state.behaviour_version,
+                    "has_behaviour": state.behaviour is not None,
+                    "has_reference": state.reference is not None,
+                    "rng_impl": str(jax.random.key_impl(state.rng)),
+                    "counters": state.counters,
+                    "fingerprints": {name: fingerprint(tree) for name, tree in arrays.items()},
+                    "saved_at": time.time(),
+                }
+            ),
+            "data": ocp.args.JsonSave(state.data_state),
+            "config": ocp.args.JsonSave(self.resolved_config),
+        }
+        self.manager.save(step, args=ocp.args.Composite(**items), force=True)
+
+    def wait(self) -> None:
+        """Block until a background save has been committed to disk."""
+        self.manager.wait_until_finished()
+
+    def close(self) -> None:
+        self.manager.wait_until_finished()
+        self.manager.close()
+
+    # --------------------------------------------------------------- restore
+
+    def latest_step(self) -> int | None:
+        return self.manager.latest_step()
+
+    def restore(self, target: TrainState, step: int | None = None) -> TrainState | None:
+        """The newest restorable checkpoint (or exactly `step`), laid out like `target`; None if there is none.
+
+        `target` supplies structure, dtypes and shardings: its params / opt_state / rng arrays (concrete
+        or ShapeDtypeStruct). Behaviour and reference use `target.behaviour` / `target.reference` when given,
+        else the layout of `target.params`.
+        """
+        steps = sorted(self.manager.all_steps(), reverse=True)
+        if step is not None:
+            if step not in steps:
+                raise CheckpointError(f"no checkpoint for step {step} in {self.directory}; found {sorted(steps)}")
+            return self._restore_step(step, target)
+        failures = []
+        for candidate in steps:
+            try:
+                return self._restore_step(candidate, target)
+            except Exception as e:  # noqa: BLE001 - any failure to read a checkpoint means: use an older one
+                reason = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+                log.warning("checkpoint step %d in %s is unusable (%s); falling back to the previous one",
+                            candidate, self.directory, reason)
+                failures.append((candidate, reason))
+                self._quarantine(candidate)
+        if failures:
+            raise CheckpointError(
+                f"no usable checkpoint in {self.directory}: "
+                + "; ".join(f"step {s}: {r}" for s, r in failures)
+                + ". Move the run directory aside (or set checkpoint.resume=false with a new run.output_dir)."
+            )
+        return None
+
+    def _restore_step(self, step: int, target: TrainState) -> TrainState:
+        head = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore(),
+                                                                  data=ocp.args.JsonRestore()))
+        meta, data_state = head["meta"], head["data"]
+        if meta.get("iteration") != step:
+            raise CheckpointError(f"metadata says iteration {meta.get('iteration')} but the step is {step}")
+        params_layout = _abstract(target.params)
+        abstract = {
+            "params": params_layout,
+            "opt_state": _abstract(target.opt_state),
+            "rng": _abstract({"key_data": jax.random.key_data(target.rng)}),
+        }
+        if meta["has_behaviour"]:
+            abstract["behaviour"] = _abstract(target.behaviour) if target.behaviour is not None else params_layout
+        if meta["has_reference"]:
+            abstract["reference"] = _abstract(target.reference) if target.reference is not None else params_layout
+        restored = self.manager.restore(
+            step, args=ocp.args.Composite(**{k: ocp.args.StandardRestore(v) for k, v in abstract.items()})
+        )
+        _check_restored_shapes(restored, abstract)
+        for name in abstract:
+            if fingerprint(restored[name]) != meta["fingerprints"][name]:
+                raise CheckpointError(f"item '{name}' does not match the fingerprint recorded at save time (corrupt)")
+        rng = jax.random.wrap_key_data(restored["rng"]["key_data"], impl=meta["rng_impl"])
+        log.info("restored checkpoint step %d from %s", step, self.directory)
+        return TrainState(
+            params=restored["params"],
+            opt_state=restored["opt_state"],
+            behaviour=restored.get("behaviour"),
+            reference=restored.get("reference"),
+            rng=rng,
+            iteration=int(meta["iteration"]),
+            epoch=int(meta["epoch"]),
+            behaviour_version=int(meta["behaviour_version"]),
+            data_state=data_state,
+            counters=dict(meta.get("counters", {})),
+        )
+
+    # ------------------------------------------------------------- internals
+
+    def _report_partial_saves(self) -> None:
+        if jax.process_index() != 0 or not self.directory.is_dir():
+            return
+        for path in sorted(self.directory.iterdir()):
+            if ".orbax-checkpoint-tmp" in path.name:
+                log.warning("ignoring partial checkpoint %s (its save never finished; removed)", path)
+
+    def _quarantine(self, step: int) -> None:
+        """Move an unusable step aside: kept for inspection, and the run may save that step number again."""
+        if jax.process_index() == 0:
+            src = self.directory / str(step)
+            if src.exists():
+                dest_dir = self.run_dir / "checkpoints_corrupt"
+                dest_dir.mkdir(parents=True, exist_ok=True)
+                dest = dest_dir / f"{step}.{int(time.time())}"
+                src.rename(dest)
+                log.warning("moved unusable checkpoint step %d to %s", step, dest)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices(f"jgrpo_quarantine_{step}")
+        self.manager.reload()
+
+
+def _check_restored_shapes(restored: dict, abstract: dict) -> None:
+    """Orbax restores what it finds; make sure every expected leaf came back with the expected shape."""
+    for name, tree in abstract.items():
+        if name not in restored:
+            raise CheckpointError(f"item '{name}' is missing")
+        got = jax.tree.leaves(restored[name])
+        want = jax.tree.leaves(tree)
+        if len(got) != len(want):
+            raise CheckpointError(f"item '{name}' has {len(got)} arrays, expected {len(want)}")
+        for g, w in zip(got, want, strict=True):
+            if tuple(np.shape(g)) != tuple(w.shape):
+                raise CheckpointError(f"item '{name}' has an array of shape {np.shape(g)}, expected {w.shape}")
+
+
+@jax.jit
+def _fingerprint(x: jax.Array) -> jax.Array:
+    """Sum of the array's bits weighted by (2 * flat index + 1), wrapping mod 2**32: one uint32.
+
+    Integer wrap-around sums are exact in any order, so the value does not depend on the sharding or the
+    reduction order: a checkpoint written on one mesh verifies on another. Weights catch swapped elements.
+    """
+    x = x.reshape(-1)
+    if x.dtype == jnp.bool_:
+        bits = x.astype(jnp.uint32)
+    elif x.dtype.itemsize == 8:
+        bits = jax.lax.bitcast_convert_type(x, jnp.uint32).reshape(-1)
+    else:
+        word = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[x.dtype.itemsize]
+        bits = jax.lax.bitcast_convert_type(x, word).astype(jnp.uint32)
+    weights = jnp.arange(bits.size, dtype=jnp.uint32) * jnp.uint32(2) + jnp.uint32(1)
+    return jnp.sum(bits * weights, dtype=jnp.uint32)
+
+
+def fingerprint(tree) -> list[int]:
+    """Content fingerprints of every array in `tree`, as plain ints for JSON.
+
+    One jitted call per leaf: leaves may live on different devices (an optimiser's step count is often
+    on one device while the params span the mesh).
+    """
+    return [int(v) for v in jax.device_get([_fingerprint(x) for x in jax.tree.leaves(tree)])]
+
+
+class PreemptionFlag:
+    """SIGTERM (a preemption notice) sets a flag; the loop saves at the next iteration boundary and exits.
+
+    The handler does nothing else: saving from inside a signal handler could interrupt a half-done update.
+    With several processes, `requested()` ORs the flag over all of them so every process stops together.
+    """
+
+    def __init__(self):
+        self._event = threading.Event()
+        self._previous = None
+
+    def install(self) -> PreemptionFlag:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
+        return self
+
+    def uninstall(self) -> None:
+        if self._previous is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._previous)
+            self._previous = None
+
+    def _handle(self, signum, frame) -> None:  # noqa: ARG002 - signal handler signature
+        self._event.set()
+
+    def set(self) -> None:
+        self._event.set()
+
+    def requested(self) -> bool:
+        local = self._event.is_set()
+        if jax.process_count() == 1:
+            return local
+        from jax.experimental import multihost_utils
+
+        flags = multihost_utils.process_allgather(np.asarray([local], dtype=np.int32))
+        return bool(np.any(flags))
