@@ -1,0 +1,82 @@
+"""Group-relative advantages (GRPO_SPEC §2) and the per-row facts the loss kernel needs about each group.
+
+Rewards arrive flat, `[B * G]`, with the G completions of prompt b in rows b*G .. b*G+G-1 (the
+sampler's layout). Everything here is computed once per iteration on the *whole* batch, before any
+micro-batching, and returned row-aligned, so a micro-batch is just a slice of rows of every field.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jgrpo.config import GRPOConfig
+
+
+class GroupAdvantages(NamedTuple):
+    """Row-aligned (one entry per completion) results of `group_advantages`; slice rows to micro-batch."""
+
+    advantages: jax.Array  # [N] float32, 0 for zero-variance groups
+    in_loss: jax.Array  # [N] bool: the row enters surrogate, KL and normalisers (False = masked zero-variance)
+    zero_variance: jax.Array  # [N] bool: all rewards of the row's group are equal
+    tv_weight: jax.Array  # [N] float32: (1 - s) / s of the row's prompt, s = sqrt(var(r) + eps) (spec §7)
+
+
+def group_advantages(rewards: jax.Array, config: GRPOConfig) -> GroupAdvantages:
+    """A_i = (r_i - mean_group(r)) / scale, with the scale chosen by the config (spec §2).
+
+    - `advantage_scale`: "group" divides by the group's std (paper eq. 2), "batch" by the std of all
+      rewards of the batch (centring stays per group), "none" does not divide (Dr.GRPO).
+    - `advantage_std`: "population" (paper) or "bessel" (unbiased, what TRL uses).
+    - `advantage_eps_placement`: "inside_sqrt" gives sqrt(var + eps) (paper), "add_to_std" gives std + eps.
+    - Zero-variance groups get A = 0 exactly; with `mask_zero_variance` they also leave the loss
+      (`in_loss` False), so they are removed from surrogate, KL and normalisers (paper eq. 8).
+    """
+    rewards = jnp.asarray(rewards, jnp.float32)
+    g = config.num_generations
+    if rewards.ndim != 1:
+        raise ValueError(f"rewards must be flat [B*G] with the G samples of a prompt contiguous, got {rewards.shape}")
+    if rewards.shape[0] == 0 or rewards.shape[0] % g:
+        raise ValueError(
+            f"rewards has {rewards.shape[0]} rows, which is not a positive multiple of grpo.num_generations={g}"
+        )
+    if config.advantage_std == "bessel" and g < 2:
+        raise ValueError("advantage_std='bessel' needs num_generations >= 2")
+    ddof = 0 if config.advantage_std == "population" else 1
+    eps = jnp.float32(config.advantage_eps)
+
+    grouped = rewards.reshape(-1, g)  # [B, G]
+    centred = grouped - grouped.mean(axis=1, keepdims=True)  # [B, G]
+    group_var = grouped.var(axis=1, ddof=ddof, keepdims=True)  # [B, 1]
+    # Equality, not var == 0: the float mean of equal rewards (e.g. three 0.1s) need not equal them exactly.
+    zero_variance = jnp.all(grouped == grouped[:, :1], axis=1, keepdims=True)  # [B, 1]
+
+    if config.advantage_scale == "none":
+        advantages = centred
+    else:
+        var = group_var if config.advantage_scale == "group" else rewards.var(ddof=ddof)
+        if config.advantage_eps_placement == "inside_sqrt":
+            denominator = jnp.sqrt(var + eps)
+        else:
+            denominator = jnp.sqrt(var) + eps
+        # With eps = 0 a zero-variance group divides 0 by 0; the where below replaces that NaN by the spec's 0.
+        advantages = centred / denominator
+    advantages = jnp.where(zero_variance, 0.0, advantages)
+
+    # Theorem 1's s is the group's reward std as the paper defines it (eps inside the sqrt).
+    s = jnp.sqrt(group_var + eps)  # [B, 1]
+    tv_weight = (1.0 - s) / s
+
+    in_loss = ~zero_variance if config.mask_zero_variance else jnp.ones_like(zero_variance)
+
+    def rows(x):  # [B, 1] or [B, G] -> [B*G]
+        return jnp.broadcast_to(x, grouped.shape).reshape(-1)
+
+    return GroupAdvantages(
+        advantages=rows(advantages),
+        in_loss=rows(in_loss),
+        zero_variance=rows(zero_variance),
+        tv_weight=rows(tv_weight),
+    )

@@ -1,0 +1,172 @@
+"""Metrics of the GRPO loss, including the Theorem 1 diagnostics of GRPO_SPEC §7.
+
+`grpo_loss` returns metrics as *accumulators*: sums and counts (added across micro-batches), and
+keys ending in `_min` / `_max` (combined with min / max). Under `jax.jit` over a sharded batch they
+are already global. `combine_metrics` merges two micro-batches; `finalize_metrics` turns the merged
+accumulators into the logged means. A mean over no tokens (e.g. every group masked) is NaN.
+
+Theorem 1 (rewards in [0, 1]), per prompt x with s = sqrt(var_alpha(r) + eps):
+    J(pi) - J(pi_k) >= L_alpha(pi) - 2 (1 - s)/s TV(pi, alpha) - 2 TV(pi_k, alpha),
+    L_alpha(pi) = E_{y~alpha}[pi/alpha * A].
+Averaged over prompts the weight becomes M = sqrt(mean_x ((1 - s)/s)^2). TV(p, alpha) is estimated
+from the samples as 0.5 * mean |p(y)/alpha(y) - 1| with whole-sequence ratios. All of it is taken over
+the rows that enter the loss (with zero-variance masking the masked prompts, whose s ~ sqrt(eps) makes
+the bound vacuous, are exactly the ones the objective drops).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+# Sequence log-ratios are clamped here before exp: a sum over hundreds of tokens overflows float32 easily,
+# and a ratio of e^20 already makes the bound vacuous.
+SEQUENCE_LOG_RATIO_LIMIT = 20.0
+
+
+def _sum(x, where) -> jax.Array:
+    return jnp.sum(jnp.where(where, x, 0.0)).astype(jnp.float32)
+
+
+def _min(x, where) -> jax.Array:
+    return jnp.min(jnp.where(where, x, jnp.inf)).astype(jnp.float32)
+
+
+def _max(x, where) -> jax.Array:
+    return jnp.max(jnp.where(where, x, -jnp.inf)).astype(jnp.float32)
+
+
+def loss_metrics(*, lp, lp_alpha, lp_k, adv, valid, mask, ratio, clipped_low, clipped_high, dual_clipped, kl,
+                 is_weight, pg_loss, kl_loss, entropy, lp_behaviour_trainer, staleness) -> dict[str, jax.Array]:
+    """Accumulators for one micro-batch (see module doc). Inputs as inside `objectives.grpo_loss`."""
+    sg = jax.lax.stop_gradient
+    lp, ratio = sg(lp), sg(ratio)
+    rows = jnp.ones(valid.shape[:1], bool)
+    m = {
+        "pg_loss": sg(pg_loss).astype(jnp.float32),
+        "kl_loss": sg(kl_loss).astype(jnp.float32),
+        "token_count": _sum(1.0, mask),
+        "completion_token_count": _sum(1.0, valid),
+        "row_count": _sum(1.0, rows),
+        "clip_low_count": _sum(1.0, clipped_low & mask),
+        "clip_high_count": _sum(1.0, clipped_high & mask),
+        "dual_clip_count": _sum(1.0, dual_clipped & mask),
+        "ratio_sum": _sum(ratio, mask),
+        "ratio_min": _min(ratio, mask),
+        "ratio_max": _max(ratio, mask),
+        # Advantage statistics and zero-variance groups, over every row (each group has G rows, so the row
+        # fraction of zero-variance rows is the group fraction once summed over the step).
+        "advantage_sum": _sum(adv.advantages, rows),
+        "advantage_sq_sum": _sum(jnp.square(adv.advantages), rows),
+        "advantage_min": _min(adv.advantages, rows),
+        "advantage_max": _max(adv.advantages, rows),
+        "zero_variance_row_count": _sum(1.0, adv.zero_variance),
+    }
+    if kl is not None:
+        m["kl_sum"] = _sum(sg(kl), mask)
+    if is_weight is not None:
+        m["is_weight_sum"] = _sum(is_weight, mask)
+    if entropy is not None:
+        m["entropy_sum"] = _sum(sg(entropy), valid)
+    if lp_behaviour_trainer is not None:
+        gap = jnp.abs(lp_alpha - jnp.where(valid, sg(lp_behaviour_trainer), 0.0))
+        m["logprob_mismatch_sum"] = _sum(gap, valid)
+        m["logprob_mismatch_max"] = _max(gap, valid)
+    if staleness is not None:
+        m["staleness_max"] = jnp.asarray(staleness, jnp.float32)
+    m.update(theorem1_accumulators(lp, lp_alpha, lp_k, adv, valid))
+    return m
+
+
+def theorem1_accumulators(lp, lp_alpha, lp_k, adv, valid) -> dict[str, jax.Array]:
+    """Sums over the rows in the loss of the quantities whose means make Theorem 1's bound."""
+
+    def sequence_ratio(log_num):  # [N, T] -> [N]: p(y)/alpha(y) over the whole completion
+        log_ratio = jnp.sum(jnp.where(valid, log_num - lp_alpha, 0.0), axis=1)
+        return jnp.exp(jnp.minimum(log_ratio, SEQUENCE_LOG_RATIO_LIMIT))
+
+    ratio_theta = sequence_ratio(jax.lax.stop_gradient(lp))  # pi_theta / alpha
+    ratio_k = sequence_ratio(lp_k)  # pi_k / alpha
+    rows = adv.in_loss.astype(bool)
+    weight = adv.tv_weight
+    return {
+        "bound_row_count": _sum(1.0, rows),
+        "tv_theta_alpha_sum": _sum(0.5 * jnp.abs(ratio_theta - 1.0), rows),
+        "tv_k_alpha_sum": _sum(0.5 * jnp.abs(ratio_k - 1.0), rows),
+        "surrogate_alpha_sum": _sum(ratio_theta * adv.advantages, rows),
+        "tv_weight_sum": _sum(weight, rows),
+        "tv_weight_sq_sum": _sum(jnp.square(weight), rows),
+    }
+
+
+def combine_metrics(a: dict[str, jax.Array], b: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """Merge the accumulators of two micro-batches (same keys): min for `_min`, max for `_max`, else add."""
+    if a.keys() != b.keys():
+        raise ValueError(f"metric keys differ: {sorted(a.keys() ^ b.keys())}")
+
+    def merge(key):
+        if key.endswith("_min"):
+            return jnp.minimum(a[key], b[key])
+        if key.endswith("_max"):
+            return jnp.maximum(a[key], b[key])
+        return a[key] + b[key]
+
+    return {key: merge(key) for key in a}
+
+
+def finalize_metrics(acc: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """Accumulators of a whole optimiser step -> the logged values (scalars)."""
+    nan = jnp.float32(jnp.nan)
+
+    def mean(total, count):
+        return jnp.where(count > 0, total / jnp.maximum(count, 1.0), nan)
+
+    def extreme(value, count):
+        return jnp.where(count > 0, value, nan)
+
+    tokens, completion_tokens, rows = acc["token_count"], acc["completion_token_count"], acc["row_count"]
+    out = {
+        "loss": acc["pg_loss"] + acc["kl_loss"],
+        "pg_loss": acc["pg_loss"],
+        "kl_loss": acc["kl_loss"],
+        "token_count": tokens,
+        "row_count": rows,
+        "clip_frac_low": mean(acc["clip_low_count"], tokens),
+        "clip_frac_high": mean(acc["clip_high_count"], tokens),
+        "clip_frac_dual": mean(acc["dual_clip_count"], tokens),
+        "ratio_mean": mean(acc["ratio_sum"], tokens),
+        "ratio_min": extreme(acc["ratio_min"], tokens),
+        "ratio_max": extreme(acc["ratio_max"], tokens),
+        "advantage_mean": mean(acc["advantage_sum"], rows),
+        "advantage_min": extreme(acc["advantage_min"], rows),
+        "advantage_max": extreme(acc["advantage_max"], rows),
+        "zero_variance_frac": mean(acc["zero_variance_row_count"], rows),
+    }
+    second_moment = mean(acc["advantage_sq_sum"], rows)
+    out["advantage_std"] = jnp.sqrt(jnp.maximum(second_moment - jnp.square(out["advantage_mean"]), 0.0))
+    if "kl_sum" in acc:
+        out["kl_mean"] = mean(acc["kl_sum"], tokens)
+    if "is_weight_sum" in acc:
+        out["is_weight_mean"] = mean(acc["is_weight_sum"], tokens)
+    if "entropy_sum" in acc:
+        out["entropy_mean"] = mean(acc["entropy_sum"], completion_tokens)
+    if "logprob_mismatch_sum" in acc:
+        out["logprob_mismatch_mean"] = mean(acc["logprob_mismatch_sum"], completion_tokens)
+        out["logprob_mismatch_max"] = extreme(acc["logprob_mismatch_max"], completion_tokens)
+    if "staleness_max" in acc:
+        out["staleness"] = acc["staleness_max"]
+
+    bound_rows = acc["bound_row_count"]
+    tv_theta = mean(acc["tv_theta_alpha_sum"], bound_rows)
+    tv_k = mean(acc["tv_k_alpha_sum"], bound_rows)
+    surrogate = mean(acc["surrogate_alpha_sum"], bound_rows)
+    weight_m = jnp.sqrt(mean(acc["tv_weight_sq_sum"], bound_rows))
+    out.update({
+        "tv_theta_alpha": tv_theta,
+        "tv_k_alpha": tv_k,
+        "tv_weight_mean": mean(acc["tv_weight_sum"], bound_rows),
+        "tv_weight_M": weight_m,
+        "surrogate_alpha": surrogate,
+        "lower_bound": surrogate - 2.0 * weight_m * tv_theta - 2.0 * tv_k,
+    })
+    return out
