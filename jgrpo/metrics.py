@@ -1,0 +1,171 @@
+"""Per-iteration metrics to JSONL and TensorBoard, a console progress bar, and sample dumps.
+
+Only process 0 writes; every other process gets a logger whose methods do nothing, so the trainer
+calls it unconditionally. Files in the run directory:
+
+    metrics.jsonl   one JSON object per iteration: {"iteration": k, "reward/mean": ..., ...}
+    samples.jsonl   every `logging.samples_every` iterations: prompts, completions, rewards
+    tensorboard/    the same scalars as the JSONL, for `tensorboard --logdir RUN_DIR`
+
+On resume from iteration k, lines for iterations > k (written after the checkpoint the run resumes
+from) are dropped, so the files describe exactly one history.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from jgrpo.config import LoggingConfig
+
+METRICS_FILE = "metrics.jsonl"
+SAMPLES_FILE = "samples.jsonl"
+
+# Shown in the progress bar, in this order, when present: (metric key, label, format).
+PROGRESS_KEYS = (
+    ("reward/mean", "reward", "{:.3f}"),
+    ("accuracy", "acc", "{:.2f}"),
+    ("kl/mean", "kl", "{:.2e}"),
+    ("completion/length_mean", "len", "{:.0f}"),
+    ("time/iteration", "s/it", "{:.1f}"),
+    ("throughput/tokens_per_s", "tok/s", "{:.0f}"),
+)
+
+
+def _plain(value: Any) -> Any:
+    """numpy / jax scalars -> Python numbers (JSON and TensorBoard want plain floats)."""
+    if isinstance(value, (jax.Array, np.ndarray, np.generic)):
+        value = np.asarray(value)
+        if value.size != 1:
+            raise ValueError(f"metric values must be scalars, got shape {value.shape}")
+        value = value.item()
+    return value
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    path = Path(path)
+    if not path.is_file():
+        return []
+    with path.open() as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def read_metrics(run_dir: str | Path) -> list[dict]:
+    """All iteration records of a run, in order."""
+    return read_jsonl(Path(run_dir) / METRICS_FILE)
+
+
+def _drop_after(path: Path, iteration: int) -> None:
+    """Keep only the records of iterations <= `iteration` (those covered by the checkpoint resumed from)."""
+    if not path.is_file():
+        return
+    kept = [r for r in read_jsonl(path) if r.get("iteration", 0) <= iteration]
+    path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+
+
+class MetricsLogger:
+    """Write one record per iteration to every sink; a no-op on processes other than 0."""
+
+    def __init__(
+        self,
+        run_dir: str | Path,
+        config: LoggingConfig,
+        total_iterations: int,
+        start_iteration: int = 0,
+        enabled: bool | None = None,
+    ):
+        self.config = config
+        self.run_dir = Path(run_dir)
+        self.enabled = jax.process_index() == 0 if enabled is None else enabled
+        self._tb = None
+        self._bar = None
+        self._metrics_file = None
+        self._samples_file = None
+        if not self.enabled:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        for name in (METRICS_FILE, SAMPLES_FILE):
+            _drop_after(self.run_dir / name, start_iteration)
+        self._metrics_file = (self.run_dir / METRICS_FILE).open("a")
+        self._samples_file = (self.run_dir / SAMPLES_FILE).open("a")
+        if config.tensorboard:
+            from tensorboardX import SummaryWriter
+
+            # purge_step hides events of iterations the resumed run is about to redo.
+            self._tb = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=start_iteration + 1)
+        if config.progress_bar:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total_iterations, initial=start_iteration, desc="GRPO", unit="it",
+                             dynamic_ncols=True)
+
+    def log(self, iteration: int, metrics: Mapping[str, Any]) -> dict:
+        """Record the metrics of `iteration` (1-based: the number of iterations completed). Returns the record."""
+        record = {"iteration": int(iteration), **{k: _plain(v) for k, v in metrics.items()}}
+        if not self.enabled:
+            return record
+        self._metrics_file.write(json.dumps(record) + "\n")
+        self._metrics_file.flush()
+        if self._tb is not None:
+            for key, value in record.items():
+                if key != "iteration" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self._tb.add_scalar(key, value, iteration)
+            self._tb.flush()
+        if self._bar is not None:
+            self._bar.set_postfix_str(progress_summary(record), refresh=False)
+            self._bar.update(iteration - self._bar.n)
+        return record
+
+    def should_dump_samples(self, iteration: int) -> bool:
+        every = self.config.samples_every
+        return self.enabled and every > 0 and (iteration % every == 0 or iteration == 1)
+
+    def log_samples(self, iteration: int, samples: Sequence[Mapping[str, Any]]) -> None:
+        """Append prompts / completions / rewards of `iteration` to samples.jsonl."""
+        if not self.enabled:
+            return
+        for sample in samples:
+            row = {"iteration": int(iteration), **{k: _plain(v) for k, v in sample.items()}}
+            self._samples_file.write(json.dumps(row) + "\n")
+        self._samples_file.flush()
+
+    def write(self, message: str) -> None:
+        """A console line that does not break the progress bar."""
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.write(message)
+        else:
+            print(message, flush=True)
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        for f in (self._metrics_file, self._samples_file):
+            f.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._bar is not None:
+            self._bar.close()
+
+    def __enter__(self) -> MetricsLogger:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def progress_summary(record: Mapping[str, Any]) -> str:
+    """The key numbers of one record as a short line, e.g. 'reward=0.412 acc=0.38 kl=1.2e-03 len=31'."""
+    parts = []
+    for key, label, fmt in PROGRESS_KEYS:
+        value = record.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            parts.append(f"{label}=" + (fmt.format(value) if math.isfinite(value) else str(value)))
+    return " ".join(parts)

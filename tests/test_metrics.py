@@ -1,0 +1,93 @@
+"""Metrics sinks (JSONL, TensorBoard, progress bar, samples), resume truncation, and the plot CLI."""
+
+import json
+import struct
+
+import numpy as np
+import pytest
+from tensorboardX.proto import event_pb2
+
+from jgrpo.config import LoggingConfig
+from jgrpo.metrics import MetricsLogger, progress_summary, read_jsonl, read_metrics
+from jgrpo.plot import main as plot_main
+
+
+def _tb_scalars(run_dir):
+    """(tag, step, value) of every scalar in the run's TensorBoard event files (TFRecord framing)."""
+    out = []
+    for path in sorted((run_dir / "tensorboard").iterdir()):
+        data = path.read_bytes()
+        pos = 0
+        while pos < len(data):
+            (length,) = struct.unpack("<Q", data[pos : pos + 8])
+            event = event_pb2.Event.FromString(data[pos + 12 : pos + 12 + length])
+            pos += 12 + length + 4
+            out += [(v.tag, event.step, v.simple_value) for v in event.summary.value]
+    return out
+
+
+def test_records_go_to_jsonl_tensorboard_and_the_bar(tmp_path, capsys):
+    config = LoggingConfig(samples_every=2)
+    with MetricsLogger(tmp_path, config, total_iterations=3, enabled=True) as logger:
+        for it in (1, 2, 3):
+            logger.log(it, {"reward/mean": np.float32(0.25 * it), "accuracy": 0.5, "time/iteration": 1.5,
+                            "nonfinite": False})
+        assert [logger.should_dump_samples(i) for i in (1, 2, 3, 4)] == [True, True, False, True]
+        logger.log_samples(2, [{"prompt": "1+1=", "completion": "2", "reward": np.float64(1.0)}])
+        assert logger._bar.n == 3
+    records = read_metrics(tmp_path)
+    assert [r["iteration"] for r in records] == [1, 2, 3]
+    assert records[2]["reward/mean"] == pytest.approx(0.75) and isinstance(records[2]["reward/mean"], float)
+    assert read_jsonl(tmp_path / "samples.jsonl") == [
+        {"iteration": 2, "prompt": "1+1=", "completion": "2", "reward": 1.0}
+    ]
+    scalars = _tb_scalars(tmp_path)
+    assert ("reward/mean", 3, pytest.approx(0.75)) in scalars
+    assert not any(tag == "nonfinite" for tag, _, _ in scalars)  # booleans stay out of TensorBoard
+    assert "reward=0.750" in capsys.readouterr().err
+
+
+def test_other_processes_write_nothing(tmp_path):
+    with MetricsLogger(tmp_path / "run", LoggingConfig(), total_iterations=2, enabled=False) as logger:
+        record = logger.log(1, {"reward/mean": 1.0})
+        logger.log_samples(1, [{"prompt": "x"}])
+    assert record == {"iteration": 1, "reward/mean": 1.0}
+    assert not (tmp_path / "run").exists()
+
+
+def test_resume_drops_records_after_the_checkpoint(tmp_path):
+    config = LoggingConfig(tensorboard=False, progress_bar=False, samples_every=1)
+    with MetricsLogger(tmp_path, config, total_iterations=5, enabled=True) as logger:
+        for it in range(1, 5):
+            logger.log(it, {"loss": float(it)})
+            logger.log_samples(it, [{"completion": str(it)}])
+    # The run died after iteration 4 but its last checkpoint is iteration 3: iteration 4 is redone.
+    with MetricsLogger(tmp_path, config, total_iterations=5, start_iteration=3, enabled=True) as logger:
+        logger.log(4, {"loss": 40.0})
+    assert [(r["iteration"], r["loss"]) for r in read_metrics(tmp_path)] == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0)]
+    assert [r["iteration"] for r in read_jsonl(tmp_path / "samples.jsonl")] == [1, 2, 3]
+
+
+def test_progress_summary_formats_key_numbers():
+    line = progress_summary({"reward/mean": 0.41234, "accuracy": 0.375, "kl/mean": 0.00123,
+                             "completion/length_mean": 31.4, "throughput/tokens_per_s": float("nan")})
+    assert line == "reward=0.412 acc=0.38 kl=1.23e-03 len=31 tok/s=nan"
+    with pytest.raises(ValueError, match="scalars"):
+        MetricsLogger("unused", LoggingConfig(), 1, enabled=False).log(1, {"x": np.zeros(3)})
+
+
+def test_plot_writes_a_png_of_several_runs(tmp_path, capsys):
+    for name, slope in (("on_policy", 0.1), ("off_policy", 0.05)):
+        run = tmp_path / name
+        run.mkdir()
+        lines = [{"iteration": i, "reward/mean": slope * i, "kl/mean": 0.01 * i, "time/iteration": 2.0}
+                 for i in range(1, 6)]
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    out = tmp_path / "plots" / "curves.png"
+    assert plot_main([str(tmp_path / "on_policy"), str(tmp_path / "off_policy"), "-o", str(out), "--smooth", "2"]) == 0
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    width, height = struct.unpack(">II", data[16:24])
+    assert width > 3 * height  # four panels side by side
+    assert plot_main([str(tmp_path / "missing"), "-o", str(out)]) == 2
+    assert "no metrics" in capsys.readouterr().err
