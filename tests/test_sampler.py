@@ -1,0 +1,222 @@
+"""The decode loop on tiny random checkpoints: transformers parity, log-prob parity, stops, seeds, sharding."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from jgrpo.config import MeshConfig
+from jgrpo.logprobs import token_logprobs
+from jgrpo.mesh import make_mesh
+from jgrpo.models.hf import load_model
+from jgrpo.models.llm import merge_model, position_ids_from_mask
+from jgrpo.sampler import SamplingMethod, generate, left_pad_prompts
+
+VOCAB = 96
+PROMPTS = [[5, 17, 33, 2, 41], [7, 8], [90, 12, 55, 61, 3, 19, 23, 4, 70], [11]]  # different lengths
+
+
+def _hf_config(family: str):
+    common = dict(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=10000.0,
+        # A wide init makes logits decisive: greedy argmax gaps far above float32 noise.
+        initializer_range=0.3, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+    if family == "llama":
+        return transformers.LlamaConfig(**common, tie_word_embeddings=True)
+    if family == "qwen2":
+        return transformers.Qwen2Config(**common, tie_word_embeddings=False, use_sliding_window=False)
+    return transformers.Qwen3Config(**common, head_dim=16, tie_word_embeddings=False, use_sliding_window=False)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+def family_model(request, tmp_path_factory):
+    """(torch model, (graphdef, params, cfg)) of one family, the same weights on both sides."""
+    torch.manual_seed({"llama": 0, "qwen2": 1, "qwen3": 2}[request.param])
+    hf_model = transformers.AutoModelForCausalLM.from_config(_hf_config(request.param)).eval()
+    path = tmp_path_factory.mktemp(request.param)
+    hf_model.save_pretrained(path)
+    return hf_model, load_model(str(path))
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    torch.manual_seed(0)
+    hf_model = transformers.AutoModelForCausalLM.from_config(_hf_config("llama")).eval()
+    path = tmp_path_factory.mktemp("llama-only")
+    hf_model.save_pretrained(path)
+    graphdef, params, _ = load_model(str(path))
+    return graphdef, params
+
+
+def _prompts(bucket=4):
+    return left_pad_prompts(PROMPTS, pad_id=0, bucket=bucket)
+
+
+def _first_stop_prefix(row, stop_ids):
+    row = list(row)
+    for i, t in enumerate(row):
+        if t in stop_ids:
+            return row[: i + 1]
+    return row
+
+
+def test_greedy_matches_transformers_generate(family_model):
+    hf_model, (graphdef, params, _) = family_model
+    tokens, mask = _prompts()
+    new = 12
+    stop_ids = (2,)
+    out = generate(graphdef, params, tokens, mask, num_samples=1, max_new_tokens=new,
+                   method=SamplingMethod(temperature=0), stop_ids=stop_ids, key=jax.random.key(0))
+    with torch.no_grad():
+        ref = hf_model.generate(
+            torch.tensor(tokens, dtype=torch.long), attention_mask=torch.tensor(mask, dtype=torch.long),
+            do_sample=False, max_new_tokens=new, eos_token_id=list(stop_ids), pad_token_id=0,
+        )[:, tokens.shape[1]:].numpy()
+    ours = np.asarray(out.tokens)
+    for b in range(len(PROMPTS)):
+        expected = _first_stop_prefix(ref[b], stop_ids)
+        assert _first_stop_prefix(ours[b], stop_ids) == expected, f"row {b}"
+        assert int(out.lengths[b]) == len(expected)
+        assert bool(out.truncated[b]) == (expected[-1] not in stop_ids)
+    np.testing.assert_array_equal(out.logprobs, 0.0)  # greedy samples from a point mass
+
+
+def _recomputed_logprobs(graphdef, params, tokens, mask, out, method):
+    """The trainer's view: one full forward over [prompt | completion], then log-probs of the completion."""
+    G = out.tokens.shape[0] // tokens.shape[0]
+    full = jnp.concatenate([jnp.repeat(tokens, G, 0), out.tokens], axis=1)
+    full_mask = jnp.concatenate([jnp.repeat(mask, G, 0), out.completion_mask], axis=1)
+    model = merge_model(graphdef, params)
+    hidden, _ = model(full, position_ids_from_mask(full_mask), full_mask)
+    P, N = tokens.shape[1], out.tokens.shape[1]
+    lp, _ = token_logprobs(hidden[:, P - 1 : P + N - 1], model.unembedding(), out.tokens, chunk=5,
+                           process_logits=method.process_logits)
+    return np.where(out.completion_mask, lp, 0.0)
+
+
+@pytest.mark.parametrize(
+    "method",
+    [SamplingMethod(temperature=0.7), SamplingMethod(temperature=1.3, top_k=7), SamplingMethod(top_p=0.8, min_p=0.05)],
+    ids=str,
+)
+def test_logprobs_match_trainer_recompute(llama, method):
+    graphdef, params = llama
+    tokens, mask = _prompts()
+    out = generate(graphdef, params, tokens, mask, num_samples=3, max_new_tokens=10, method=method,
+                   stop_ids=(2,), key=jax.random.key(1))
+    recomputed = _recomputed_logprobs(graphdef, params, tokens, mask, out, method)
+    assert np.all(np.asarray(out.logprobs)[np.asarray(out.completion_mask)] < 0)  # real draws, not point masses
+    np.testing.assert_allclose(out.logprobs, recomputed, atol=1e-4, rtol=0)
+    np.testing.assert_array_equal(np.asarray(out.logprobs)[~np.asarray(out.completion_mask)], 0.0)
+
+
+def test_stop_ids_end_rows(llama):
+    graphdef, params = llama
+    tokens, mask = _prompts()
+    kwargs = dict(num_samples=1, max_new_tokens=10, method=SamplingMethod(temperature=0), key=jax.random.key(0))
+    free = np.asarray(generate(graphdef, params, tokens, mask, stop_ids=(), **kwargs).tokens)
+    # Stop on row 0's third greedy token and on row 2's fifth: those rows end there, the others run on.
+    stops = (int(free[0, 2]), int(free[2, 4]))
+    out = generate(graphdef, params, tokens, mask, stop_ids=stops, pad_id=0, **kwargs)
+    for b in range(len(PROMPTS)):
+        hits = [i for i, t in enumerate(free[b]) if t in stops]
+        length = hits[0] + 1 if hits else 10
+        assert int(out.lengths[b]) == length
+        assert bool(out.truncated[b]) == (not hits)
+        np.testing.assert_array_equal(out.tokens[b, :length], free[b, :length])
+        np.testing.assert_array_equal(out.tokens[b, length:], 0)  # pad_id after the stop
+        np.testing.assert_array_equal(out.completion_mask[b], np.arange(10) < length)
+    assert int(out.lengths[0]) == 3 and int(out.lengths[2]) <= 5
+
+
+def test_sampled_rows_stop_at_their_first_stop_id(llama):
+    graphdef, params = llama
+    tokens, mask = _prompts()
+    stops = tuple(range(2, 30))  # many stop ids so that most rows stop early
+    out = generate(graphdef, params, tokens, mask, num_samples=4, max_new_tokens=8, method=SamplingMethod(),
+                   stop_ids=stops, key=jax.random.key(3), pad_id=0)
+    toks, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
+    assert (lengths < 8).any() and not out.truncated.all()
+    for r in range(toks.shape[0]):
+        body = toks[r, : lengths[r]]
+        assert not np.isin(body[:-1], stops).any()  # no stop before the end
+        assert np.isin(body[-1], stops) != bool(out.truncated[r])
+
+
+def test_same_seed_same_output_and_seeds_differ(llama):
+    graphdef, params = llama
+    tokens, mask = _prompts()
+    kwargs = dict(num_samples=2, max_new_tokens=8, method=SamplingMethod(temperature=1.5), stop_ids=())
+    a = generate(graphdef, params, tokens, mask, key=jax.random.key(7), **kwargs)
+    b = generate(graphdef, params, tokens, mask, key=jax.random.key(7), **kwargs)
+    c = generate(graphdef, params, tokens, mask, key=jax.random.key(8), **kwargs)
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    np.testing.assert_array_equal(a.logprobs, b.logprobs)
+    assert (np.asarray(a.tokens) != np.asarray(c.tokens)).any()
+    assert (np.asarray(a.tokens[0]) != np.asarray(a.tokens[1])).any()  # the G samples of a prompt differ
+
+
+def test_shared_prefill_equals_repeated_prompts(llama):
+    """G samples from one prefill == G copies of the prompt each prefilled: same rows, same keys, same draws."""
+    graphdef, params = llama
+    tokens, mask = _prompts()
+    kwargs = dict(max_new_tokens=8, method=SamplingMethod(temperature=0.9, top_k=20), stop_ids=(2,),
+                  key=jax.random.key(11))
+    grouped = generate(graphdef, params, tokens, mask, num_samples=3, **kwargs)
+    repeated = generate(graphdef, params, np.repeat(tokens, 3, 0), np.repeat(mask, 3, 0), num_samples=1, **kwargs)
+    np.testing.assert_array_equal(grouped.tokens, repeated.tokens)
+    np.testing.assert_allclose(grouped.logprobs, repeated.logprobs, atol=1e-5)  # batch-size rounding only
+
+
+def test_bucket_width_does_not_change_samples(llama):
+    graphdef, params = llama
+    kwargs = dict(num_samples=2, max_new_tokens=8, method=SamplingMethod(temperature=0.8), stop_ids=(2,),
+                  key=jax.random.key(5))
+    narrow = generate(graphdef, params, *_prompts(bucket=1), **kwargs)
+    wide = generate(graphdef, params, *_prompts(bucket=16), **kwargs)
+    np.testing.assert_array_equal(narrow.tokens, wide.tokens)
+    np.testing.assert_allclose(narrow.logprobs, wide.logprobs, atol=1e-5)
+
+
+def test_sharded_equals_unsharded(llama):
+    graphdef, params = llama
+    tokens, mask = _prompts()
+    kwargs = dict(num_samples=4, max_new_tokens=8, method=SamplingMethod(temperature=1.2, top_p=0.9),
+                  stop_ids=(2,), key=jax.random.key(2))
+    single = generate(graphdef, params, tokens, mask, **kwargs)
+    mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+    sharded = generate(graphdef, params, tokens, mask, mesh=mesh, **kwargs)
+    assert sharded.tokens.sharding.spec[0] == ("data", "fsdp")  # rows really are split over the batch axes
+    np.testing.assert_array_equal(single.tokens, sharded.tokens)
+    np.testing.assert_allclose(single.logprobs, sharded.logprobs, atol=1e-5)
+    np.testing.assert_array_equal(single.lengths, sharded.lengths)
+
+
+def test_left_pad_prompts_buckets_and_limits():
+    tokens, mask = left_pad_prompts([[1, 2, 3], [4]], pad_id=9, bucket=4)
+    np.testing.assert_array_equal(tokens, [[9, 1, 2, 3], [9, 9, 9, 4]])
+    np.testing.assert_array_equal(mask, [[False, True, True, True], [False, False, False, True]])
+    assert left_pad_prompts([[1] * 5], pad_id=0, bucket=4)[0].shape == (1, 8)
+    assert left_pad_prompts([[1] * 5], pad_id=0, bucket=4, max_prompt_length=6)[0].shape == (1, 6)  # capped
+    with pytest.raises(ValueError, match="prompt 1 has 7 tokens, more than max_prompt_length=6"):
+        left_pad_prompts([[1], list(range(7))], pad_id=0, max_prompt_length=6)
+    tokens, mask = left_pad_prompts([[1], list(range(7))], pad_id=0, max_prompt_length=6, truncate=True)
+    np.testing.assert_array_equal(tokens[1], [1, 2, 3, 4, 5, 6])  # keeps the end of the prompt
+    with pytest.raises(ValueError, match="prompt 0 is empty"):
+        left_pad_prompts([[]], pad_id=0)
+
+
+def test_bad_inputs_are_named(llama):
+    graphdef, params = llama
+    tokens, mask = _prompts()
+    kwargs = dict(num_samples=1, max_new_tokens=4, method=SamplingMethod(), stop_ids=(2,), key=jax.random.key(0))
+    with pytest.raises(ValueError, match="left-padded"):
+        generate(graphdef, params, tokens[:, ::-1], mask[:, ::-1], **kwargs)
+    with pytest.raises(ValueError, match="must both be"):
+        generate(graphdef, params, tokens, mask[:, 1:], **kwargs)
+    with pytest.raises(ValueError, match="positions"):
+        generate(graphdef, params, tokens, mask, **{**kwargs, "max_new_tokens": 250})  # past 256 positions
