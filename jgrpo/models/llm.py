@@ -1,0 +1,362 @@
+"""Decoder-only transformer in Flax NNX: Llama (incl. Llama 3 rope scaling, SmolLM2), Qwen2/2.5, Qwen3.
+
+The three families differ only by config flags: q/k/v (and o) biases, per-head q/k RMSNorm, and a
+head_dim that need not equal hidden / heads. Every parameter is declared once in `_LOGICAL_AXES`
+(its logical axis names) and `_param_shapes` (its shape), so creation, sharding and checkpoint
+layout agree by construction. Layers are stacked along a leading "layers" axis and run under one
+`lax.scan`, so compile time does not grow with depth.
+
+Padding is never inferred from token ids: callers pass `kv_mask` (True = real token) and explicit
+positions (`position_ids_from_mask`), because e.g. SmolLM2's pad id is its end-of-turn id and
+occurs inside every chat prompt.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+REMAT_POLICIES = ("none", "full", "dots")
+DTYPES = ("float32", "bfloat16", "float16")
+
+# Path in the params pytree -> logical axis names, one per dimension (see jgrpo.mesh rule tables).
+_LOGICAL_AXES: dict[tuple[str, ...], tuple[str, ...]] = {
+    ("embed",): ("vocab", "embed"),
+    ("final_norm",): ("norm",),
+    ("lm_head",): ("embed", "vocab"),
+    ("layers", "attn_norm"): ("layers", "norm"),
+    ("layers", "q"): ("layers", "embed", "heads", "head_dim"),
+    ("layers", "k"): ("layers", "embed", "kv_heads", "head_dim"),
+    ("layers", "v"): ("layers", "embed", "kv_heads", "head_dim"),
+    ("layers", "q_bias"): ("layers", "heads", "head_dim"),
+    ("layers", "k_bias"): ("layers", "kv_heads", "head_dim"),
+    ("layers", "v_bias"): ("layers", "kv_heads", "head_dim"),
+    ("layers", "q_norm"): ("layers", "norm"),
+    ("layers", "k_norm"): ("layers", "norm"),
+    ("layers", "o"): ("layers", "heads", "head_dim", "embed"),
+    ("layers", "o_bias"): ("layers", "norm"),
+    ("layers", "mlp_norm"): ("layers", "norm"),
+    ("layers", "gate"): ("layers", "embed", "mlp"),
+    ("layers", "up"): ("layers", "embed", "mlp"),
+    ("layers", "down"): ("layers", "mlp", "embed"),
+}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LLMConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    # Sorted (key, value) items of the HF rope parameters besides the theta (hashable), or None = plain RoPE.
+    rope_scaling: tuple[tuple[str, Any], ...] | None = None
+    rms_norm_eps: float = 1e-6
+    # Kept for export only: none of the supported rope types depends on it.
+    max_position_embeddings: int | None = None
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False
+    param_dtype: str = "float32"
+    compute_dtype: str = "float32"
+    remat: str = "none"
+    # HF model_type this config came from (decides config.json and tensor names on export).
+    architecture: str = "llama"
+
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"LLMConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        if self.head_dim < 2 or self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"unsupported architecture '{self.architecture}'; supported: {SUPPORTED_ARCHITECTURES}")
+        if self.rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(f"unsupported rope type '{self.rope_type}'; supported: {SUPPORTED_ROPE_TYPES}")
+        if self.remat not in REMAT_POLICIES:
+            raise ValueError(f"remat must be one of {REMAT_POLICIES}, got '{self.remat}'")
+        for name in ("param_dtype", "compute_dtype"):
+            if getattr(self, name) not in DTYPES:
+                raise ValueError(f"LLMConfig.{name} must be one of {DTYPES}, got '{getattr(self, name)}'")
+
+    @property
+    def rope_params(self) -> dict[str, Any]:
+        return dict(self.rope_scaling or ())
+
+    @property
+    def rope_type(self) -> str:
+        params = self.rope_params
+        return params.get("rope_type", params.get("type", "default"))
+
+
+class KVCache(NamedTuple):
+    k: jax.Array  # [L, B, S, KVH, Dh]
+    v: jax.Array  # [L, B, S, KVH, Dh]
+
+
+def init_cache(cfg: LLMConfig, batch: int, max_len: int, dtype=None) -> KVCache:
+    shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+    dtype = jnp.dtype(dtype or cfg.compute_dtype)
+    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+
+def position_ids_from_mask(kv_mask: jax.Array) -> jax.Array:
+    """Positions of a left-padded batch: real tokens count 0, 1, 2, ...; padding gets 0. [B, T] int32."""
+    return jnp.maximum(jnp.cumsum(kv_mask.astype(jnp.int32), axis=-1) - 1, 0)
+
+
+def _param_shapes(cfg: LLMConfig) -> dict[tuple[str, ...], tuple[int, ...]]:
+    L, D, F, V = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    H, KVH, Dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    shapes = {
+        ("embed",): (V, D),
+        ("final_norm",): (D,),
+        ("layers", "attn_norm"): (L, D),
+        ("layers", "q"): (L, D, H, Dh),
+        ("layers", "k"): (L, D, KVH, Dh),
+        ("layers", "v"): (L, D, KVH, Dh),
+        ("layers", "o"): (L, H, Dh, D),
+        ("layers", "mlp_norm"): (L, D),
+        ("layers", "gate"): (L, D, F),
+        ("layers", "up"): (L, D, F),
+        ("layers", "down"): (L, F, D),
+    }
+    if not cfg.tie_word_embeddings:
+        shapes[("lm_head",)] = (D, V)
+    if cfg.qkv_bias:
+        shapes |= {
+            ("layers", "q_bias"): (L, H, Dh),
+            ("layers", "k_bias"): (L, KVH, Dh),
+            ("layers", "v_bias"): (L, KVH, Dh),
+        }
+    if cfg.o_bias:
+        shapes[("layers", "o_bias")] = (L, D)
+    if cfg.qk_norm:
+        shapes |= {("layers", "q_norm"): (L, Dh), ("layers", "k_norm"): (L, Dh)}
+    return shapes
+
+
+def param_shapes(cfg: LLMConfig) -> dict[str, Any]:
+    """Nested dict (the params pytree's structure) of every parameter's shape."""
+    out: dict[str, Any] = {}
+    for path, shape in _param_shapes(cfg).items():
+        node = out
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = shape
+    return out
+
+
+def _new_param(cfg: LLMConfig, path: tuple[str, ...], rngs: nnx.Rngs) -> nnx.Param:
+    shape = _param_shapes(cfg)[path]
+    dtype = jnp.dtype(cfg.param_dtype)
+    name = path[-1]
+    if name.endswith("norm"):
+        value = jnp.ones(shape, dtype)  # RMSNorm gains start at identity
+    elif name.endswith("bias"):
+        value = jnp.zeros(shape, dtype)
+    else:  # HF's initializer_range for these families
+        value = (0.02 * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+    # eager_sharding=False: placement happens later with a rules table (training and sampling differ).
+    return nnx.Param(value, out_sharding=_LOGICAL_AXES[path], eager_sharding=False)
+
+
+class DecoderLayers(nnx.Module):
+    """All decoder layers' weights, stacked along a leading [L] axis."""
+
+    def __init__(self, cfg: LLMConfig, *, rngs: nnx.Rngs):
+        for path in _param_shapes(cfg):
+            if path[0] == "layers":
+                setattr(self, path[1], _new_param(cfg, path, rngs))
+
+    def arrays(self) -> dict[str, jax.Array]:
+        return {name: value[...] for name, value in vars(self).items() if isinstance(value, nnx.Param)}
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    # Statistics in float32 whatever the compute dtype, as the HF reference does.
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight.astype(x.dtype) * normed.astype(x.dtype)
+
+
+def rope_inv_freq(cfg: LLMConfig) -> jax.Array:
+    """Inverse frequencies [Dh/2] (float32) with the checkpoint's rope scaling applied."""
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
+    params = cfg.rope_params
+    if cfg.rope_type == "linear":
+        inv_freq = inv_freq / params["factor"]
+    elif cfg.rope_type == "llama3":
+        # Llama 3.1: long wavelengths slowed by `factor`, short ones kept, a smooth ramp in between.
+        factor, low, high = params["factor"], params["low_freq_factor"], params["high_freq_factor"]
+        old_len = params["original_max_position_embeddings"]
+        wavelen = 2 * jnp.pi / inv_freq
+        scaled = jnp.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        inv_freq = jnp.where(is_medium, smoothed, scaled)
+    return inv_freq
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate halves (HF layout). x: [B, T, N, Dh]; cos, sin: [B, T, Dh/2] float32."""
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    cos, sin = cos[:, :, None, :], sin[:, :, None, :]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array) -> jax.Array:
+    """Grouped-query attention. q: [B, T, H, Dh]; k, v: [B, S, KVH, Dh]; allowed: [B, T, S] bool."""
+    B, T, H, Dh = q.shape
+    KVH = k.shape[2]
+    q = q.reshape(B, T, KVH, H // KVH, Dh)
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32) * Dh**-0.5
+    # A finite floor, not -inf: rows with nothing allowed (padding queries) stay finite instead of NaN.
+    scores = jnp.where(allowed[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+    return out.reshape(B, T, H, Dh)
+
+
+def _remat(fn, policy: str):
+    if policy == "full":
+        return jax.checkpoint(fn)
+    if policy == "dots":  # keep weight matmul outputs, recompute the cheap elementwise work
+        return jax.checkpoint(fn, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+    return fn
+
+
+class LLM(nnx.Module):
+    def __init__(self, cfg: LLMConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.embed = _new_param(cfg, ("embed",), rngs)
+        self.layers = DecoderLayers(cfg, rngs=rngs)
+        self.final_norm = _new_param(cfg, ("final_norm",), rngs)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = _new_param(cfg, ("lm_head",), rngs)
+
+    def unembedding(self) -> jax.Array:
+        """[D, V] matrix mapping final hidden states to logits."""
+        return self.embed[...].T if self.cfg.tie_word_embeddings else self.lm_head[...]
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        w = self.unembedding().astype(hidden.dtype)
+        return jnp.einsum("...d,dv->...v", hidden, w, preferred_element_type=jnp.float32)
+
+    def __call__(
+        self,
+        tokens: jax.Array,  # [B, T] int32
+        positions: jax.Array,  # [B, T] int32
+        kv_mask: jax.Array,  # [B, S] bool; S == T without a cache, the cache length with one
+        cache: KVCache | None = None,
+        cache_index: jax.Array | int | None = None,
+    ) -> tuple[jax.Array, KVCache | None]:
+        cfg = self.cfg
+        cdt = jnp.dtype(cfg.compute_dtype)
+        B, T = tokens.shape
+        if cache is None:
+            if kv_mask.shape != (B, T):
+                raise ValueError(f"without a cache kv_mask must be [B, T] = {(B, T)}, got {kv_mask.shape}")
+            query_slots = jnp.arange(T)
+        else:
+            if cache_index is None:
+                raise ValueError("cache_index is required with a cache")
+            if kv_mask.shape != cache.k.shape[1:3]:
+                raise ValueError(f"with a cache kv_mask must be [B, S] = {cache.k.shape[1:3]}, got {kv_mask.shape}")
+            query_slots = cache_index + jnp.arange(T)
+        S = kv_mask.shape[1]
+        # Causal over slots and restricted to real tokens. [B, T, S]
+        allowed = (jnp.arange(S)[None, :] <= query_slots[:, None])[None] & kv_mask[:, None, :].astype(bool)
+
+        angles = positions.astype(jnp.float32)[..., None] * rope_inv_freq(cfg)  # [B, T, Dh/2]
+        cos, sin = jnp.cos(angles), jnp.sin(angles)
+        x = jnp.take(self.embed[...], tokens, axis=0).astype(cdt)  # [B, T, D]
+
+        def layer(carry, xs):
+            x, cache = carry
+            p, index = xs
+            p = {name: w.astype(cdt) for name, w in p.items()}
+            with jax.named_scope("attention"):
+                h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
+                q = jnp.einsum("btd,dhk->bthk", h, p["q"])  # [B, T, H, Dh]
+                k = jnp.einsum("btd,dhk->bthk", h, p["k"])  # [B, T, KVH, Dh]
+                v = jnp.einsum("btd,dhk->bthk", h, p["v"])
+                if cfg.qkv_bias:
+                    q, k, v = q + p["q_bias"], k + p["k_bias"], v + p["v_bias"]
+                if cfg.qk_norm:
+                    q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
+                    k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
+                q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+                if cache is not None:
+                    # Written in place into the carried [L, B, S, KVH, Dh] buffers: no per-step cache copy.
+                    start = (index, 0, cache_index, 0, 0)
+                    cache = KVCache(
+                        jax.lax.dynamic_update_slice(cache.k, k[None].astype(cache.k.dtype), start),
+                        jax.lax.dynamic_update_slice(cache.v, v[None].astype(cache.v.dtype), start),
+                    )
+                    k, v = cache.k[index].astype(cdt), cache.v[index].astype(cdt)  # [B, S, KVH, Dh]
+                out = attention(q, k, v, allowed)
+                x = x + jnp.einsum("bthk,hkd->btd", out, p["o"])
+                if cfg.o_bias:
+                    x = x + p["o_bias"]
+            with jax.named_scope("mlp"):
+                h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
+                gated = jax.nn.silu(jnp.einsum("btd,df->btf", h, p["gate"])) * jnp.einsum("btd,df->btf", h, p["up"])
+                x = x + jnp.einsum("btf,fd->btd", gated, p["down"])
+            return (x, cache), None
+
+        layer = _remat(layer, cfg.remat)
+        xs = (self.layers.arrays(), jnp.arange(cfg.num_layers))
+        (x, cache), _ = jax.lax.scan(layer, (x, cache), xs)
+        return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps), cache
+
+
+def split_model(model: LLM) -> tuple[nnx.GraphDef, dict]:
+    """(graphdef, params) with params a plain nested dict of arrays (optax/orbax/mesh friendly)."""
+    graphdef, state = nnx.split(model)
+    return graphdef, nnx.to_pure_dict(state)
+
+
+def merge_model(graphdef: nnx.GraphDef, params: dict) -> LLM:
+    return nnx.merge(graphdef, params)
+
+
+def forward(graphdef, params, tokens, positions, kv_mask, cache=None, cache_index=None):
+    """Pure form of `LLM.__call__` for use inside jit."""
+    return merge_model(graphdef, params)(tokens, positions, kv_mask, cache, cache_index)
+
+
+def abstract_model(cfg: LLMConfig) -> tuple[nnx.GraphDef, dict]:
+    """(graphdef, params of jax.ShapeDtypeStruct) without allocating any weights."""
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: LLM(cfg, rngs=nnx.Rngs(0))))
+    return graphdef, nnx.to_pure_dict(state)
+
+
+def param_logical_axes(params) -> dict:
+    """Same-structure pytree of PartitionSpecs of logical axis names (for jgrpo.mesh.place)."""
+
+    def spec(path, leaf):
+        keys = tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
+        if keys not in _LOGICAL_AXES:
+            raise KeyError(f"parameter {'/'.join(keys)} is not a known LLM parameter")
+        axes = _LOGICAL_AXES[keys]
+        if len(axes) != len(leaf.shape):
+            raise ValueError(f"parameter {'/'.join(keys)} has shape {leaf.shape} but logical axes {axes}")
+        return PartitionSpec(*axes)
+
+    return jax.tree_util.tree_map_with_path(spec, params)
