@@ -164,6 +164,7 @@ class DataConfig:
     truncate_long_prompts: bool = False  # False: drop and count; True: keep the last tokens
     skip_bad_rows: bool = False  # False: a bad row is an error naming file, row and field
     # Built-in tasks.
+    task_seed: int = 0  # which problems are generated (the train/test split itself never depends on it)
     num_examples: int = 10000
     num_test_examples: int = 200
     arithmetic_digits: int = 2
@@ -186,8 +187,10 @@ class RewardConfig:
     functions: tuple[str, ...] = ("exact_numeric",)
     weights: tuple[float, ...] = (1.0,)
     timeout_s: float = 5.0  # a reward call running longer gives 0 and is counted
+    num_workers: int = 2  # reward worker processes (a stuck call is killed with its process)
 
     def __post_init__(self):
+        _check(self.num_workers >= 1, "reward.num_workers", self.num_workers, "a positive integer")
         _check(len(self.functions) >= 1, "reward.functions", self.functions, "at least one reward function")
         _check(len(self.weights) == len(self.functions), "reward.weights", self.weights,
                f"one weight per function ({len(self.functions)})")
