@@ -1,0 +1,91 @@
+"""`python -m jgrpo.sample MODEL --prompt TEXT ...`: chat completions from any model the loader accepts.
+
+Each prompt is wrapped in the tokenizer's chat template (as a user turn, with the assistant header
+appended), all prompts are sampled in one batch with the on-device sampler, and every completion is
+printed. `--temperature 0` is greedy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import jax
+
+from jgrpo.config import SamplerConfig
+from jgrpo.models.hf import load_model, load_tokenizer
+from jgrpo.sampler import SamplingMethod, generate, left_pad_prompts, stop_ids_for
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    defaults = SamplerConfig()
+    p = argparse.ArgumentParser(prog="python -m jgrpo.sample", description=__doc__.splitlines()[0])
+    p.add_argument("model", help="built-in name (smollm2-135m-instruct, tiny-random-llama), HF directory or .gguf")
+    p.add_argument("--prompt", action="append", required=True, help="a user message; repeat for a batch")
+    p.add_argument("--system", default=None, help="optional system message for every prompt")
+    p.add_argument("--max-new-tokens", type=int, default=defaults.max_new_tokens)
+    p.add_argument("--temperature", type=float, default=defaults.temperature, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=defaults.top_k, help="0 = off")
+    p.add_argument("--top-p", type=float, default=defaults.top_p, help="1 = off")
+    p.add_argument("--min-p", type=float, default=defaults.min_p, help="0 = off")
+    p.add_argument("--num-samples", type=int, default=1, help="completions per prompt")
+    p.add_argument("--stop-id", type=int, action="append", default=[], help="extra stop token id (repeatable)")
+    p.add_argument("--max-prompt-length", type=int, default=None, help="longer prompts are an error")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    return p.parse_args(argv)
+
+
+def chat_prompt_ids(tokenizer, message: str, system: str | None = None) -> list[int]:
+    """Token ids of one user turn in the tokenizer's chat template, ending with the assistant header."""
+    turns = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": message}]
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=False)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return tokenizer(message)["input_ids"]  # a base model without a template: the raw text
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        config = SamplerConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                               max_new_tokens=args.max_new_tokens, stop_token_ids=tuple(args.stop_id))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.num_samples < 1:
+        print(f"error: --num-samples={args.num_samples} must be >= 1", file=sys.stderr)
+        return 2
+    tokenizer = load_tokenizer(args.model)
+    graphdef, params, _ = load_model(args.model, param_dtype=args.dtype, compute_dtype=args.dtype)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    stop_ids = stop_ids_for(tokenizer, config.stop_token_ids)
+    prompt_ids = [chat_prompt_ids(tokenizer, text, args.system) for text in args.prompt]
+    try:
+        tokens, mask = left_pad_prompts(prompt_ids, pad_id=pad_id, bucket=config.prompt_bucket,
+                                        max_prompt_length=args.max_prompt_length)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    start = time.perf_counter()
+    out = generate(graphdef, params, tokens, mask, num_samples=args.num_samples,
+                   max_new_tokens=config.max_new_tokens, method=SamplingMethod.from_config(config),
+                   stop_ids=stop_ids, key=jax.random.key(args.seed), pad_id=pad_id)
+    out = jax.device_get(out)
+    seconds = time.perf_counter() - start
+    for row in range(out.tokens.shape[0]):
+        prompt, sample = divmod(row, args.num_samples)
+        ids = out.tokens[row, : out.lengths[row]].tolist()
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        ending = "max_new_tokens reached" if out.truncated[row] else "stopped"
+        print(f"=== prompt {prompt} sample {sample} ({out.lengths[row]} tokens, {ending}) ===")
+        print(f">>> {args.prompt[prompt]}")
+        print(text.strip())
+    total = int(out.lengths.sum())
+    print(f"--- {total} tokens in {seconds:.1f} s including compilation ({total / seconds:.1f} tok/s)", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
