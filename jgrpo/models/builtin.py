@@ -46,6 +46,7 @@ def materialise(target: Path, build: Callable[[Path], None]) -> Path:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".tmp-{target.name}-"))
+    tmp.chmod(0o755)  # mkdtemp makes it private; the cache is shared by every process of the user
     try:
         build(tmp)
         try:

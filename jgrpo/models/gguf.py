@@ -63,6 +63,9 @@ def gguf_hf_config(reader) -> dict:
         raise ValueError(f"unsupported GGUF architecture '{arch}' (only llama-family GGUF files are converted)")
     heads = int(_field(reader, "llama.attention.head_count"))
     hidden = int(_field(reader, "llama.embedding_length"))
+    scaling = sorted(k for k in reader.fields if k.startswith("llama.rope.scaling"))
+    if scaling:
+        raise ValueError(f"unsupported GGUF rope scaling metadata {scaling}")
     names = {t.name for t in reader.tensors}
     if "rope_freqs.weight" in names:
         raise ValueError("unsupported GGUF tensor 'rope_freqs.weight' (Llama 3 rope scaling stored as factors)")
@@ -114,7 +117,7 @@ def gguf_tensors(reader, config: dict) -> dict[str, np.ndarray]:
 
 
 def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
-    """Write config.json, model.safetensors and the tokenizer (with chat template) for a GGUF file."""
+    """Write config.json, model.safetensors and the tokenizer (with chat template, if the file has one)."""
     import gguf
     from safetensors.numpy import save_file
     from transformers import AutoTokenizer
@@ -124,6 +127,7 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
     config = gguf_hf_config(reader)
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(gguf_tensors(reader, config), str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name).save_pretrained(out_dir)
+    if "tokenizer.ggml.model" in reader.fields:  # weights-only GGUF files carry no tokenizer
+        AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name).save_pretrained(out_dir)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     return out_dir
