@@ -226,9 +226,12 @@ class RunConfig:
     iterations: int = 100
     eval_every: int = 0  # iterations between held-out evaluations (0 = never)
     eval_samples: int = 4  # k for pass@1 over k samples
+    # Optimiser steps in a row with a NaN/inf loss or gradient (each skipped) before the run stops.
+    max_nonfinite_steps: int = 3
 
     def __post_init__(self):
         _check(self.iterations >= 1, "run.iterations", self.iterations, "a positive integer")
+        _check(self.max_nonfinite_steps >= 1, "run.max_nonfinite_steps", self.max_nonfinite_steps, ">= 1")
         _check(self.eval_every >= 0, "run.eval_every", self.eval_every, ">= 0")
         _check(self.eval_samples >= 1, "run.eval_samples", self.eval_samples, ">= 1")
 
