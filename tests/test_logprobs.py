@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from jgrpo.logprobs import token_logprobs
+from jgrpo.sampling_methods import SamplingMethod
 
 
 def _temperature_top_k(temperature, k):
@@ -55,12 +56,16 @@ def test_hand_numbers_uniform_and_top_k():
 
 
 @pytest.mark.parametrize("chunk", [1, 3, 7, 16])  # 3 does not divide T = 7; 16 exceeds it
-@pytest.mark.parametrize("process", [None, _temperature_top_k(0.7, 4)], ids=["softmax", "temp0.7_top4"])
+@pytest.mark.parametrize(
+    "process",
+    [None, _temperature_top_k(0.7, 4), SamplingMethod(temperature=0.7, top_k=6, top_p=0.9, min_p=0.05).process_logits],
+    ids=["softmax", "temp0.7_top4", "sampler_method"],
+)
 def test_chunked_matches_naive_values_and_gradients(chunk, process):
     hidden, unembedding, targets = _inputs()
-    if process is not None:  # keep every target inside the top-k support so all log-probs are finite
+    if process is not None:  # keep every target inside the truncated support so all log-probs are finite
         logits = jnp.einsum("btd,dv->btv", hidden, unembedding)
-        targets = jnp.argsort(-logits, axis=-1)[..., 1]  # the second most likely token
+        targets = jnp.argmax(logits, axis=-1)
     weights = jax.random.normal(jax.random.PRNGKey(9), (2, *targets.shape))
 
     def objective(fn):  # a scalar that depends on both outputs, to check both gradients
