@@ -131,8 +131,10 @@ class RewardWorkerPool:
                     message = conn.recv()
                 except (EOFError, OSError):
                     code = w.proc.poll()
-                    if w.task is None:
-                        self._startup_failed(slot, f"exit code {code}") if not w.ready else self._replace(slot)
+                    if not w.ready:
+                        self._startup_failed(slot, f"exit code {code}")
+                    elif w.task is None:
+                        self._replace(slot)
                     else:
                         results[w.task] = Outcome(0.0, "crash", f"worker process died (exit code {code})")
                         remaining -= 1
