@@ -163,3 +163,14 @@ def test_workers_exit_when_their_parent_is_killed_mid_call():
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=30)
     assert _wait_dead(pids, 15), "an orphaned worker must notice and exit"
+
+
+@pytest.mark.timeout(120)
+def test_workers_that_cannot_start_give_a_clear_error():
+    from jgrpo.rewards.pool import RewardWorkerPool
+
+    pool = RewardWorkerPool(["no_such_module_xyz:fn"], num_workers=1, timeout_s=1.0)
+    with pytest.raises(RuntimeError, match="reward workers fail to start"):
+        pool.run([("no_such_module_xyz:fn", "p", "c", {})])
+    with pytest.raises(RuntimeError, match="closed"):
+        pool.run([])
