@@ -69,17 +69,23 @@ def _abstract(tree):
 class Checkpointer:
     """Save and restore `TrainState` under `run_dir/checkpoints` with Orbax's CheckpointManager."""
 
-    def __init__(self, run_dir: str | Path, config: CheckpointConfig, resolved_config: dict | None = None):
+    def __init__(self, run_dir: str | Path, config: CheckpointConfig, resolved_config: dict | None = None,
+                 read_only: bool = False):
+        """`read_only` (evaluation, export) never writes, moves or cleans up anything: a training run may be
+        saving into the same directory at that moment."""
         self.run_dir = Path(run_dir)
         self.directory = self.run_dir / "checkpoints"
         self.config = config
         self.resolved_config = resolved_config or {}
-        self._report_partial_saves()
+        self.read_only = read_only
+        if not read_only:
+            self._report_partial_saves()
         options = ocp.CheckpointManagerOptions(
             max_to_keep=config.keep,
             enable_async_checkpointing=config.async_save,
-            create=True,
-            cleanup_tmp_directories=True,  # partial saves of a killed run; reported above, then removed
+            create=not read_only,
+            read_only=read_only,
+            cleanup_tmp_directories=not read_only,  # partial saves of a killed run; reported above, then removed
         )
         self.manager = ocp.CheckpointManager(self.directory.absolute(), options=options)
 
@@ -144,21 +150,42 @@ class Checkpointer:
         or ShapeDtypeStruct). Behaviour and reference use `target.behaviour` / `target.reference` when given,
         else the layout of `target.params`.
         """
+        return self._first_usable(step, lambda candidate: self._restore_step(candidate, target))
+
+    def restore_params(self, abstract_params, step: int | None = None):
+        """(params, iteration) of the newest restorable checkpoint (or `step`); None if there is none.
+
+        For evaluation and export: only the current params are read, laid out like `abstract_params`.
+        """
+        def read(candidate):
+            meta = self.manager.restore(candidate, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+            layout = {"params": _abstract(abstract_params)}
+            restored = self.manager.restore(
+                candidate, args=ocp.args.Composite(params=ocp.args.StandardRestore(layout["params"])))
+            _check_restored_shapes(restored, layout)
+            if fingerprint(restored["params"]) != meta["fingerprints"]["params"]:
+                raise CheckpointError("item 'params' does not match the fingerprint recorded at save time (corrupt)")
+            return restored["params"], int(meta["iteration"])
+
+        return self._first_usable(step, read, quarantine=False)
+
+    def _first_usable(self, step: int | None, read, quarantine: bool = True):
         steps = sorted(self.manager.all_steps(), reverse=True)
         if step is not None:
             if step not in steps:
                 raise CheckpointError(f"no checkpoint for step {step} in {self.directory}; found {sorted(steps)}")
-            return self._restore_step(step, target)
+            return read(step)
         failures = []
         for candidate in steps:
             try:
-                return self._restore_step(candidate, target)
+                return read(candidate)
             except Exception as e:  # noqa: BLE001 - any failure to read a checkpoint means: use an older one
                 reason = f"{type(e).__name__}: {e}".splitlines()[0][:300]
                 log.warning("checkpoint step %d in %s is unusable (%s); falling back to the previous one",
                             candidate, self.directory, reason)
                 failures.append((candidate, reason))
-                self._quarantine(candidate)
+                if quarantine and not self.read_only:
+                    self._quarantine(candidate)
         if failures:
             raise CheckpointError(
                 f"no usable checkpoint in {self.directory}: "
@@ -245,8 +272,7 @@ def _check_restored_shapes(restored: dict, abstract: dict) -> None:
                 raise CheckpointError(f"item '{name}' has an array of shape {np.shape(g)}, expected {w.shape}")
 
 
-@jax.jit
-def _fingerprint(x: jax.Array) -> jax.Array:
+def _fingerprint_one(x: jax.Array) -> jax.Array:
     """Sum of the array's bits weighted by (2 * flat index + 1), wrapping mod 2**32: one uint32.
 
     Integer wrap-around sums are exact in any order, so the value does not depend on the sharding or the
@@ -264,13 +290,26 @@ def _fingerprint(x: jax.Array) -> jax.Array:
     return jnp.sum(bits * weights, dtype=jnp.uint32)
 
 
+_fingerprint_many = jax.jit(lambda leaves: [_fingerprint_one(x) for x in leaves])
+
+
 def fingerprint(tree) -> list[int]:
     """Content fingerprints of every array in `tree`, as plain ints for JSON.
 
-    One jitted call per leaf: leaves may live on different devices (an optimiser's step count is often
-    on one device while the params span the mesh).
+    One jitted call per set of devices: leaves may live on different devices (an optimiser's step count is
+    often on one device while the params span the mesh), and one jit cannot mix them.
     """
-    return [int(v) for v in jax.device_get([_fingerprint(x) for x in jax.tree.leaves(tree)])]
+    leaves = jax.tree.leaves(tree)
+    groups: dict = {}
+    for i, x in enumerate(leaves):
+        devices = frozenset(x.sharding.device_set) if isinstance(x, jax.Array) else None
+        groups.setdefault(devices, []).append(i)
+    out = [0] * len(leaves)
+    for indices in groups.values():
+        values = jax.device_get(_fingerprint_many([leaves[i] for i in indices]))
+        for i, v in zip(indices, values, strict=True):
+            out[i] = int(v)
+    return out
 
 
 class PreemptionFlag:

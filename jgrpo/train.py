@@ -1,0 +1,90 @@
+"""Train: `python -m jgrpo.train CONFIG [section.field=value ...]`.
+
+Writes the resolved config to RUN_DIR/config.yaml, resumes from the latest complete checkpoint there, shows a
+progress bar and writes metrics. On SIGTERM (preemption) it saves at the next iteration boundary and exits 0;
+run the same command again to continue. Compiled programs are cached on disk ($JAX_COMPILATION_CACHE_DIR, else
+$JGRPO_CACHE/xla or ~/.cache/jgrpo/xla; JGRPO_COMPILATION_CACHE=0 turns it off), so a restart skips compiling.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+import yaml
+
+EXIT_DIVERGED = 3
+
+
+def setup_logging() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
+    for noisy in ("absl", "jax", "orbax", "jax._src"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def enable_compilation_cache() -> None:
+    import jax
+
+    if os.environ.get("JGRPO_COMPILATION_CACHE", "1") == "0" or os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        return
+    root = Path(os.environ.get("JGRPO_CACHE", Path.home() / ".cache" / "jgrpo"))
+    jax.config.update("jax_compilation_cache_dir", str(root / "xla"))
+
+
+def _report_config_change(run_dir: Path, config_dict: dict) -> None:
+    """A resumed run whose config differs from the saved one is allowed (e.g. more iterations), but said."""
+    saved_file = run_dir / "config.yaml"
+    if not saved_file.is_file():
+        return
+    saved = yaml.safe_load(saved_file.read_text()) or {}
+    import json
+
+    now = json.loads(json.dumps(config_dict))
+    changes = [f"{section}.{key}: {saved[section].get(key)!r} -> {value!r}"
+               for section, fields in now.items() if isinstance(fields, dict) and section in saved
+               for key, value in fields.items() if saved[section].get(key) != value]
+    if changes:
+        logging.getLogger("jgrpo.train").warning("config differs from %s: %s", saved_file, "; ".join(changes))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m jgrpo.train", description=__doc__.split("\n\n")[0])
+    parser.add_argument("config", help="YAML config file (see configs/)")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. grpo.beta=0.0 run.iterations=20")
+    args = parser.parse_args(argv)
+    setup_logging()
+    enable_compilation_cache()
+
+    import jax
+
+    from jgrpo.config import ConfigError, load_config, save_config, to_dict
+    from jgrpo.trainer import Trainer, TrainingDiverged
+
+    try:
+        config = load_config(args.config, args.overrides)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    run_dir = Path(config.run.output_dir)
+    if jax.process_index() == 0:
+        _report_config_change(run_dir, to_dict(config))
+        save_config(config, run_dir)
+    trainer = Trainer(config)
+    try:
+        status = trainer.run()
+    except TrainingDiverged as e:
+        logging.getLogger("jgrpo.train").error("%s", e)
+        return EXIT_DIVERGED
+    finally:
+        trainer.close()
+    logging.getLogger("jgrpo.train").info("%s after iteration %d; run directory %s", status,
+                                          trainer.state.iteration, run_dir)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

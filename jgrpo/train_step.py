@@ -1,0 +1,215 @@
+"""The jitted numeric core of a GRPO iteration: batch assembly, log-probs, and one optimiser step.
+
+Everything here is a pure function of arrays and param pytrees, compiled once per run with explicit
+shardings over the mesh (shapes are fixed: B prompts x G samples, the run's prompt width P and
+max_new_tokens N), so iterations after the first never recompile.
+
+Row layout: the R = B*G completion rows are cut into C = num_minibatches * micro_batches chunks of r
+rows, stacked on a leading unsharded axis [C, r, ...] whose rows are sharded over the data-parallel mesh
+axes. Minibatch m is chunks [m*U, (m+1)*U) (U = micro_batches): a slice of the leading axis, local on
+every device, and each micro-batch spans all devices.
+
+Sequences are [prompt (left-padded, P) | completion (N)]; the model reads all but the last token and the
+hidden state at slot P-1+j predicts completion token j.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding
+
+from jgrpo.advantages import GroupAdvantages, group_advantages
+from jgrpo.config import GRPOConfig
+from jgrpo.diagnostics import finalize_metrics
+from jgrpo.logprobs import token_logprobs
+from jgrpo.mesh import TRAIN_RULES, logical_shardings, logical_to_spec, replicated
+from jgrpo.models.llm import merge_model, param_logical_axes, position_ids_from_mask
+from jgrpo.objectives import grpo_loss, step_normaliser
+from jgrpo.sampling_methods import SamplingMethod
+
+# Where lp_k (log-probs at the start of the iteration) comes from after the first update of an iteration
+# (at the first update it is always stop_gradient(lp): the params are still pi_k).
+#   computed:  a trainer forward pass at the start of the iteration (the ratio mode or truncated IS needs it)
+#   behaviour: the sampler's lp_alpha; exact when v = 1, because then pi_k is the behaviour policy
+#   self:      stop_gradient(lp), only for diagnostics (v > 1 in a mode that does not need pi_k)
+LpKSource = Literal["computed", "behaviour", "self"]
+
+
+def lp_k_source(grpo: GRPOConfig) -> LpKSource:
+    updates_per_batch = grpo.inner_steps * grpo.num_minibatches
+    needs_pi_k = (
+        grpo.off_policy_ratio == "recentred"
+        or grpo.truncated_is != "none"
+        or (grpo.off_policy_ratio == "current" and updates_per_batch > 1)
+    )
+    if needs_pi_k:
+        return "computed"
+    return "behaviour" if grpo.behaviour_refresh == 1 else "self"
+
+
+class StepBatch(NamedTuple):
+    """One iteration's training data, [C, r, ...] (see the module doc). lp_k / lp_ref are None when unused."""
+
+    inputs: jax.Array  # [C, r, P+N-1] int32: prompt and completion tokens but the last
+    input_mask: jax.Array  # [C, r, P+N-1] bool: real tokens (left padding and post-stop padding False)
+    positions: jax.Array  # [C, r, P+N-1] int32
+    targets: jax.Array  # [C, r, N] int32: the completion tokens
+    completion_mask: jax.Array  # [C, r, N] bool
+    lp_alpha: jax.Array  # [C, r, N] float32: behaviour log-probs recorded by the sampler
+    adv: GroupAdvantages  # fields [C, r]
+    lp_k: jax.Array | None = None  # [C, r, N] float32
+    lp_ref: jax.Array | None = None  # [C, r, N] float32
+
+
+def _stack_sum(metrics: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """Reduce micro-batch accumulators stacked on axis 0 (min for `_min`, max for `_max`, else sum)."""
+    out = {}
+    for key, value in metrics.items():
+        if key.endswith("_min"):
+            out[key] = value.min(axis=0)
+        elif key.endswith("_max"):
+            out[key] = value.max(axis=0)
+        else:
+            out[key] = value.sum(axis=0)
+    return out
+
+
+class StepFunctions:
+    """The jitted functions of one run, closed over its static configuration and shardings.
+
+    Shapes (B, P) come from the arguments, so a new prompt width compiles new programs once; the trainer
+    keeps the width fixed after the first batch (see `Trainer`).
+    """
+
+    def __init__(self, *, graphdef, params, mesh: Mesh, grpo: GRPOConfig, optimizer: optax.GradientTransformation,
+                 method: SamplingMethod, logprob_chunk: int, new_tokens: int):
+        self.graphdef, self.mesh, self.grpo, self.optimizer = graphdef, mesh, grpo, optimizer
+        self.method, self.chunk, self.new_tokens = method, logprob_chunk, new_tokens
+        self.chunks = grpo.num_minibatches * grpo.micro_batches
+        self.lp_k_source = lp_k_source(grpo)
+        self.param_shardings = logical_shardings(param_logical_axes(params), mesh, TRAIN_RULES, shapes=params)
+        abstract_opt = jax.eval_shape(optimizer.init, params)
+        self.opt_shardings = optax.tree_map_params(
+            optimizer, lambda _, sharding: sharding, abstract_opt, self.param_shardings,
+            transform_non_params=lambda _: replicated(mesh),
+        )
+        self.init_opt_state = jax.jit(optimizer.init, out_shardings=self.opt_shardings)
+        # A real copy (new buffers) even where layouts agree: the original is donated to the next update.
+        self.copy_params = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=self.param_shardings)
+        self.assemble = jax.jit(self._assemble)
+        self.logprobs = jax.jit(self._all_logprobs)
+        self.train_step = jax.jit(
+            self._train_step,
+            out_shardings=(self.param_shardings, self.opt_shardings, None),
+            donate_argnums=(0, 1),
+        )
+
+    def check_rows(self, rows: int) -> None:
+        if rows % self.chunks:
+            raise ValueError(
+                f"data.batch_size * grpo.num_generations = {rows} rows cannot be split into "
+                f"grpo.num_minibatches * grpo.micro_batches = {self.chunks} equal parts"
+            )
+
+    def _rows(self, x: jax.Array) -> jax.Array:
+        """Constrain a chunked [C, r, ...] array: rows over the data-parallel axes (when they divide r)."""
+        logical = (None, "batch") + (None,) * (x.ndim - 2)
+        spec = logical_to_spec(logical, TRAIN_RULES, x.shape, self.mesh)
+        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
+
+    # ------------------------------------------------------------------ batch
+
+    def _assemble(self, prompt_tokens, prompt_mask, tokens, completion_mask, lp_alpha, rewards):
+        """Sampler outputs + rewards -> StepBatch (without lp_k / lp_ref) and the flat advantages."""
+        R, B = tokens.shape[0], prompt_tokens.shape[0]
+        G, C = R // B, self.chunks
+        seq = jnp.concatenate([jnp.repeat(prompt_tokens, G, axis=0), tokens], axis=1)  # [R, P+N]
+        mask = jnp.concatenate([jnp.repeat(prompt_mask, G, axis=0), completion_mask], axis=1)  # [R, P+N]
+        positions = position_ids_from_mask(mask)  # completion token j sits at prompt_len + j, as when sampled
+        adv = group_advantages(rewards, self.grpo)  # over the whole batch, before any chunking
+
+        def chunked(x):  # [R, ...] -> [C, R/C, ...]
+            return self._rows(x.reshape((C, R // C) + x.shape[1:]))
+
+        batch = StepBatch(
+            inputs=chunked(seq[:, :-1]),
+            input_mask=chunked(mask[:, :-1]),
+            positions=chunked(positions[:, :-1]),
+            targets=chunked(tokens),
+            completion_mask=chunked(completion_mask),
+            lp_alpha=chunked(lp_alpha.astype(jnp.float32)),
+            adv=GroupAdvantages(*(chunked(x) for x in adv)),
+        )
+        return batch, adv
+
+    # -------------------------------------------------------------- log-probs
+
+    def _sequence_logprobs(self, params, inputs, input_mask, positions, targets):
+        """(lp, entropy), each [r, N], of `targets` under `params` and the sampling method (spec §6)."""
+        model = merge_model(self.graphdef, params)
+        hidden, _ = model(inputs, positions, input_mask)  # [r, P+N-1, D]
+        prompt_len = inputs.shape[1] + 1 - targets.shape[1]
+        hidden = hidden[:, prompt_len - 1 :]  # [r, N, D]: the states that predict the completion
+        return token_logprobs(hidden, model.unembedding(), targets, chunk=self.chunk,
+                              process_logits=self.method.process_logits)
+
+    def _all_logprobs(self, params, batch: StepBatch):
+        """[C, r, N] log-probs of every chunk (one chunk at a time: the memory of one micro-batch)."""
+
+        def one(xs):
+            inputs, input_mask, positions, targets = xs
+            return self._sequence_logprobs(params, inputs, input_mask, positions, targets)[0]
+
+        return self._rows(jax.lax.map(one, (batch.inputs, batch.input_mask, batch.positions, batch.targets)))
+
+    # ------------------------------------------------------------------ update
+
+    def _loss(self, params, micro: StepBatch, norm, first_update):
+        lp, entropy = self._sequence_logprobs(params, micro.inputs, micro.input_mask, micro.positions, micro.targets)
+        own = jax.lax.stop_gradient(lp)
+        if self.lp_k_source == "computed":
+            later = micro.lp_k
+        elif self.lp_k_source == "behaviour":
+            later = micro.lp_alpha
+        else:
+            later = own
+        lp_k = jnp.where(first_update, own, later)
+        # lp itself stands in for the trainer's behaviour log-probs: the host keeps that mismatch metric only
+        # for updates where the current params are the behaviour params (first update after a refresh).
+        return grpo_loss(lp, micro.lp_alpha, lp_k, micro.lp_ref, micro.adv, micro.completion_mask, norm, self.grpo,
+                         entropy=entropy, lp_behaviour_trainer=lp)
+
+    def _train_step(self, params, opt_state, batch: StepBatch, minibatch, first_update):
+        """One optimiser step on minibatch `minibatch` (traced), accumulating gradients over its micro-batches.
+
+        A non-finite loss or gradient norm leaves params and optimiser state untouched (the step is skipped
+        and reported in the metrics as `nonfinite` = 1).
+        """
+        U = self.grpo.micro_batches
+        mb = jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, minibatch * U, U, axis=0), batch)
+        norm = step_normaliser(mb.completion_mask.reshape(-1, mb.completion_mask.shape[-1]),
+                               mb.adv.in_loss.reshape(-1), self.grpo, max_new_tokens=self.new_tokens)
+        grad_fn = jax.value_and_grad(self._loss, has_aux=True)
+
+        def micro_step(grads, micro):
+            (loss, metrics), g = grad_fn(params, micro, norm, first_update)
+            return jax.tree.map(jnp.add, grads, g), (loss, metrics)
+
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        grads, (losses, metrics) = jax.lax.scan(micro_step, zeros, mb)
+        loss = losses.sum()
+        grad_norm = optax.tree.norm(grads)
+        updates, new_opt_state = self.optimizer.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        keep = functools.partial(jnp.where, finite)
+        params = jax.tree.map(keep, new_params, params)
+        opt_state = jax.tree.map(keep, new_opt_state, opt_state)
+        out = finalize_metrics(_stack_sum(metrics))
+        out.update(grad_norm=grad_norm, nonfinite=(~finite).astype(jnp.float32))
+        return params, opt_state, out

@@ -1,0 +1,311 @@
+"""The GRPO loop of GRPO_SPEC §5 (paper Algorithm 1): on-policy and off-policy, with checkpoints and metrics.
+
+    behaviour <- current <- init ; reference <- init            (reference only when beta > 0)
+    for iteration k = 0, 1, ...:
+      if k % v == 0: behaviour <- current                        the only weight sync (v = 1: no copy)
+      prompts <- next batch of B (a new epoch first swaps the reference when grpo.swap_reference)
+      completions, lp_alpha <- sample(behaviour, prompts, G each)    (jitted, SAMPLE_RULES layout)
+      rewards <- verifiable reward (host) ; A <- group advantages (device)
+      lp_ref <- logprobs(reference) if beta > 0 ; lp_k <- logprobs(current) if the ratio mode needs it
+      repeat i times, for each of the minibatches: current <- optimiser step (donated params / opt state)
+
+Shapes stay fixed so nothing recompiles after the first iteration: B*G rows, max_new_tokens, and a prompt
+width that only grows (to the next `sampler.prompt_bucket` multiple) when a longer prompt arrives; the
+width is part of the checkpoint so a resumed run compiles the same programs.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jgrpo.checkpoint import Checkpointer, PreemptionFlag, TrainState
+from jgrpo.config import Config, to_dict
+from jgrpo.data import bucketed_length, build_prompt_iterator
+from jgrpo.host_arrays import global_max, local_rows, to_global_rows
+from jgrpo.mesh import SAMPLE_RULES, TRAIN_RULES, logical_shardings, make_mesh
+from jgrpo.metrics import MetricsLogger
+from jgrpo.models.hf import load_model, load_tokenizer
+from jgrpo.models.llm import param_logical_axes
+from jgrpo.optim import learning_rate_schedule, make_optimizer
+from jgrpo.rewards import RewardScorer
+from jgrpo.sampler import generate, stop_ids_for
+from jgrpo.sampling_methods import SamplingMethod
+from jgrpo.train_step import StepFunctions
+from jgrpo.trainer_metrics import iteration_metrics, sample_dump
+
+log = logging.getLogger(__name__)
+
+
+class TrainingDiverged(RuntimeError):
+    """Too many optimiser steps in a row had a non-finite loss or gradient."""
+
+
+class Trainer:
+    """Owns the model, data, rewards, state and sinks of one run; `run()` trains to `run.iterations`."""
+
+    def __init__(self, config: Config):
+        self.config = config
+        if config.sampler.temperature == 0:
+            raise ValueError("sampler.temperature=0 (greedy) cannot train: GRPO needs G different samples per "
+                             "prompt and finite log-probs; use a temperature > 0")
+        self.run_dir = Path(config.run.output_dir)
+        self.mesh = make_mesh(config.mesh)
+        m = config.model
+        self.graphdef, params, self.model_config = load_model(
+            m.name, param_dtype=m.param_dtype, compute_dtype=m.compute_dtype, remat=m.remat, mesh=self.mesh,
+            rules=TRAIN_RULES,
+        )
+        self.tokenizer = load_tokenizer(m.name)
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        self.stop_ids = stop_ids_for(self.tokenizer, config.sampler.stop_token_ids)
+        self.method = SamplingMethod.from_config(config.sampler)
+        self.data = build_prompt_iterator(config, self.tokenizer)
+        self.total_iterations = min(config.run.iterations, len(self.data))
+        if self.total_iterations < config.run.iterations:
+            log.warning("the data has %d batches (data.epochs=%d), fewer than run.iterations=%d: stopping there",
+                        len(self.data), config.data.epochs, config.run.iterations)
+        g = config.grpo
+        self.updates_per_iteration = g.inner_steps * g.num_minibatches
+        total_updates = self.total_iterations * self.updates_per_iteration
+        optimizer = make_optimizer(config.optim, total_updates)
+        self.schedule = learning_rate_schedule(config.optim, total_updates)
+        self.steps = StepFunctions(graphdef=self.graphdef, params=params, mesh=self.mesh, grpo=g,
+                                   optimizer=optimizer, method=self.method, logprob_chunk=m.logprob_chunk,
+                                   new_tokens=config.sampler.max_new_tokens)
+        self.steps.check_rows(config.data.batch_size * g.num_generations)
+        self.sample_shardings = logical_shardings(param_logical_axes(params), self.mesh, SAMPLE_RULES,
+                                                  shapes=params)
+        # A real copy (new buffers) even where the two layouts agree: the current params get donated.
+        self._copy_to_sample_layout = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=self.sample_shardings)
+        self.scorer = RewardScorer(config.reward)
+        # The reference is the initial params (a copy: the current params are donated to every update) until a
+        # swap replaces it; without beta there is no reference at all.
+        self.initial_reference = self.steps.copy_params(params) if g.beta > 0 else None
+        self.state = TrainState(
+            params=params,
+            opt_state=self.steps.init_opt_state(params),
+            behaviour=None,
+            reference=None,  # set only after a swap (then it is checkpointed)
+            rng=jax.random.key(config.run.seed),
+            iteration=0,
+            epoch=0,
+            behaviour_version=0,
+            data_state=self.data.get_state(),
+            counters={"prompt_width": 0, "optimizer_steps": 0, "nonfinite_in_a_row": 0, "nonfinite_total": 0},
+        )
+        self.checkpointer = Checkpointer(self.run_dir, config.checkpoint, resolved_config=to_dict(config))
+        self.preemption = PreemptionFlag()
+        self.evaluator = None
+        if config.run.eval_every:
+            from jgrpo.eval import Evaluator
+
+            self.evaluator = Evaluator(config, self.graphdef, self.tokenizer, self.mesh, scorer=self.scorer)
+
+    # ---------------------------------------------------------------- state
+
+    @property
+    def reference(self):
+        return self.state.reference if self.state.reference is not None else self.initial_reference
+
+    @property
+    def behaviour(self):
+        """The params that sample: the separate copy when v > 1, else the current params themselves."""
+        return self.state.behaviour if self.config.grpo.behaviour_refresh > 1 else self.state.params
+
+    def maybe_resume(self) -> bool:
+        """Restore the latest complete checkpoint of the run directory (if any and checkpoint.resume)."""
+        if not self.config.checkpoint.resume:
+            return False
+        target = TrainState(**{**vars(self.state), "behaviour": self.sample_layout_abstract()})
+        restored = self.checkpointer.restore(target)
+        if restored is None:
+            return False
+        self.state = restored
+        self.data.set_state(restored.data_state)
+        log.info("resumed from iteration %d (epoch %d) in %s", restored.iteration, restored.epoch, self.run_dir)
+        return True
+
+    def sample_layout_abstract(self):
+        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), self.state.params,
+                            self.sample_shardings)
+
+    # ---------------------------------------------------------------- loop
+
+    def run(self) -> str:
+        """Train until run.iterations (or the data ends); returns "done" or "preempted"."""
+        self.maybe_resume()
+        start = self.state.iteration
+        status = "done"
+        self.preemption.install()
+        logger = MetricsLogger(self.run_dir, self.config.logging, self.total_iterations, start_iteration=start)
+        try:
+            while self.state.iteration < self.total_iterations:
+                if self.preemption.requested():
+                    status = "preempted"
+                    logger.write(f"preemption requested: saving at iteration {self.state.iteration} and exiting")
+                    break
+                record = self.train_iteration(logger)
+                logger.log(self.state.iteration, record)
+            self._save(force=True)
+        finally:
+            self.preemption.uninstall()
+            self.checkpointer.close()
+            logger.close()
+        return status
+
+    def close(self) -> None:
+        self.scorer.close()
+
+    def _save(self, force: bool = False) -> float:
+        it = self.state.iteration
+        if not (force or self.checkpointer.should_save(it, last=it == self.total_iterations)):
+            return 0.0
+        t = time.perf_counter()
+        self.state.data_state = self.data.get_state()
+        self.checkpointer.save(self.state)
+        return time.perf_counter() - t
+
+    def _refresh_behaviour(self, k: int) -> None:
+        """behaviour <- current, resharded to the sampling layout (a copy that survives the donated updates)."""
+        if self.config.grpo.behaviour_refresh > 1 and (k % self.config.grpo.behaviour_refresh == 0
+                                                        or self.state.behaviour is None):
+            self.state.behaviour = self._copy_to_sample_layout(self.state.params)
+            self.state.behaviour_version = k
+        elif self.config.grpo.behaviour_refresh == 1:
+            self.state.behaviour_version = k
+
+    def _next_batch(self):
+        batch = next(self.data)
+        if batch.epoch > self.state.epoch:  # the previous epoch is complete (paper Algorithm 1, outer loop)
+            self.state.epoch = batch.epoch
+            if self.config.grpo.swap_reference and self.config.grpo.beta > 0:
+                self.state.reference = self.steps.copy_params(self.state.params)
+                log.info("epoch %d: reference <- current params", batch.epoch)
+        return batch
+
+    def _prompt_arrays(self, batch):
+        c = self.config
+        counters = self.state.counters
+        longest = max(len(ids) for ids in batch.token_ids)
+        width = global_max(max(counters["prompt_width"], bucketed_length(longest, c.sampler.prompt_bucket)))
+        if counters["prompt_width"] and width > counters["prompt_width"]:
+            log.warning("prompt width grows from %d to %d tokens: the step functions compile again",
+                        counters["prompt_width"], width)
+        counters["prompt_width"] = width
+        tokens, mask = batch.padded(pad_id=self.pad_id, length=width)
+        return (to_global_rows(tokens, self.mesh, SAMPLE_RULES, c.data.batch_size),
+                to_global_rows(mask, self.mesh, SAMPLE_RULES, c.data.batch_size))
+
+    def train_iteration(self, logger: MetricsLogger | None = None) -> dict:
+        """One iteration of the loop; returns its metrics record (without the iteration number)."""
+        c, g, s = self.config, self.config.grpo, self.state
+        k = s.iteration
+        timings = {}
+        t_start = time.perf_counter()
+
+        t = time.perf_counter()
+        self._refresh_behaviour(k)
+        sample_params = jax.block_until_ready(jax.device_put(self.behaviour, self.sample_shardings))
+        timings["weight_sync"] = time.perf_counter() - t
+
+        batch = self._next_batch()
+        prompt_tokens, prompt_mask = self._prompt_arrays(batch)
+        s.rng, sample_key = jax.random.split(s.rng)
+        t = time.perf_counter()
+        out = generate(self.graphdef, sample_params, prompt_tokens, prompt_mask, num_samples=g.num_generations,
+                       max_new_tokens=c.sampler.max_new_tokens, method=self.method, stop_ids=self.stop_ids,
+                       key=sample_key, mesh=self.mesh, rules=SAMPLE_RULES, pad_id=self.pad_id)
+        tokens, lengths = local_rows(out.tokens), local_rows(out.lengths)
+        timings["sample"] = time.perf_counter() - t
+        del sample_params
+
+        t = time.perf_counter()
+        completions = self.tokenizer.batch_decode([row[:n] for row, n in zip(tokens, lengths, strict=True)],
+                                                  skip_special_tokens=True)
+        result = self.scorer.score(batch.questions, completions, batch.references)
+        rows = c.data.batch_size * g.num_generations
+        table = np.stack([result.total] + [result.per_function[f] for f in c.reward.functions], axis=1)
+        reward_table = to_global_rows(table.astype(np.float32), self.mesh, TRAIN_RULES, rows)  # [R, 1 + F]
+        timings["reward"] = time.perf_counter() - t
+
+        t = time.perf_counter()
+        step_batch, _ = self.steps.assemble(prompt_tokens, prompt_mask, out.tokens, out.completion_mask,
+                                            out.logprobs, reward_table[:, 0])
+        if g.beta > 0:
+            step_batch = step_batch._replace(lp_ref=self.steps.logprobs(self.reference, step_batch))
+        if self.steps.lp_k_source == "computed":
+            step_batch = step_batch._replace(lp_k=self.steps.logprobs(s.params, step_batch))
+        jax.block_until_ready(step_batch)
+        timings["logprobs"] = time.perf_counter() - t
+
+        t = time.perf_counter()
+        update_metrics = []
+        for inner in range(g.inner_steps):
+            for minibatch in range(g.num_minibatches):
+                first = inner == 0 and minibatch == 0
+                s.params, s.opt_state, m = self.steps.train_step(s.params, s.opt_state, step_batch,
+                                                                 jnp.int32(minibatch), jnp.bool_(first))
+                update_metrics.append(m)
+        update_metrics = jax.device_get(update_metrics)
+        timings["update"] = time.perf_counter() - t
+
+        lr = float(self.schedule(s.counters["optimizer_steps"]))
+        skipped = self._count_nonfinite(update_metrics)
+        s.iteration = k + 1
+        s.data_state = self.data.get_state()
+        eval_metrics = self._maybe_eval(timings)
+        timings["checkpoint"] = self._save()
+        timings["iteration"] = time.perf_counter() - t_start
+        record = iteration_metrics(
+            update_metrics=update_metrics, reward_table=reward_table, reward_names=c.reward.functions,
+            result=result, out=out, timings=timings, staleness=k - s.behaviour_version,
+            behaviour_is_current=s.behaviour_version == k, lr=lr,
+            trained_tokens=int(step_batch.inputs.size) // g.num_minibatches,
+        )
+        record.update(eval_metrics)
+        record.update({"epoch": s.epoch, "behaviour_version": s.behaviour_version, "optim/steps":
+                       s.counters["optimizer_steps"], "nonfinite/skipped": skipped,
+                       "nonfinite/total": s.counters["nonfinite_total"]})
+        if logger is not None and logger.should_dump_samples(s.iteration):
+            logger.log_samples(s.iteration, sample_dump(batch, completions, result, g.num_generations))
+        if s.counters["nonfinite_in_a_row"] >= c.run.max_nonfinite_steps:
+            self._save(force=True)
+            if logger is not None:
+                logger.log(s.iteration, record)
+            raise TrainingDiverged(
+                f"{s.counters['nonfinite_in_a_row']} optimiser steps in a row had a NaN/inf loss or gradient "
+                f"(run.max_nonfinite_steps={c.run.max_nonfinite_steps}); each was skipped. Stopped after "
+                f"saving iteration {s.iteration} to {self.checkpointer.directory}. Lower optim.learning_rate, "
+                "check the rewards, or resume from an earlier checkpoint."
+            )
+        return record
+
+    def _count_nonfinite(self, update_metrics: list[dict]) -> int:
+        counters = self.state.counters
+        skipped = 0
+        for m in update_metrics:
+            if m["nonfinite"] > 0:
+                skipped += 1
+                counters["nonfinite_in_a_row"] += 1
+                counters["nonfinite_total"] += 1
+                log.warning("iteration %d: non-finite loss (%s) or gradient norm (%s): update skipped",
+                            self.state.iteration + 1, m["loss"], m["grad_norm"])
+            else:
+                counters["nonfinite_in_a_row"] = 0
+                counters["optimizer_steps"] += 1
+        return skipped
+
+    def _maybe_eval(self, timings: dict) -> dict:
+        every = self.config.run.eval_every
+        if self.evaluator is None or self.state.iteration % every:
+            return {}
+        t = time.perf_counter()
+        metrics = self.evaluator.evaluate(self.state.params)
+        timings["eval"] = time.perf_counter() - t
+        return {f"eval/{k}": v for k, v in metrics.items()}

@@ -1,0 +1,129 @@
+"""The GRPO loop in-process on the tiny random model: on-policy, off-policy with every moving part, NaN handling."""
+
+import jax
+import numpy as np
+import pytest
+
+from jgrpo.config import load_config
+from jgrpo.metrics import read_metrics
+from jgrpo.trainer import Trainer, TrainingDiverged
+
+SPACE_REWARD = "reward.functions=[test_trainer_rewards:space_fraction]"
+KEY_METRICS = ("reward/mean", "loss/loss", "loss/grad_norm", "entropy/mean", "completion/length_mean",
+               "theorem1/tv_theta_alpha", "theorem1/lower_bound", "time/iteration", "throughput/tokens_per_s")
+
+
+def _config(tmp_path, *overrides):
+    return load_config("configs/tiny.yaml", [f"run.output_dir={tmp_path}", SPACE_REWARD, *overrides])
+
+
+def _copy(tree):
+    return jax.tree.map(np.asarray, jax.device_get(tree))
+
+
+def _changed(before, after) -> bool:
+    return any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True))
+
+
+class CompileCounter:
+    """Counts XLA compilations (backend compiles) while active."""
+
+    def __init__(self):
+        self.count = 0
+        self.active = False
+        jax.monitoring.register_event_duration_secs_listener(self._on_event)
+
+    def _on_event(self, event, duration, **kwargs):
+        if self.active and event == "/jax/core/compile/backend_compile_duration":
+            self.count += 1
+
+
+@pytest.fixture(scope="module")
+def compile_counter():
+    return CompileCounter()
+
+
+def test_on_policy_run_is_finite_changes_params_and_never_recompiles(tmp_path, compile_counter, monkeypatch):
+    config = _config(tmp_path, "checkpoint.every=0", "grpo.beta=0.04", "run.max_nonfinite_steps=2",
+                     "run.iterations=5")
+    trainer = Trainer(config)
+    try:
+        initial = _copy(trainer.state.params)
+        records = [trainer.train_iteration()]
+        compile_counter.active = True
+        records += [trainer.train_iteration() for _ in range(2)]
+        compile_counter.active = False
+        assert compile_counter.count == 0, "iterations 2-3 compiled something: shapes or shardings changed"
+        for record in records:
+            for key in KEY_METRICS:
+                assert np.isfinite(record[key]), (key, record[key])
+            assert record["theorem1/staleness"] == 0 and "mismatch/logprob_mean" in record
+            assert record["mismatch/logprob_max"] < 1e-3  # sampler and trainer log-probs agree (spec §6)
+            assert record["nonfinite/skipped"] == 0
+        assert np.isfinite(records[-1]["kl/mean"]) and records[-1]["kl/mean"] > 0  # moved away from the reference
+        assert _changed(initial, _copy(trainer.state.params))
+        assert trainer.state.counters["optimizer_steps"] == 3
+
+        # A NaN in the behaviour log-probs makes the loss NaN: the update is skipped (params untouched), logged
+        # and counted; max_nonfinite_steps in a row stop the run after a checkpoint.
+        import jgrpo.trainer as trainer_module
+
+        real_generate = trainer_module.generate
+
+        def nan_generate(*args, **kwargs):
+            out = real_generate(*args, **kwargs)
+            return out._replace(logprobs=out.logprobs * np.float32(np.nan))
+
+        monkeypatch.setattr(trainer_module, "generate", nan_generate)
+        before = _copy(trainer.state.params)
+        record = trainer.train_iteration()
+        assert record["nonfinite/skipped"] == 1 and record["nonfinite/total"] == 1
+        assert not _changed(before, _copy(trainer.state.params))
+        with pytest.raises(TrainingDiverged, match="2 optimiser steps in a row"):
+            trainer.train_iteration()
+        trainer.checkpointer.wait()
+        assert trainer.checkpointer.latest_step() == 5
+        assert trainer.state.counters["optimizer_steps"] == 3
+    finally:
+        trainer.checkpointer.close()
+        trainer.close()
+
+
+def test_off_policy_with_minibatches_micro_batches_and_reference_swap(tmp_path):
+    # v=2, i=2, 2 minibatches x 2 micro-batches, recentred ratio (needs lp_k), beta > 0 with a reference
+    # swap at the epoch boundary: 8 prompts / batch 4 = 2 iterations per epoch.
+    config = _config(tmp_path, "grpo.behaviour_refresh=2", "grpo.inner_steps=2", "grpo.num_minibatches=2",
+                     "grpo.micro_batches=2", "grpo.off_policy_ratio=recentred", "grpo.beta=0.1",
+                     "grpo.swap_reference=true", "data.num_examples=8", "data.epochs=2", "run.iterations=3",
+                     "checkpoint.every=1", "logging.samples_every=2")
+    trainer = Trainer(config)
+    try:
+        assert trainer.steps.lp_k_source == "computed"
+        initial = _copy(trainer.state.params)
+        assert trainer.run() == "done"
+        records = read_metrics(tmp_path)
+        assert [r["iteration"] for r in records] == [1, 2, 3]
+        assert [r["behaviour_version"] for r in records] == [0, 0, 2]
+        assert [r["theorem1/staleness"] for r in records] == [0, 1, 0]
+        # The sampler-vs-trainer mismatch is only measurable when the first update runs at the behaviour params.
+        assert ["mismatch/logprob_mean" in r for r in records] == [True, False, True]
+        assert [r["epoch"] for r in records] == [0, 0, 1]
+        assert [r["optim/steps"] for r in records] == [4, 8, 12]
+        for record in records:
+            for key in KEY_METRICS + ("kl/mean", "theorem1/tv_k_alpha"):
+                assert np.isfinite(record[key]), (key, record[key])
+        assert records[1]["theorem1/tv_k_alpha"] > 0  # pi_k differs from a stale behaviour policy
+        assert _changed(initial, _copy(trainer.state.params))
+        assert trainer.state.reference is not None  # swapped at the start of epoch 1
+        latest = tmp_path / "checkpoints" / "3"
+        assert (latest / "behaviour").is_dir() and (latest / "reference").is_dir()
+        assert not (tmp_path / "checkpoints" / "1" / "reference").exists()  # still the initial params then
+        samples = [line for line in (tmp_path / "samples.jsonl").read_text().splitlines() if line]
+        assert len(samples) == 2 * 4 * 4  # iterations 1 and 2, 4 prompts x G = 4
+    finally:
+        trainer.close()
+
+
+def test_greedy_sampling_cannot_train(tmp_path):
+    with pytest.raises(ValueError, match="temperature=0"):
+        Trainer(_config(tmp_path, "sampler.temperature=0"))

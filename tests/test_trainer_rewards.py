@@ -1,0 +1,21 @@
+"""A dense reward a tiny random model can learn within a few iterations, used by the trainer tests.
+
+Reward workers import it by path ("test_trainer_rewards:space_fraction"): tests/ is on sys.path under
+pytest, and the entrypoint tests put it on PYTHONPATH of their subprocesses.
+"""
+
+import pytest
+
+
+def space_fraction(prompt: str, completion: str, reference: dict) -> float:
+    """Fraction of the completion's characters that are spaces; 0 for an empty completion.
+
+    Random text from a random model scores ~0.1-0.2 with real spread inside a group (GRPO needs variance),
+    and a policy can push it up just by preferring space-led tokens: trivially learnable.
+    """
+    return completion.count(" ") / len(completion) if completion else 0.0
+
+
+@pytest.mark.parametrize(("completion", "want"), [("", 0.0), ("ab", 0.0), (" a b", 0.5), ("    ", 1.0)])
+def test_space_fraction(completion, want):
+    assert space_fraction("q", completion, {}) == want
