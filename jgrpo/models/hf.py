@@ -20,7 +20,7 @@ import ml_dtypes
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from jgrpo.mesh import Rules, logical_to_spec
+from jgrpo.mesh import TRAIN_RULES, Rules, logical_to_spec
 from jgrpo.models.builtin import resolve_model_dir
 from jgrpo.models.llm import (
     _LOGICAL_AXES,
@@ -223,9 +223,11 @@ def _sharding(path, shape, mesh, rules) -> jax.sharding.Sharding:
 
 
 def load_params(model_dir: str | Path, cfg: LLMConfig, *, mesh=None, rules: Rules | None = None) -> dict:
-    """Params pytree for `cfg` from an HF safetensors directory, each leaf on its target sharding."""
-    if mesh is not None and rules is None:
-        raise ValueError("load_params: a mesh needs a rules table (jgrpo.mesh.TRAIN_RULES or SAMPLE_RULES)")
+    """Params pytree for `cfg` from an HF safetensors directory, each leaf on its target sharding.
+
+    With a mesh, `rules` (default jgrpo.mesh.TRAIN_RULES) maps each parameter's logical axes to it.
+    """
+    rules = TRAIN_RULES if rules is None else rules
     ckpt = _Checkpoint(Path(model_dir))
     layouts = _layouts(cfg)
     expected = {
