@@ -29,9 +29,19 @@ from jgrpo.models.llm import (
     LLMConfig,
     _param_shapes,
     abstract_model,
+    position_ids_from_mask,
 )
 
-__all__ = ["llm_config_from_hf", "hf_config_from_llm", "load_params", "load_model", "load_tokenizer", "export_hf"]
+__all__ = [
+    "llm_config_from_hf",
+    "hf_config_from_llm",
+    "load_params",
+    "load_model",
+    "load_tokenizer",
+    "export_hf",
+    "resolve_model_dir",  # re-exported: the contract names them here too
+    "position_ids_from_mask",
+]
 
 _HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 _FLOAT_DTYPES = (np.float16, np.float32, np.float64, ml_dtypes.bfloat16)
