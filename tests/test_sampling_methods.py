@@ -161,6 +161,27 @@ def test_sample_frequencies_chi_square(method, expected, per_row_keys):
         assert stats.chisquare(counts, DRAWS * naive).pvalue < 1e-6
 
 
+def test_multi_block_vocab_chi_square():
+    """Vocab of 1000 (several 256-token blocks, a ragged last one): mass on block edges and the last ids."""
+    support = np.array([3, 255, 256, 257, 511, 600, 998, 999])
+    weights = np.array([0.05, 0.2, 0.1, 0.15, 0.05, 0.25, 0.1, 0.1])
+    logits = np.full(1000, -np.inf, np.float32)
+    logits[support] = np.log(weights)
+    keys = jax.random.split(jax.random.key(9), DRAWS)
+    tokens = np.asarray(jax.jit(SamplingMethod().next_tokens)(jnp.broadcast_to(logits, (DRAWS, 1000)), keys))
+    assert np.isin(tokens, support).all()
+    counts = np.array([(tokens == t).sum() for t in support])
+    assert stats.chisquare(counts, DRAWS * weights).pvalue > 1e-3
+
+
+def test_wide_distribution_chi_square():
+    logits = jax.random.normal(jax.random.key(4), (700,)) * 0.3  # every one of 700 ids has mass
+    expected = _softmax(np.asarray(logits, np.float64))
+    tokens = np.asarray(SamplingMethod().next_tokens(jnp.broadcast_to(logits, (50_000, 700)), jax.random.key(6)))
+    counts = np.bincount(tokens, minlength=700)
+    assert stats.chisquare(counts, 50_000 * expected).pvalue > 1e-3
+
+
 def test_greedy_next_tokens_are_argmax():
     logits = jax.random.normal(jax.random.key(7), (5, 32))
     tokens = SamplingMethod(temperature=0).next_tokens(logits, jax.random.key(0))
