@@ -135,6 +135,10 @@ class Checkpointer:
         self.manager.wait_until_finished()
 
     def close(self) -> None:
+        """Finish a background save and release the manager (safe to call twice)."""
+        if getattr(self, "_closed", False):
+            return
+        self._closed = True
         self.manager.wait_until_finished()
         self.manager.close()
 

@@ -114,7 +114,9 @@ class MetricsLogger:
         self._metrics_file.flush()
         if self._tb is not None:
             for key, value in record.items():
-                if key != "iteration" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                # NaN (e.g. a KL mean over no tokens when every group had equal rewards) stays in the JSONL only.
+                if (key != "iteration" and isinstance(value, (int, float)) and not isinstance(value, bool)
+                        and math.isfinite(value)):
                     self._tb.add_scalar(key, value, iteration)
             self._tb.flush()
         if self._bar is not None:

@@ -28,7 +28,7 @@ from jgrpo.checkpoint import Checkpointer, PreemptionFlag, TrainState
 from jgrpo.config import Config, to_dict
 from jgrpo.data import bucketed_length, build_prompt_iterator
 from jgrpo.host_arrays import global_max, local_rows, to_global_rows
-from jgrpo.mesh import SAMPLE_RULES, TRAIN_RULES, logical_shardings, make_mesh
+from jgrpo.mesh import SAMPLE_RULES, TRAIN_RULES, logical_shardings, make_mesh, replicated
 from jgrpo.metrics import MetricsLogger
 from jgrpo.models.hf import load_model, load_tokenizer
 from jgrpo.models.llm import param_logical_axes
@@ -92,7 +92,9 @@ class Trainer:
             opt_state=self.steps.init_opt_state(params),
             behaviour=None,
             reference=None,  # set only after a swap (then it is checkpointed)
-            rng=jax.random.key(config.run.seed),
+            # On the whole mesh, replicated: a key committed to one device could not meet mesh-wide params in
+            # a jit, and the checkpoint restores it with this same sharding.
+            rng=jax.device_put(jax.random.key(config.run.seed), replicated(self.mesh)),
             iteration=0,
             epoch=0,
             behaviour_version=0,
@@ -160,6 +162,8 @@ class Trainer:
         return status
 
     def close(self) -> None:
+        """Finish any background checkpoint write and stop the reward workers."""
+        self.checkpointer.close()
         self.scorer.close()
 
     def _save(self, force: bool = False) -> float:
@@ -181,7 +185,11 @@ class Trainer:
             self.state.behaviour_version = k
 
     def _next_batch(self):
-        batch = next(self.data)
+        try:
+            batch = next(self.data)
+        except StopIteration:
+            raise RuntimeError(f"the prompt data is exhausted after {self.state.iteration} iterations "
+                               f"(data.epochs={self.config.data.epochs}); raise data.epochs") from None
         if batch.epoch > self.state.epoch:  # the previous epoch is complete (paper Algorithm 1, outer loop)
             self.state.epoch = batch.epoch
             if self.config.grpo.swap_reference and self.config.grpo.beta > 0:

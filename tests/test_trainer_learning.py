@@ -1,0 +1,33 @@
+"""GRPO learns: the tiny random model raises a trivially learnable reward within a fixed number of iterations.
+
+The reward is the fraction of spaces in the completion (tests/test_trainer_rewards.py): random text scores
+~0.1 with spread inside every group, and preferring space-led tokens raises it; "clearly" = the mean
+of the last 3 iterations exceeds that of the first 3 by 0.05 (half the starting value). Fixed seed, fixed budget,
+on-policy (v=1), off-policy (v=4) and with sample reuse (i=2).
+"""
+
+import numpy as np
+import pytest
+
+from jgrpo.config import load_config
+from jgrpo.trainer import Trainer
+
+ITERATIONS = 15
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("refresh", "inner"), [(1, 1), (4, 1), (1, 2)])
+def test_mean_reward_rises(tmp_path, refresh, inner):
+    config = load_config("configs/tiny.yaml", [
+        f"run.output_dir={tmp_path}", "reward.functions=[test_trainer_rewards:space_fraction]",
+        f"grpo.behaviour_refresh={refresh}", f"grpo.inner_steps={inner}", "grpo.num_generations=8",
+        "grpo.beta=0.0", "optim.learning_rate=3e-2", f"run.iterations={ITERATIONS}", "checkpoint.every=0",
+    ])
+    trainer = Trainer(config)
+    try:
+        rewards = [trainer.train_iteration()["reward/mean"] for _ in range(ITERATIONS)]
+    finally:
+        trainer.checkpointer.close()
+        trainer.close()
+    first, last = np.mean(rewards[:3]), np.mean(rewards[-3:])
+    assert last > first + 0.05, f"v={refresh} i={inner}: reward {first:.3f} -> {last:.3f} ({np.round(rewards, 3)})"
