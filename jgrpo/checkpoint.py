@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
 
 from jgrpo.config import CheckpointConfig
 
@@ -73,7 +74,7 @@ class Checkpointer:
                  read_only: bool = False):
         """`read_only` (evaluation, export) never writes, moves or cleans up anything: a training run may be
         saving into the same directory at that moment."""
-        self.run_dir = Path(run_dir)
+        self.run_dir = epath.Path(run_dir)  # a local folder or a bucket (gs://...)
         self.directory = self.run_dir / "checkpoints"
         self.config = config
         self.resolved_config = resolved_config or {}
@@ -87,7 +88,9 @@ class Checkpointer:
             read_only=read_only,
             cleanup_tmp_directories=not read_only,  # partial saves of a killed run; reported above, then removed
         )
-        self.manager = ocp.CheckpointManager(self.directory.absolute(), options=options)
+        # Orbax wants an absolute path; a bucket path is one already (and absolute() would mangle its "//").
+        directory = self.directory if "://" in str(self.directory) else self.directory.absolute()
+        self.manager = ocp.CheckpointManager(directory, options=options)
 
     # ------------------------------------------------------------------ save
 

@@ -395,7 +395,9 @@ def to_dict(config: Any) -> dict:
 
 def save_config(config: Config, run_dir: str | Path) -> Path:
     """Write the resolved config as YAML into the run directory (and return the path)."""
-    run_dir = Path(run_dir)
+    from etils import epath  # the run directory may be a bucket (gs://...)
+
+    run_dir = epath.Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     out = run_dir / "config.yaml"
     # JSON round trip turns tuples into lists so the YAML is plain and loads back through load_config.

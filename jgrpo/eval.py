@@ -20,10 +20,11 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from jgrpo import distributed
 from jgrpo.config import Config
 from jgrpo.data import bucketed_length, build_prompt_iterator
 from jgrpo.host_arrays import global_max, global_sum, local_rows, to_global_rows
-from jgrpo.mesh import SAMPLE_RULES
+from jgrpo.mesh import SAMPLE_RULES, replicated
 from jgrpo.rewards import RewardScorer
 from jgrpo.sampler import generate, stop_ids_for
 from jgrpo.sampling_methods import SamplingMethod
@@ -72,7 +73,8 @@ class Evaluator:
 
     def _run(self, params, method: SamplingMethod, samples: int):
         correct = reward_sum = any_correct = prompts = 0.0
-        key = jax.random.key(self.config.run.seed + 1)
+        # Replicated on the mesh by a jit: with several processes a key on one local device cannot enter it.
+        key = jax.jit(lambda: jax.random.key(self.config.run.seed + 1), out_shardings=replicated(self.mesh))()
         local_size = self.batch_size // jax.process_count()
         for index, batch in enumerate(self.data):
             real = len(batch)
@@ -133,6 +135,11 @@ def main(argv: list[str] | None = None) -> int:
 
     setup_logging()
     enable_compilation_cache()
+    try:
+        distributed.initialize()
+    except ValueError as e:
+        print(f"distributed setup error: {e}", file=sys.stderr)
+        return 2
     try:
         config, graphdef, params, tokenizer, mesh, source = load_for_eval(args.target, args.overrides, args.step)
     except (FileNotFoundError, ValueError) as e:

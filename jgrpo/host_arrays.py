@@ -20,20 +20,45 @@ def row_sharding(mesh: Mesh, rules: Rules, shape: tuple[int, ...]) -> NamedShard
 
 
 def to_global_rows(local: np.ndarray, mesh: Mesh, rules: Rules, global_rows: int) -> jax.Array:
-    """This process's rows -> a global [global_rows, ...] array sharded by rows."""
+    """This process's rows -> a global [global_rows, ...] array, sharded by rows when the devices divide them.
+
+    When they do not (e.g. 4 prompts on 8 devices), the array is replicated: every process gathers all
+    processes' rows and places them in process order along the mesh (see `process_rank`).
+    """
     local = np.asarray(local)
     global_shape = (global_rows,) + local.shape[1:]
     sharding = row_sharding(mesh, rules, global_shape)
     if jax.process_count() > 1 and sharding.is_fully_replicated:
-        raise ValueError(
-            f"{global_rows} rows cannot be split over the data-parallel devices; with several processes the "
-            "batch (data.batch_size, times grpo.num_generations for samples) must be divisible by them"
-        )
+        from jax.experimental import multihost_utils
+
+        if global_rows % jax.process_count() or local.shape[0] != global_rows // jax.process_count():
+            raise ValueError(f"{global_rows} rows cannot be split evenly over {jax.process_count()} processes "
+                             f"(this one has {local.shape[0]})")
+        blocks = np.asarray(multihost_utils.process_allgather(local))  # [processes, local rows, ...]
+        ordered = [blocks[p] for p in sorted(range(len(blocks)), key=lambda p: process_rank(mesh, p))]
+        local = np.concatenate(ordered)
     return jax.make_array_from_process_local_data(sharding, local, global_shape)
 
 
+def process_rank(mesh: Mesh, process: int | None = None) -> int:
+    """Position of `process` (default: this one) among the processes in the mesh's device order.
+
+    Row-sharded arrays give each process the rows of its own devices, so process rows are contiguous blocks
+    in this order; the replicated fallback above and `local_rows` use it too, which keeps a prompt and its
+    samples on the same process whatever layout each array gets.
+    """
+    process = jax.process_index() if process is None else process
+    owners = [d.process_index for d in mesh.devices.flat]
+    order = list(dict.fromkeys(owners))
+    runs = sum(1 for i, p in enumerate(owners) if i == 0 or owners[i - 1] != p)
+    if runs != len(order):
+        raise ValueError("each process's devices must be contiguous in the mesh (rows are split by process); "
+                         f"got device owners {owners}")
+    return order.index(process)
+
+
 def local_rows(array: jax.Array) -> np.ndarray:
-    """The rows of a row-sharded global array that live on this process, in order, as numpy."""
+    """The rows of a row-sharded (or replicated) global array that belong to this process, in order, as numpy."""
     if array.is_fully_addressable:
         return np.asarray(array)
     blocks = {}
@@ -43,7 +68,15 @@ def local_rows(array: jax.Array) -> np.ndarray:
                                                                                     strict=True)):
             raise ValueError(f"array of shape {array.shape} is sharded along more than its rows: {shard.index}")
         blocks.setdefault(rows.start or 0, np.asarray(shard.data))
-    return np.concatenate([blocks[start] for start in sorted(blocks)])
+    held = np.concatenate([blocks[start] for start in sorted(blocks)])
+    if held.shape[0] == array.shape[0] and array.sharding.is_fully_replicated:
+        # Replicated over processes: every process holds all rows; its own are its block in process order.
+        mesh = array.sharding.mesh
+        count = len({d.process_index for d in mesh.devices.flat})
+        size = array.shape[0] // count
+        start = process_rank(mesh) * size
+        return held[start:start + size]
+    return held
 
 
 def global_max(value: int) -> int:

@@ -8,7 +8,9 @@ calls it unconditionally. Files in the run directory:
     tensorboard/    the same scalars as the JSONL, for `tensorboard --logdir RUN_DIR`
 
 On resume from iteration k, lines for iterations > k (written after the checkpoint the run resumes
-from) are dropped, so the files describe exactly one history.
+from) are dropped, so the files describe exactly one history. The run directory may be a bucket
+(gs://...): paths go through etils.epath, and since objects cannot be appended to, a JSONL file there is
+rewritten whole at each write (one short line per iteration).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from etils import epath
 
 from jgrpo.config import LoggingConfig
 
@@ -49,7 +52,7 @@ def _plain(value: Any) -> Any:
 
 
 def read_jsonl(path: str | Path) -> list[dict]:
-    path = Path(path)
+    path = epath.Path(path)
     if not path.is_file():
         return []
     with path.open() as f:
@@ -58,15 +61,35 @@ def read_jsonl(path: str | Path) -> list[dict]:
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
     """All iteration records of a run, in order."""
-    return read_jsonl(Path(run_dir) / METRICS_FILE)
+    return read_jsonl(epath.Path(run_dir) / METRICS_FILE)
 
 
-def _drop_after(path: Path, iteration: int) -> None:
-    """Keep only the records of iterations <= `iteration` (those covered by the checkpoint resumed from)."""
-    if not path.is_file():
-        return
-    kept = [r for r in read_jsonl(path) if r.get("iteration", 0) <= iteration]
-    path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+class _JsonlFile:
+    """An append-only JSON-lines file that first drops the records of iterations > `keep_through`.
+
+    Local files are appended to; object stores (gs://, s3://) cannot append, so there the whole file is
+    rewritten at each write.
+    """
+
+    def __init__(self, path: epath.Path, keep_through: int):
+        self.path = path
+        self.lines = [json.dumps(r) + "\n" for r in read_jsonl(path) if r.get("iteration", 0) <= keep_through]
+        path.write_text("".join(self.lines))
+        self._local = "://" not in str(path)
+        self._file = path.open("a") if self._local else None
+
+    def write(self, records: Sequence[Mapping[str, Any]]) -> None:
+        lines = [json.dumps(r) + "\n" for r in records]
+        if self._local:
+            self._file.write("".join(lines))
+            self._file.flush()
+        else:
+            self.lines.extend(lines)
+            self.path.write_text("".join(self.lines))
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
 
 
 class MetricsLogger:
@@ -81,7 +104,7 @@ class MetricsLogger:
         enabled: bool | None = None,
     ):
         self.config = config
-        self.run_dir = Path(run_dir)
+        self.run_dir = epath.Path(run_dir)
         self.enabled = jax.process_index() == 0 if enabled is None else enabled
         self._tb = None
         self._bar = None
@@ -90,10 +113,8 @@ class MetricsLogger:
         if not self.enabled:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        for name in (METRICS_FILE, SAMPLES_FILE):
-            _drop_after(self.run_dir / name, start_iteration)
-        self._metrics_file = (self.run_dir / METRICS_FILE).open("a")
-        self._samples_file = (self.run_dir / SAMPLES_FILE).open("a")
+        self._metrics_file = _JsonlFile(self.run_dir / METRICS_FILE, start_iteration)
+        self._samples_file = _JsonlFile(self.run_dir / SAMPLES_FILE, start_iteration)
         if config.tensorboard:
             from tensorboardX import SummaryWriter
 
@@ -110,8 +131,7 @@ class MetricsLogger:
         record = {"iteration": int(iteration), **{k: _plain(v) for k, v in metrics.items()}}
         if not self.enabled:
             return record
-        self._metrics_file.write(json.dumps(record) + "\n")
-        self._metrics_file.flush()
+        self._metrics_file.write([record])
         if self._tb is not None:
             for key, value in record.items():
                 # NaN (e.g. a KL mean over no tokens when every group had equal rewards) stays in the JSONL only.
@@ -132,10 +152,8 @@ class MetricsLogger:
         """Append prompts / completions / rewards of `iteration` to samples.jsonl."""
         if not self.enabled:
             return
-        for sample in samples:
-            row = {"iteration": int(iteration), **{k: _plain(v) for k, v in sample.items()}}
-            self._samples_file.write(json.dumps(row) + "\n")
-        self._samples_file.flush()
+        self._samples_file.write([{"iteration": int(iteration), **{k: _plain(v) for k, v in sample.items()}}
+                                  for sample in samples])
 
     def write(self, message: str) -> None:
         """A console line that does not break the progress bar."""

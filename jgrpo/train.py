@@ -60,7 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     enable_compilation_cache()
 
     import jax
+    from etils import epath
 
+    from jgrpo import distributed
     from jgrpo.config import ConfigError, load_config, save_config, to_dict
     from jgrpo.trainer import Trainer, TrainingDiverged
 
@@ -69,7 +71,12 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    run_dir = Path(config.run.output_dir)
+    try:
+        distributed.initialize()
+    except ValueError as e:
+        print(f"distributed setup error: {e}", file=sys.stderr)
+        return 2
+    run_dir = epath.Path(config.run.output_dir)  # a local folder or a bucket (gs://...)
     if jax.process_index() == 0:
         _report_config_change(run_dir, to_dict(config))
         save_config(config, run_dir)

@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import logging
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from etils import epath
 
 from jgrpo.checkpoint import Checkpointer, PreemptionFlag, TrainState
 from jgrpo.config import Config, to_dict
@@ -54,7 +54,7 @@ class Trainer:
         if config.sampler.temperature == 0:
             raise ValueError("sampler.temperature=0 (greedy) cannot train: GRPO needs G different samples per "
                              "prompt and finite log-probs; use a temperature > 0")
-        self.run_dir = Path(config.run.output_dir)
+        self.run_dir = epath.Path(config.run.output_dir)  # a local folder or a bucket (gs://...)
         self.mesh = make_mesh(config.mesh)
         m = config.model
         self.graphdef, params, self.model_config = load_model(
@@ -94,7 +94,8 @@ class Trainer:
             reference=None,  # set only after a swap (then it is checkpointed)
             # On the whole mesh, replicated: a key committed to one device could not meet mesh-wide params in
             # a jit, and the checkpoint restores it with this same sharding.
-            rng=jax.device_put(jax.random.key(config.run.seed), replicated(self.mesh)),
+            # Made by a jit rather than device_put: with several processes the mesh spans other hosts' devices.
+            rng=jax.jit(lambda: jax.random.key(config.run.seed), out_shardings=replicated(self.mesh))(),
             iteration=0,
             epoch=0,
             behaviour_version=0,

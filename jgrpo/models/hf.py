@@ -3,7 +3,8 @@
 Loading reads one tensor (one layer's slice of a stacked parameter) at a time from memory-mapped
 safetensors and puts it straight onto its target sharding; layers are then stacked on the devices.
 The host never holds more than one layer's tensor, so a large model loads onto a mesh without a
-full host copy.
+full host copy. With several processes (multi-host) each host reads every tensor once and sends each
+of its own devices just that device's slice; nothing crosses between hosts.
 """
 
 from __future__ import annotations
@@ -263,14 +264,23 @@ def load_params(model_dir: str | Path, cfg: LLMConfig, *, mesh=None, rules: Rule
             return np.ascontiguousarray(layout.to_ours(ckpt.get(name, layout.hf_shape)).astype(dtype))
 
         if path[0] != "layers":
-            params[path[0]] = jax.device_put(host(layout.name), sharding)
+            params[path[0]] = _place(host(layout.name), sharding)
             continue
         # Each layer goes onto the devices with the layer axis dropped, then layers are stacked there.
         per_layer = _drop_layer_axis(sharding)
-        layers = [jax.device_put(host(layout.name.format(i=i)), per_layer) for i in range(cfg.num_layers)]
+        layers = [_place(host(layout.name.format(i=i)), per_layer) for i in range(cfg.num_layers)]
         params["layers"][path[1]] = jax.jit(lambda *xs: jnp.stack(xs), out_shardings=sharding)(*layers)
         del layers
     return params
+
+
+def _place(value: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
+    """A host array onto `sharding`, each local device receiving only its own slice.
+
+    Not device_put: with several processes the sharding spans other hosts' devices, and device_put would
+    first all-gather the whole tensor across hosts to check that every one passed the same value.
+    """
+    return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
 
 
 def _drop_layer_axis(sharding):
