@@ -1,0 +1,56 @@
+"""Nothing compiles after the first iteration: iterations 2..5 of configs/tiny.yaml, on- and off-policy.
+
+Iterations 2..5 cover every event of the loop after warm-up: a checkpoint save each, a behaviour refresh
+(v = 2: iterations 3 and 5 copy current -> behaviour), reference log-probs (beta > 0) and, off-policy, the
+recomputed lp_k and minibatch slicing. An XLA compilation in that window means a shape, dtype, sharding or
+static argument changed between iterations (each costs seconds to minutes on a real model). The failure
+message names what compiled (jax_log_compiles). Checkpoints are saved every iteration so that iteration 1
+also runs the save path once: its first call compiles small programs (the checksums of the saved trees and
+Orbax's per-device slices), one-time work like iteration 1's own compiles.
+"""
+
+import logging
+
+import jax
+import pytest
+from test_trainer import SPACE_REWARD, CompileCounter
+
+from jgrpo.config import load_config
+from jgrpo.trainer import Trainer
+
+
+@pytest.fixture(scope="module")
+def compile_counter():
+    return CompileCounter()
+
+
+@pytest.mark.parametrize("overrides", [
+    pytest.param([], id="on_policy"),
+    pytest.param(["grpo.behaviour_refresh=2", "grpo.off_policy_ratio=recentred", "grpo.num_minibatches=2"],
+                 id="off_policy_v2"),
+])
+def test_iterations_2_to_5_never_compile(tmp_path, compile_counter, caplog, overrides):
+    config = load_config("configs/tiny.yaml", [f"run.output_dir={tmp_path}", SPACE_REWARD, "run.iterations=5",
+                                               "checkpoint.every=1", *overrides])
+    trainer = Trainer(config)
+    previous = jax.config.jax_log_compiles
+    try:
+        trainer.train_iteration()  # iteration 1 compiles everything
+        trainer.checkpointer.wait()
+        jax.config.update("jax_log_compiles", True)
+        compile_counter.count, compile_counter.active = 0, True
+        with caplog.at_level(logging.WARNING):
+            records = [trainer.train_iteration() for _ in range(4)]  # iterations 2..5
+            trainer.checkpointer.wait()
+        compile_counter.active = False
+        compiled = [r.getMessage()[:160] for r in caplog.records if "Compiling" in r.getMessage()]
+        assert compile_counter.count == 0, f"iterations 2-5 compiled {compile_counter.count} programs: {compiled}"
+        assert trainer.state.iteration == 5 and trainer.checkpointer.latest_step() == 5
+        if config.grpo.behaviour_refresh == 2:
+            assert [r["behaviour_version"] for r in records] == [0, 2, 2, 4]  # refreshes inside the window
+            assert records[1]["time/weight_sync"] > 0
+    finally:
+        compile_counter.active = False
+        jax.config.update("jax_log_compiles", previous)
+        trainer.checkpointer.close()
+        trainer.close()
