@@ -1,0 +1,154 @@
+"""Peak memory of one GRPO training step: jgrpo (with/without remat, chunked/unchunked log-probs) vs PyTorch.
+
+Same step and batch as benchmarks/train_step.py (SmolLM2-135M-Instruct, float32, 16 x 192 tokens).
+
+- jgrpo: XLA's compiled memory analysis of the jitted update, nothing executed: arguments (params, AdamW
+  state, batch) + outputs + temporaries - donated (aliased) buffers. That is the live set XLA plans for the
+  step's peak, exactly, per device.
+- PyTorch: measured, in a fresh process with glibc told to mmap every allocation above 64 KiB
+  (MALLOC_MMAP_THRESHOLD_), so freed tensors leave the resident set at once and RSS follows live tensors.
+  The figure is the peak RSS sampled every millisecond during a warm step (AdamW state already created)
+  minus the RSS of the process after `import torch, transformers` and before the model exists: params,
+  grads, AdamW state, batch and activations, like the jgrpo figure. Allocator slack makes it an upper
+  bound (tracemalloc would miss tensor storage entirely, which bypasses Python's allocator).
+
+    python benchmarks/memory.py
+    python benchmarks/memory.py --skip torch --chunks 64,128 --remat none,full,dots
+
+Prints a table, then one JSON line with every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from train_step import build_model, jgrpo_step_setup, synthetic_batch  # noqa: E402
+
+MiB = 2**20
+
+
+def jgrpo_compiled_bytes(args, host, remat: str, chunk: int) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    graphdef, params, _ = build_model(args.model, dtype=args.dtype, remat=remat)
+    steps, batch, opt_state = jgrpo_step_setup(graphdef, params, host, chunk=chunk, generations=args.generations)
+    compiled = steps.train_step.lower(params, opt_state, batch, jnp.int32(0), jnp.bool_(True)).compile()
+    m = compiled.memory_analysis()
+    del compiled, params, opt_state, batch
+    jax.clear_caches()
+    peak = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
+    return {"peak_bytes": peak, "temp_bytes": m.temp_size_in_bytes, "argument_bytes": m.argument_size_in_bytes}
+
+
+def torch_rss_worker(args) -> None:
+    """Runs in its own process (see `torch_peak_bytes`); prints the peak RSS delta of one warm step."""
+    import psutil
+    import torch  # noqa: F401 - imported before the baseline so its own memory is not counted
+    import transformers  # noqa: F401
+    from train_step import bench_torch
+
+    process = psutil.Process()
+    baseline = process.memory_info().rss
+    peak = [0]
+    sampling = threading.Event()
+
+    def sample():
+        while True:
+            if sampling.is_set():
+                peak[0] = max(peak[0], process.memory_info().rss)
+            time.sleep(0.001)
+
+    threading.Thread(target=sample, daemon=True).start()
+    cfg = build_model(args.model)[2]
+    host = synthetic_batch(cfg, prompts=args.prompts, generations=args.generations, prompt_len=args.prompt_len,
+                           new_tokens=args.new_tokens)
+    # bench_torch runs one warm-up step (creates AdamW state) then `steps` timed steps; sample during those.
+    args.steps = 1
+    original_perf = time.perf_counter
+    calls = [0]
+
+    def perf_counter():  # the 3rd call starts the timed step (1st/2nd bracket the warm-up)
+        calls[0] += 1
+        if calls[0] == 3:
+            sampling.set()
+        return original_perf()
+
+    time.perf_counter = perf_counter
+    bench_torch(args, host)
+    print("RESULT " + json.dumps({"peak_bytes": peak[0] - baseline}))
+
+
+def torch_peak_bytes(args) -> dict:
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+    cmd = [sys.executable, __file__, "--torch-worker", "--model", args.model, "--dtype", args.dtype,
+           "--prompts", str(args.prompts), "--generations", str(args.generations), "--prompt-len",
+           str(args.prompt_len), "--new-tokens", str(args.new_tokens)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode or not lines:
+        raise RuntimeError(f"torch worker failed (exit {proc.returncode}): {proc.stderr.strip()[-600:]}")
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--prompts", type=int, default=4)
+    p.add_argument("--generations", type=int, default=4)
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--remat", default="none,full,dots", help="comma-separated remat policies")
+    p.add_argument("--chunks", default="32,128", help="comma-separated log-prob chunks (>= new tokens = unchunked)")
+    p.add_argument("--skip", action="append", default=[], choices=("jgrpo", "torch"))
+    p.add_argument("--torch-worker", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.torch_worker:
+        torch_rss_worker(args)
+        return
+
+    cfg = build_model(args.model)[2]
+    host = synthetic_batch(cfg, prompts=args.prompts, generations=args.generations, prompt_len=args.prompt_len,
+                           new_tokens=args.new_tokens)
+    rows, length = args.prompts * args.generations, args.prompt_len + args.new_tokens - 1
+    figures, errors = [], {}
+    if "jgrpo" not in args.skip:
+        for remat in args.remat.split(","):
+            for chunk in (int(c) for c in args.chunks.split(",")):
+                r = jgrpo_compiled_bytes(args, host, remat, chunk)
+                figures.append({"side": "jgrpo", "remat": remat, "chunk": chunk, **r})
+                print(f"  jgrpo remat={remat} chunk={chunk}: {r['peak_bytes'] / MiB:.0f} MiB", file=sys.stderr)
+    if "torch" not in args.skip:
+        try:
+            figures.append({"side": "torch", "remat": "none", "chunk": None, **torch_peak_bytes(args)})
+        except Exception as e:  # noqa: BLE001 - report, keep the jgrpo figures
+            errors["torch"] = f"{type(e).__name__}: {e}"
+
+    print(f"| {rows} x {length + 1} tokens, {args.model}, {args.dtype} | remat | log-prob chunk | peak MiB | "
+          "of which temporaries MiB | vs PyTorch |")
+    print("|---|---|---|---|---|---|")
+    torch_peak = next((f["peak_bytes"] for f in figures if f["side"] == "torch"), None)
+    for f in figures:
+        chunk = "-" if f["chunk"] is None else (f"{f['chunk']}" if f["chunk"] < args.new_tokens
+                                                else f"{f['chunk']} (unchunked)")
+        temp = f"{f['temp_bytes'] / MiB:.0f}" if "temp_bytes" in f else "-"
+        ratio = f"{f['peak_bytes'] / torch_peak:.2f}x" if torch_peak else "-"
+        method = "compiled" if f["side"] == "jgrpo" else "RSS"
+        print(f"| {f['side']} ({method}) | {f['remat']} | {chunk} | {f['peak_bytes'] / MiB:.0f} | {temp} | {ratio} |")
+    if errors:
+        print(f"| torch | {errors['torch'][:100]} |")
+    print(json.dumps({"benchmark": "memory", "model": args.model, "dtype": args.dtype, "rows": rows,
+                      "tokens_per_row": length, "results": figures, "errors": errors}))
+
+
+if __name__ == "__main__":
+    main()
