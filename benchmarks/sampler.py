@@ -30,6 +30,8 @@ import textwrap
 import time
 from pathlib import Path
 
+from hardware import matmul_peak_flops  # benchmarks/ is on sys.path when run as a script
+
 MODEL = "smollm2-135m-instruct"
 MESSAGES = [
     "What is the capital of France?",
@@ -52,18 +54,7 @@ def prompts(tokenizer, rows: int) -> list[list[int]]:
 
 
 def matmul_peak_gflops(size: int = 2048, repeats: int = 5) -> float:
-    import jax
-    import jax.numpy as jnp
-
-    a = jax.random.normal(jax.random.key(0), (size, size), jnp.float32)
-    matmul = jax.jit(lambda x: x @ x)
-    matmul(a).block_until_ready()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        matmul(a).block_until_ready()
-        best = min(best, time.perf_counter() - start)
-    return 2 * size**3 / best / 1e9
+    return matmul_peak_flops("float32", size, repeats) / 1e9
 
 
 def flops_per_token(cfg, context: float) -> float:

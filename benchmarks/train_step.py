@@ -28,6 +28,7 @@ import sys
 import time
 
 import numpy as np
+from hardware import matmul_peak_flops  # benchmarks/ is on sys.path when run as a script
 
 BETA, CLIP_EPS, LR = 0.04, 0.2, 1e-6
 # Random-weight stand-ins for models the hub would serve (unreachable offline): name -> LLMConfig fields.
@@ -188,18 +189,8 @@ def train_flops_per_token(cfg, context: float) -> float:
 
 
 def matmul_peak_tflops(dtype: str, size: int = 2048, repeats: int = 5) -> float:
-    import jax
-    import jax.numpy as jnp
-
-    a = jax.random.normal(jax.random.key(0), (size, size), jnp.dtype(dtype))
-    matmul = jax.jit(lambda x: x @ x)
-    matmul(a).block_until_ready()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        matmul(a).block_until_ready()
-        best = min(best, time.perf_counter() - start)
-    return 2 * size**3 / best / 1e12
+    """Best-of-`repeats` TFLOP/s of a jitted square matmul: this machine's practical peak."""
+    return matmul_peak_flops(dtype, size, repeats) / 1e12
 
 
 def main() -> None:
