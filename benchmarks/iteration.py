@@ -27,7 +27,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from sampler import MESSAGES, ensure_tunix_venv  # noqa: E402 - the sampler benchmark owns the Tunix virtualenv
+from sampler import MESSAGES, TUNIX_CONFIG_FROM_HF, ensure_tunix_venv  # noqa: E402 - the sampler benchmark owns the Tunix virtualenv
 
 PHASES = ("sample", "reward", "logprobs", "update", "weight_sync", "checkpoint")
 
@@ -60,7 +60,7 @@ def bench_jgrpo(args, refresh: int, iterations: int, run_dir: Path) -> dict:
 
 
 # Runs inside the Tunix virtualenv: GRPOLearner on the same safetensors, iteration times from its reward calls.
-TUNIX_SCRIPT = '''
+TUNIX_SCRIPT = TUNIX_CONFIG_FROM_HF + '''
 import json, sys, time
 import jax, jax.numpy as jnp, numpy as np, optax
 from transformers import AutoTokenizer
@@ -71,12 +71,7 @@ from tunix.rl.rollout import base_rollout
 
 model_dir, spec = sys.argv[1], json.loads(sys.argv[2])
 B, G, N, P, iters = spec["prompts"], spec["generations"], spec["new_tokens"], spec["prompt_len"], spec["iterations"]
-hf = json.load(open(f"{model_dir}/config.json"))
-cfg = model_lib.ModelConfig(
-    num_layers=hf["num_hidden_layers"], vocab_size=hf["vocab_size"], embed_dim=hf["hidden_size"],
-    hidden_dim=hf["intermediate_size"], num_heads=hf["num_attention_heads"], head_dim=hf["head_dim"],
-    num_kv_heads=hf["num_key_value_heads"], rope_theta=hf["rope_theta"], norm_eps=hf["rms_norm_eps"],
-    weight_tying=hf["tie_word_embeddings"])
+cfg = tunix_llama_config(model_lib, model_dir)
 mesh = jax.make_mesh((1, 1), ("fsdp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
 with jax.set_mesh(mesh):
     actor = params_lib.create_model_from_safe_tensors(model_dir, cfg, mesh, dtype=jnp.float32)

@@ -122,8 +122,21 @@ def bench_transformers(rows: int, new: int, seed: int = 0) -> float:
     return rows * new / seconds
 
 
+# Prepended to every script that runs inside the Tunix virtualenv: Tunix's Llama3 config from our config.json.
+TUNIX_CONFIG_FROM_HF = textwrap.dedent('''
+    def tunix_llama_config(model_lib, model_dir):
+        import json
+
+        hf = json.load(open(f"{model_dir}/config.json"))
+        return model_lib.ModelConfig(
+            num_layers=hf["num_hidden_layers"], vocab_size=hf["vocab_size"], embed_dim=hf["hidden_size"],
+            hidden_dim=hf["intermediate_size"], num_heads=hf["num_attention_heads"], head_dim=hf["head_dim"],
+            num_kv_heads=hf["num_key_value_heads"], rope_theta=hf["rope_theta"], norm_eps=hf["rms_norm_eps"],
+            weight_tying=hf["tie_word_embeddings"])
+''')
+
 # Runs inside the Tunix virtualenv: loads Tunix's Llama3 from the same safetensors and times its sampler.
-TUNIX_SCRIPT = textwrap.dedent('''
+TUNIX_SCRIPT = TUNIX_CONFIG_FROM_HF + textwrap.dedent('''
     import json, sys, time
     import jax, jax.numpy as jnp, numpy as np
     from transformers import AutoTokenizer
@@ -132,12 +145,7 @@ TUNIX_SCRIPT = textwrap.dedent('''
 
     model_dir, configs, width = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
     messages = json.loads(sys.argv[4])
-    hf = json.load(open(f"{model_dir}/config.json"))
-    cfg = model_lib.ModelConfig(
-        num_layers=hf["num_hidden_layers"], vocab_size=hf["vocab_size"], embed_dim=hf["hidden_size"],
-        hidden_dim=hf["intermediate_size"], num_heads=hf["num_attention_heads"], head_dim=hf["head_dim"],
-        num_kv_heads=hf["num_key_value_heads"], rope_theta=hf["rope_theta"], norm_eps=hf["rms_norm_eps"],
-        weight_tying=hf["tie_word_embeddings"])
+    cfg = tunix_llama_config(model_lib, model_dir)
     model = params_lib.create_model_from_safe_tensors(model_dir, cfg, dtype=jnp.float32)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     texts = [tokenizer.apply_chat_template([{"role": "user", "content": m}], add_generation_prompt=True,
