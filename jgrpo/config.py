@@ -226,6 +226,8 @@ class RunConfig:
     iterations: int = 100
     eval_every: int = 0  # iterations between held-out evaluations (0 = never)
     eval_samples: int = 4  # k for pass@1 over k samples
+    # Test prompts per sampler call (0 = data.batch_size): evaluation has no update, so it can batch wider.
+    eval_batch_size: int = 0
     # Optimiser steps in a row with a NaN/inf loss or gradient (each skipped) before the run stops.
     max_nonfinite_steps: int = 3
 
@@ -234,6 +236,7 @@ class RunConfig:
         _check(self.max_nonfinite_steps >= 1, "run.max_nonfinite_steps", self.max_nonfinite_steps, ">= 1")
         _check(self.eval_every >= 0, "run.eval_every", self.eval_every, ">= 0")
         _check(self.eval_samples >= 1, "run.eval_samples", self.eval_samples, ">= 1")
+        _check(self.eval_batch_size >= 0, "run.eval_batch_size", self.eval_batch_size, ">= 0")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

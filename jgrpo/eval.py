@@ -36,6 +36,9 @@ class Evaluator:
     """Greedy accuracy and pass@1 over k samples on the test split, for any params of the model."""
 
     def __init__(self, config: Config, graphdef, tokenizer, mesh, scorer: RewardScorer | None = None):
+        if config.run.eval_batch_size:
+            config = dataclasses.replace(config, data=dataclasses.replace(config.data,
+                                                                          batch_size=config.run.eval_batch_size))
         self.config, self.graphdef, self.tokenizer, self.mesh = config, graphdef, tokenizer, mesh
         self.data = list(build_prompt_iterator(config, tokenizer, split="test", shuffle=False, epochs=1,
                                                drop_remainder=False))
