@@ -5,9 +5,11 @@ One jitted program per (prompt batch shape, samples per prompt, max new tokens, 
 1. prefill: the B prompts (left-padded) run once through the model, filling a [L, B, P] KV cache;
 2. that cache is broadcast to the G samples of each prompt (rows b*G .. b*G+G-1) inside a
    preallocated [L, B*G, P+N] cache, so a prompt is never prefilled G times;
-3. decode: a `while_loop` feeds the last token of every row, writes its keys/values in place
-   (the cache is part of the loop carry, so XLA updates it without copies), draws the next token
-   with the sampling method and stops as soon as every row has produced a stop id or N tokens.
+3. decode: a `while_loop` feeds the last token of every row through `models.decode.decode_step`
+   (layers unrolled over per-layer weights and per-layer [R, KVH, S, Dh] caches, so nothing is
+   sliced or transposed per step), writes its keys/values in place (the caches are part of the loop
+   carry), draws the next token with the sampling method and stops as soon as every row has
+   produced a stop id or N tokens.
 
 The cache never leaves the jitted program (it is created and consumed inside), so there is no
 host-visible buffer to donate and no cache-sized copy per call. Slots are laid out as
@@ -31,7 +33,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from jgrpo.mesh import SAMPLE_RULES, Rules, logical_shardings, logical_to_spec
-from jgrpo.models.llm import KVCache, init_cache, merge_model, param_logical_axes, position_ids_from_mask
+from jgrpo.models.decode import DecodeCache, decode_cache_from_prefill, decode_step, unstack_layers
+from jgrpo.models.llm import init_cache, merge_model, param_logical_axes, position_ids_from_mask
 from jgrpo.sampling_methods import SamplingMethod
 
 __all__ = ["SampleOutput", "SamplingMethod", "generate", "left_pad_prompts", "stop_ids_for"]
@@ -106,20 +109,19 @@ class _Layout:
     """Shardings of the decode state (hashable, so it can be a static argument of the jitted program)."""
 
     prefill_cache: NamedSharding  # [L, B, P, KVH, Dh]
-    cache: NamedSharding  # [L, R, S, KVH, Dh]
+    cache: NamedSharding  # one layer's decode cache [R, KVH, S, Dh]
     rows: NamedSharding  # [R, ...]
 
 
 def _layout(mesh: Mesh, rules: Rules, cfg, batch: int, rows: int, prompt_len: int, total_len: int) -> _Layout:
-    cache_axes = ("layers", "batch", "length", "kv_heads", "head_dim")
-
-    def cache_sharding(b, s):
-        shape = (cfg.num_layers, b, s, cfg.num_kv_heads, cfg.head_dim)
-        return NamedSharding(mesh, logical_to_spec(cache_axes, rules, shape, mesh))
+    def sharding(axes, shape):
+        return NamedSharding(mesh, logical_to_spec(axes, rules, shape, mesh))
 
     return _Layout(
-        prefill_cache=cache_sharding(batch, prompt_len),
-        cache=cache_sharding(rows, total_len),
+        prefill_cache=sharding(("layers", "batch", "length", "kv_heads", "head_dim"),
+                               (cfg.num_layers, batch, prompt_len, cfg.num_kv_heads, cfg.head_dim)),
+        cache=sharding(("batch", "kv_heads", "length", "head_dim"),
+                       (rows, cfg.num_kv_heads, total_len, cfg.head_dim)),
         rows=NamedSharding(mesh, logical_to_spec(("batch", None), rules, (rows, 1), mesh)),
     )
 
@@ -195,7 +197,7 @@ def generate(
 
 class _DecodeState(NamedTuple):
     step: jax.Array  # [] int32: index of the next token to generate
-    cache: KVCache  # [L, R, S, KVH, Dh]
+    cache: DecodeCache  # L x [R, KVH, S, Dh]
     last: jax.Array  # [R] int32 the latest token of every row
     done: jax.Array  # [R] bool
     tokens: jax.Array  # [R, N] int32
@@ -230,14 +232,10 @@ def _generate(graphdef, params, prompt_tokens, prompt_mask, key, *, num_samples,
         positions = position_ids_from_mask(prompt_mask)  # [B, P]
         hidden, prefill_cache = model(prompt_tokens, positions, prompt_mask, prefill_cache, 0)
         last_logits = model.logits(hidden[:, -1])  # [B, V]; left padding puts every prompt's end last
-        # Broadcast each prompt's cache to its G rows inside the full-length cache. [L, R, S, KVH, Dh]
-        cache = jax.tree.map(
-            lambda c: _constrain(
-                jnp.pad(jnp.repeat(c, G, axis=1), ((0, 0), (0, 0), (0, N), (0, 0), (0, 0))),
-                None if layout is None else layout.cache,
-            ),
-            prefill_cache,
-        )
+        # Each prompt's cache, shared by its G rows, in per-layer full-length caches. L x [R, KVH, S, Dh]
+        cache = jax.tree.map(lambda c: _constrain(c, None if layout is None else layout.cache),
+                             decode_cache_from_prefill(prefill_cache, G, N))
+    layers = unstack_layers(params["layers"])  # once per call, outside the loop
 
     prompt_lengths = jnp.repeat(jnp.sum(prompt_mask, axis=1, dtype=jnp.int32), G)  # [R]
     # Generated slots are all marked real up front: causality alone hides the ones not yet written.
@@ -257,13 +255,13 @@ def _generate(graphdef, params, prompt_tokens, prompt_mask, key, *, num_samples,
     def keep_going(s: _DecodeState):
         return (s.step < N) & ~jnp.all(s.done)
 
-    def decode_step(s: _DecodeState) -> _DecodeState:
+    def advance(s: _DecodeState) -> _DecodeState:
         # Feed token step-1 (at slot P + step - 1) and draw token `step`.
-        positions = (prompt_lengths + s.step - 1)[:, None]  # [R, 1]
-        hidden, cache = model(s.last[:, None], positions, kv_mask, s.cache, P + s.step - 1)
+        positions = prompt_lengths + s.step - 1  # [R]
+        hidden, cache = decode_step(model.cfg, params, layers, s.last, positions, kv_mask, s.cache, P + s.step - 1)
         if layout is not None:
             cache = jax.tree.map(lambda c: _constrain(c, layout.cache), cache)
-        tokens, logprobs = draw(model.logits(hidden[:, 0]), s.step)  # [R], [R]
+        tokens, logprobs = draw(model.logits(hidden), s.step)  # [R], [R]
         active = ~s.done
         tokens = jnp.where(active, tokens, pad_id)
         logprobs = jnp.where(active, logprobs, 0.0)
@@ -278,7 +276,7 @@ def _generate(graphdef, params, prompt_tokens, prompt_mask, key, *, num_samples,
         )
 
     with jax.named_scope("decode"):
-        state = jax.lax.while_loop(keep_going, decode_step, state)
+        state = jax.lax.while_loop(keep_going, advance, state)
     completion_mask = jnp.arange(N)[None, :] < state.lengths[:, None]
     return SampleOutput(
         tokens=state.tokens,

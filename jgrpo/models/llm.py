@@ -233,6 +233,39 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array) -> j
     return out.reshape(B, T, H, Dh)
 
 
+def rope_cos_sin(cfg: LLMConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """cos, sin of the rotary angles for integer positions [B, T]: each [B, T, Dh/2] float32."""
+    angles = positions.astype(jnp.float32)[..., None] * rope_inv_freq(cfg)
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def layer_qkv(cfg: LLMConfig, p: dict, x: jax.Array, cos, sin):
+    """A layer's queries [B, T, H, Dh] and keys, values [B, T, KVH, Dh] (biases, qk-norm, RoPE applied)."""
+    with jax.named_scope("attention"):
+        h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
+        q = jnp.einsum("btd,dhk->bthk", h, p["q"])
+        k = jnp.einsum("btd,dhk->bthk", h, p["k"])
+        v = jnp.einsum("btd,dhk->bthk", h, p["v"])
+        if cfg.qkv_bias:
+            q, k, v = q + p["q_bias"], k + p["k_bias"], v + p["v_bias"]
+        if cfg.qk_norm:
+            q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
+            k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def layer_output(cfg: LLMConfig, p: dict, x: jax.Array, attended: jax.Array) -> jax.Array:
+    """The residual stream after a layer, given its attention output [B, T, H, Dh]: o-projection, then the MLP."""
+    with jax.named_scope("attention"):
+        x = x + jnp.einsum("bthk,hkd->btd", attended, p["o"])
+        if cfg.o_bias:
+            x = x + p["o_bias"]
+    with jax.named_scope("mlp"):
+        h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
+        gated = jax.nn.silu(jnp.einsum("btd,df->btf", h, p["gate"])) * jnp.einsum("btd,df->btf", h, p["up"])
+        return x + jnp.einsum("btf,fd->btd", gated, p["down"])
+
+
 def _remat(fn, policy: str):
     if policy == "full":
         return jax.checkpoint(fn)
@@ -283,41 +316,23 @@ class LLM(nnx.Module):
         # Causal over slots and restricted to real tokens. [B, T, S]
         allowed = (jnp.arange(S)[None, :] <= query_slots[:, None])[None] & kv_mask[:, None, :].astype(bool)
 
-        angles = positions.astype(jnp.float32)[..., None] * rope_inv_freq(cfg)  # [B, T, Dh/2]
-        cos, sin = jnp.cos(angles), jnp.sin(angles)
+        cos, sin = rope_cos_sin(cfg, positions)
         x = jnp.take(self.embed[...], tokens, axis=0).astype(cdt)  # [B, T, D]
 
         def layer(carry, xs):
             x, cache = carry
             p, index = xs
             p = {name: w.astype(cdt) for name, w in p.items()}
-            with jax.named_scope("attention"):
-                h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
-                q = jnp.einsum("btd,dhk->bthk", h, p["q"])  # [B, T, H, Dh]
-                k = jnp.einsum("btd,dhk->bthk", h, p["k"])  # [B, T, KVH, Dh]
-                v = jnp.einsum("btd,dhk->bthk", h, p["v"])
-                if cfg.qkv_bias:
-                    q, k, v = q + p["q_bias"], k + p["k_bias"], v + p["v_bias"]
-                if cfg.qk_norm:
-                    q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
-                    k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
-                q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-                if cache is not None:
-                    # Written in place into the carried [L, B, S, KVH, Dh] buffers: no per-step cache copy.
-                    start = (index, 0, cache_index, 0, 0)
-                    cache = KVCache(
-                        jax.lax.dynamic_update_slice(cache.k, k[None].astype(cache.k.dtype), start),
-                        jax.lax.dynamic_update_slice(cache.v, v[None].astype(cache.v.dtype), start),
-                    )
-                    k, v = cache.k[index].astype(cdt), cache.v[index].astype(cdt)  # [B, S, KVH, Dh]
-                out = attention(q, k, v, allowed)
-                x = x + jnp.einsum("bthk,hkd->btd", out, p["o"])
-                if cfg.o_bias:
-                    x = x + p["o_bias"]
-            with jax.named_scope("mlp"):
-                h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
-                gated = jax.nn.silu(jnp.einsum("btd,df->btf", h, p["gate"])) * jnp.einsum("btd,df->btf", h, p["up"])
-                x = x + jnp.einsum("btf,fd->btd", gated, p["down"])
+            q, k, v = layer_qkv(cfg, p, x, cos, sin)
+            if cache is not None:
+                # Written in place into the carried [L, B, S, KVH, Dh] buffers: no per-step cache copy.
+                start = (index, 0, cache_index, 0, 0)
+                cache = KVCache(
+                    jax.lax.dynamic_update_slice(cache.k, k[None].astype(cache.k.dtype), start),
+                    jax.lax.dynamic_update_slice(cache.v, v[None].astype(cache.v.dtype), start),
+                )
+                k, v = cache.k[index].astype(cdt), cache.v[index].astype(cdt)  # [B, S, KVH, Dh]
+            x = layer_output(cfg, p, x, attention(q, k, v, allowed))
             return (x, cache), None
 
         layer = _remat(layer, cfg.remat)
