@@ -70,3 +70,31 @@ def test_cache_requires_index_and_matching_mask(model):
         forward(graphdef, params, tokens, tokens, jnp.ones((2, 4), bool), init_cache(CFG, 2, 4))
     with pytest.raises(ValueError, match="kv_mask"):
         forward(graphdef, params, tokens, tokens, jnp.ones((2, 3), bool), init_cache(CFG, 2, 4), 0)
+
+
+def test_unrolled_decode_step_matches_full_forward(model):
+    """models.decode (per-layer weights and [B, KVH, S, Dh] caches, as the sampler uses) == the scanned forward."""
+    from jgrpo.models.decode import decode_cache_from_prefill, decode_step, unstack_layers
+
+    graphdef, params = model
+    prompt_len, new_tokens, repeats = 5, 4, 2
+    S = prompt_len + new_tokens
+    rng = np.random.default_rng(1)
+    prompts = jnp.asarray(rng.integers(0, CFG.vocab_size, (2, prompt_len)), jnp.int32)
+    prompt_mask = jnp.asarray(np.arange(prompt_len)[None, :] >= np.array([[0], [3]]))  # lengths 5 and 2
+    # Each prompt continues with the same new tokens in both of its rows, so rows of one prompt must agree.
+    tokens = jnp.concatenate([jnp.repeat(prompts, repeats, 0),
+                              jnp.asarray(rng.integers(0, CFG.vocab_size, (4, new_tokens)), jnp.int32)], 1)
+    mask = jnp.concatenate([jnp.repeat(prompt_mask, repeats, 0), jnp.ones((4, new_tokens), bool)], 1)
+    positions = position_ids_from_mask(mask)
+    full, _ = jax.jit(forward, static_argnums=0)(graphdef, params, tokens, positions, mask)
+
+    _, prefill = forward(graphdef, params, prompts, position_ids_from_mask(prompt_mask), prompt_mask,
+                         init_cache(CFG, 2, prompt_len), 0)
+    cache = decode_cache_from_prefill(prefill, repeats, new_tokens)
+    assert len(cache.k) == CFG.num_layers and cache.k[0].shape == (4, CFG.num_kv_heads, S, CFG.head_dim)
+    step = jax.jit(decode_step, static_argnums=0)
+    layers = unstack_layers(params["layers"])
+    for t in range(prompt_len, S):
+        hidden, cache = step(CFG, params, layers, tokens[:, t], positions[:, t], mask, cache, jnp.int32(t))
+        np.testing.assert_allclose(hidden, full[:, t], atol=1e-5, rtol=0)
