@@ -1,9 +1,12 @@
 """Compare runs: reward, accuracy, KL and step time curves side by side.
 
-    python -m jgrpo.plot RUN_DIR [RUN_DIR ...] -o FILE.png [--smooth N]
+    python -m jgrpo.plot RUN_DIR [RUN_DIR ...] -o FILE.png [--smooth N] [--x iteration|wallclock]
 
 Each RUN_DIR is a training run directory holding metrics.jsonl. One panel per quantity, one line
 per run (labelled by the directory name); a quantity a run did not log is simply absent from it.
+The held-out panels (greedy accuracy, pass@1) show the iterations where `run.eval_every` evaluated.
+`--x wallclock` puts cumulative training time on the x axis (the sum of time/iteration minus the
+time spent evaluating, so runs that evaluate at different rates stay comparable).
 """
 
 from __future__ import annotations
@@ -20,8 +23,22 @@ PANELS = (
     ("reward/mean", "mean reward"),
     ("accuracy", "accuracy"),
     ("kl/mean", "KL to reference"),
+    ("eval/greedy_accuracy", "held-out greedy accuracy"),
+    ("eval/pass@1", "held-out pass@1"),
     ("time/iteration", "seconds per iteration"),
 )
+X_AXES = {"iteration": "iteration", "wallclock": "training time (s)"}
+
+
+def _x_values(records: list[dict], axis: str) -> dict[int, float]:
+    """Iteration -> x coordinate of that iteration's record."""
+    if axis == "iteration":
+        return {r["iteration"]: float(r["iteration"]) for r in records}
+    elapsed, out = 0.0, {}
+    for r in sorted(records, key=lambda r: r["iteration"]):
+        elapsed += float(r.get("time/iteration", 0.0)) - float(r.get("time/eval", 0.0))
+        out[r["iteration"]] = elapsed
+    return out
 
 
 def _smooth(values: np.ndarray, window: int) -> np.ndarray:
@@ -36,8 +53,10 @@ def _smooth(values: np.ndarray, window: int) -> np.ndarray:
     return out
 
 
-def plot_runs(run_dirs: list[str | Path], out_file: str | Path, smooth: int = 1) -> Path:
+def plot_runs(run_dirs: list[str | Path], out_file: str | Path, smooth: int = 1, x_axis: str = "iteration") -> Path:
     """Draw the panels for `run_dirs` into `out_file` (PNG, or any format matplotlib knows by extension)."""
+    if x_axis not in X_AXES:
+        raise ValueError(f"x_axis must be one of {tuple(X_AXES)}, got '{x_axis}'")
     import matplotlib
 
     matplotlib.use("Agg")
@@ -50,18 +69,25 @@ def plot_runs(run_dirs: list[str | Path], out_file: str | Path, smooth: int = 1)
             raise FileNotFoundError(f"{Path(run_dir) / METRICS_FILE}: no metrics (is this a jgrpo run directory?)")
         runs.append((Path(run_dir).name or str(run_dir), records))
 
-    fig, axes = plt.subplots(1, len(PANELS), figsize=(4.5 * len(PANELS), 3.6), squeeze=False)
-    for ax, (key, title) in zip(axes[0], PANELS, strict=True):
+    columns = 3
+    rows = -(-len(PANELS) // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(4.8 * columns, 3.6 * rows), squeeze=False)
+    for ax in axes.flat[len(PANELS):]:
+        ax.set_visible(False)
+    for ax, (key, title) in zip(axes.flat, PANELS, strict=False):
         drawn = False
         for label, records in runs:
-            points = [(r["iteration"], r[key]) for r in records if isinstance(r.get(key), (int, float))]
+            xs = _x_values(records, x_axis)
+            points = [(xs[r["iteration"]], r[key]) for r in records if isinstance(r.get(key), (int, float))]
             if not points:
                 continue
             x, y = np.array(points, dtype=np.float64).T
-            ax.plot(x, _smooth(y, smooth), label=label, linewidth=1.5)
+            sparse = len(points) < len(records)  # evaluated every few iterations: mark the points
+            ax.plot(x, y if sparse else _smooth(y, smooth), label=label, linewidth=1.5, marker="o" if sparse else None,
+                    markersize=3)
             drawn = True
         ax.set_title(title)
-        ax.set_xlabel("iteration")
+        ax.set_xlabel(X_AXES[x_axis])
         ax.grid(alpha=0.3)
         if drawn:
             ax.legend(fontsize="small")
@@ -80,9 +106,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("run_dirs", nargs="+", help="training run directories (each with metrics.jsonl)")
     parser.add_argument("-o", "--output", required=True, help="image file to write, e.g. curves.png")
     parser.add_argument("--smooth", type=int, default=1, help="moving-average window in iterations")
+    parser.add_argument("--x", choices=tuple(X_AXES), default="iteration", help="x axis: iteration or wallclock")
     args = parser.parse_args(argv)
     try:
-        out = plot_runs(args.run_dirs, args.output, smooth=args.smooth)
+        out = plot_runs(args.run_dirs, args.output, smooth=args.smooth, x_axis=args.x)
     except FileNotFoundError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

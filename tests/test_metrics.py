@@ -88,6 +88,16 @@ def test_plot_writes_a_png_of_several_runs(tmp_path, capsys):
     data = out.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
     width, height = struct.unpack(">II", data[16:24])
-    assert width > 3 * height  # four panels side by side
+    assert width > 1.5 * height  # six panels, three per row
+    assert plot_main([str(tmp_path / "on_policy"), "-o", str(out), "--x", "wallclock"]) == 0
     assert plot_main([str(tmp_path / "missing"), "-o", str(out)]) == 2
     assert "no metrics" in capsys.readouterr().err
+
+
+def test_plot_wallclock_axis_sums_iteration_time_without_evaluation():
+    from jgrpo.plot import _x_values
+
+    records = [{"iteration": 2, "time/iteration": 3.0}, {"iteration": 1, "time/iteration": 2.0},
+               {"iteration": 3, "time/iteration": 14.0, "time/eval": 10.0}]
+    assert _x_values(records, "wallclock") == {1: 2.0, 2: 5.0, 3: 9.0}
+    assert _x_values(records, "iteration") == {2: 2.0, 1: 1.0, 3: 3.0}

@@ -91,10 +91,16 @@ def test_unrolled_decode_step_matches_full_forward(model):
 
     _, prefill = forward(graphdef, params, prompts, position_ids_from_mask(prompt_mask), prompt_mask,
                          init_cache(CFG, 2, prompt_len), 0)
-    cache = decode_cache_from_prefill(prefill, repeats, new_tokens)
-    assert len(cache.k) == CFG.num_layers and cache.k[0].shape == (4, CFG.num_kv_heads, S, CFG.head_dim)
-    step = jax.jit(decode_step, static_argnums=0)
+    chunk_len = 3  # 4 fed slots in chunks of 3: two segments, the second one ragged
+    cache = decode_cache_from_prefill(prefill, repeats, 2, chunk_len)
+    assert len(cache.k) == CFG.num_layers and len(cache.k[0]) == 3
+    assert cache.k[0][0].shape == (4, CFG.num_kv_heads, prompt_len, CFG.head_dim)
+    assert cache.k[0][1].shape == (4, CFG.num_kv_heads, chunk_len, CFG.head_dim)
+    step = jax.jit(decode_step, static_argnums=(0, 7))
     layers = unstack_layers(params["layers"])
-    for t in range(prompt_len, S):
-        hidden, cache = step(CFG, params, layers, tokens[:, t], positions[:, t], mask, cache, jnp.int32(t))
+    row_prompt_mask = jnp.repeat(prompt_mask, repeats, 0)
+    for slot, t in enumerate(range(prompt_len, S)):
+        chunk, offset = divmod(slot, chunk_len)
+        hidden, cache = step(CFG, params, layers, tokens[:, t], positions[:, t], row_prompt_mask, cache, chunk,
+                             jnp.int32(offset))
         np.testing.assert_allclose(hidden, full[:, t], atol=1e-5, rtol=0)

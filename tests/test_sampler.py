@@ -221,3 +221,32 @@ def test_bad_inputs_are_named(llama):
         generate(graphdef, params, tokens, mask[:, 1:], **kwargs)
     with pytest.raises(ValueError, match="positions"):
         generate(graphdef, params, tokens, mask, **{**kwargs, "max_new_tokens": 250})  # past 256 positions
+
+
+def test_decode_chunking_defaults():
+    from jgrpo.sampler import decode_chunking
+
+    assert decode_chunking(256) == (64, 4)  # 255 generated slots fed back
+    assert decode_chunking(16) == (15, 1)  # short completions: one phase
+    assert decode_chunking(4097) == (512, 8)  # long ones: at most 8 compiled phases
+    assert decode_chunking(1) == (1, 1)
+    assert decode_chunking(10, 4) == (4, 3)
+    with pytest.raises(ValueError, match="chunk length"):
+        decode_chunking(10, 0)
+
+
+def test_decode_chunks_change_nothing_but_the_cache_read(llama):
+    """Several decode phases (chunks of 1, 3 and a ragged 4 over 9 fed slots) give the one-phase result."""
+    graphdef, params = llama
+    tokens, mask = _prompts()
+    method = SamplingMethod(temperature=1.0)
+    kwargs = dict(num_samples=3, max_new_tokens=10, method=method, stop_ids=(2, 5), key=jax.random.key(5))
+    one = generate(graphdef, params, tokens, mask, **kwargs)
+    assert (np.asarray(one.lengths) < 10).any() and (np.asarray(one.lengths) == 10).any()
+    for chunk in (1, 3, 4):
+        many = generate(graphdef, params, tokens, mask, decode_chunk=chunk, **kwargs)
+        np.testing.assert_array_equal(many.tokens, one.tokens)
+        np.testing.assert_array_equal(many.lengths, one.lengths)
+        np.testing.assert_allclose(many.logprobs, one.logprobs, atol=1e-5, rtol=0)
+    recomputed = _recomputed_logprobs(graphdef, params, tokens, mask, many, method)
+    np.testing.assert_allclose(many.logprobs, recomputed, atol=1e-4, rtol=0)

@@ -6,8 +6,10 @@ In a decode loop it is slow on CPU: each step, for each layer, XLA copies that l
 cache slice out of the stacked arrays (a dynamic slice is a copy), then transposes the cache slice to put
 the kv heads before the slots for the attention dots; at 64 rows x 320 slots on SmolLM2 that is ~1.4 GB
 moved per generated token. Here the weights are split into L separate arrays once per sampler call, the
-layer loop is unrolled in Python, and each layer's cache is its own [B, KVH, S, Dh] buffer (heads before
-slots), updated in place in the `while_loop` carry: every matmul reads its operands where they lie.
+layer loop is unrolled in Python, and each layer's cache is separate buffers with the kv heads before the
+slots ([B, KVH, S, Dh]), updated in place in the `while_loop` carry: every matmul reads its operands where
+they lie. The cache is split into segments (the prompt, then chunks of generated slots) so that a step
+reads only the segments filled so far.
 
 The arithmetic is the same as `LLM.__call__` (`layer_qkv`, `layer_output` are shared; the attention is
 the same softmax over the same allowed slots), so the two paths agree to float rounding (tested).
@@ -15,6 +17,7 @@ the same softmax over the same allowed slots), so the two paths agree to float r
 
 from __future__ import annotations
 
+import itertools
 from typing import NamedTuple
 
 import jax
@@ -24,8 +27,14 @@ from jgrpo.models.llm import KVCache, LLMConfig, layer_output, layer_qkv, rms_no
 
 
 class DecodeCache(NamedTuple):
-    k: tuple[jax.Array, ...]  # L x [B, KVH, S, Dh]
-    v: tuple[jax.Array, ...]  # L x [B, KVH, S, Dh]
+    """Per layer, the cache as segments: the prompt's slots [B, KVH, P, Dh], then generated chunks [B, KVH, C, Dh].
+
+    Separate buffers let a decode step attend to the segments filled so far only (see `decode_step`),
+    instead of reading every slot of a full-length cache at every step.
+    """
+
+    k: tuple[tuple[jax.Array, ...], ...]  # L x (prompt, chunk 0, chunk 1, ...)
+    v: tuple[tuple[jax.Array, ...], ...]
 
 
 def unstack_layers(layers: dict[str, jax.Array]) -> tuple[dict[str, jax.Array], ...]:
@@ -34,55 +43,78 @@ def unstack_layers(layers: dict[str, jax.Array]) -> tuple[dict[str, jax.Array], 
     return tuple({name: w[i] for name, w in layers.items()} for i in range(num_layers))
 
 
-def decode_cache_from_prefill(cache: KVCache, repeats: int, extra_slots: int) -> DecodeCache:
-    """A prefill cache [L, B, P, KVH, Dh] -> per-layer [B * repeats, KVH, P + extra_slots, Dh] caches.
+def decode_cache_from_prefill(cache: KVCache, repeats: int, chunks: int, chunk_len: int) -> DecodeCache:
+    """A prefill cache [L, B, P, KVH, Dh] -> a DecodeCache of B * repeats rows with `chunks` empty chunks.
 
-    Row b's cache is shared by rows b*repeats .. b*repeats + repeats - 1 (the G samples of one prompt);
-    the extra slots (zeros) receive the generated tokens.
+    Prompt b's keys and values are shared by rows b*repeats .. b*repeats + repeats - 1 (its G samples).
     """
 
-    def per_layer(stacked):
-        heads_major = jnp.swapaxes(stacked, 2, 3)  # [L, B, KVH, P, Dh]
-        grown = jnp.pad(jnp.repeat(heads_major, repeats, axis=1), ((0, 0),) * 3 + ((0, extra_slots), (0, 0)))
-        return tuple(grown[i] for i in range(grown.shape[0]))
+    def segments(stacked):
+        prompt = jnp.repeat(jnp.swapaxes(stacked, 2, 3), repeats, axis=1)  # [L, R, KVH, P, Dh]
+        empty = jnp.zeros(prompt.shape[1:3] + (chunk_len, prompt.shape[-1]), prompt.dtype)
+        return tuple((prompt[i],) + (empty,) * chunks for i in range(prompt.shape[0]))
 
-    return DecodeCache(per_layer(cache.k), per_layer(cache.v))
+    return DecodeCache(segments(cache.k), segments(cache.v))
 
 
-def _attend_one(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array) -> jax.Array:
-    """Grouped-query attention of one new token. q: [B, 1, H, Dh]; k, v: [B, KVH, S, Dh]; allowed: [B, S]."""
+def _attend_one(q: jax.Array, ks: tuple[jax.Array, ...], vs: tuple[jax.Array, ...], allowed: jax.Array) -> jax.Array:
+    """Grouped-query attention of one new token over cache segments.
+
+    q: [B, 1, H, Dh]; ks, vs: segments [B, KVH, S_i, Dh]; allowed: [B, sum S_i] bool. One softmax over all
+    the segments' slots, so this equals attention over their concatenation (without building it).
+    """
     B, _, H, Dh = q.shape
-    KVH = k.shape[1]
+    KVH = ks[0].shape[1]
     q = q.reshape(B, KVH, H // KVH, Dh)
-    scores = jnp.einsum("bkgd,bksd->bkgs", q, k, preferred_element_type=jnp.float32) * Dh**-0.5
+    scores = jnp.concatenate(
+        [jnp.einsum("bkgd,bksd->bkgs", q, k, preferred_element_type=jnp.float32) for k in ks], axis=-1
+    ) * Dh**-0.5
     scores = jnp.where(allowed[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    return jnp.einsum("bkgs,bksd->bkgd", probs, v).reshape(B, 1, H, Dh)
+    probs = jax.nn.softmax(scores, axis=-1).astype(vs[0].dtype)
+    bounds = list(itertools.accumulate(v.shape[2] for v in vs))[:-1]
+    out = sum(jnp.einsum("bkgs,bksd->bkgd", p, v) for p, v in zip(jnp.split(probs, bounds, axis=-1), vs, strict=True))
+    return out.reshape(B, 1, H, Dh)
 
 
 def decode_step(
     cfg: LLMConfig,
     params: dict,  # the full params pytree (embed, final_norm, ...); its "layers" entry is not read
     layers: tuple[dict[str, jax.Array], ...],  # from `unstack_layers(params["layers"])`
-    tokens: jax.Array,  # [B] int32, the token fed at slot `index`
+    tokens: jax.Array,  # [B] int32, the token fed this step
     positions: jax.Array,  # [B] int32, its rotary position
-    kv_mask: jax.Array,  # [B, S] bool, True = a real slot (causality below hides the ones not yet written)
+    prompt_mask: jax.Array,  # [B, P] bool, True = a real prompt slot
     cache: DecodeCache,
-    index: jax.Array,  # [] int32 slot written this step
+    chunk: int,  # static: the generated chunk written this step; chunks after it are not read
+    offset: jax.Array,  # [] int32: the slot written inside that chunk
 ) -> tuple[jax.Array, DecodeCache]:
-    """Feed one token per row: (final hidden state [B, D] after the final norm, the updated cache)."""
+    """Feed one token per row: (final hidden state [B, D] after the final norm, the updated cache).
+
+    The token's keys/values go to slot `offset` of generated chunk `chunk`; it attends to the real prompt
+    slots, every slot of chunks before `chunk` and slots <= `offset` of chunk `chunk`. Chunks after it are
+    not touched, so a step's attention reads only the filled part of the cache.
+    """
     cdt = jnp.dtype(cfg.compute_dtype)
-    S = kv_mask.shape[1]
-    allowed = kv_mask.astype(bool) & (jnp.arange(S) <= index)[None, :]  # [B, S]
+    B = tokens.shape[0]
+    chunk_len = cache.k[0][1].shape[2]
+    allowed = jnp.concatenate(  # [B, P + (chunk + 1) * C]
+        [prompt_mask.astype(bool), jnp.ones((B, chunk * chunk_len), bool),
+         jnp.broadcast_to(jnp.arange(chunk_len) <= offset, (B, chunk_len))], axis=1)
     cos, sin = rope_cos_sin(cfg, positions[:, None])  # [B, 1, Dh/2]
     x = jnp.take(params["embed"], tokens, axis=0).astype(cdt)[:, None, :]  # [B, 1, D]
-    ks, vs = list(cache.k), list(cache.v)
-    for i, p in enumerate(layers):  # unrolled: each layer reads its own buffers in place
+    new_k, new_v = [], []
+    for p, k_segments, v_segments in zip(layers, cache.k, cache.v, strict=True):  # unrolled over layers
         p = {name: w.astype(cdt) for name, w in p.items()}
         q, k, v = layer_qkv(cfg, p, x, cos, sin)  # q [B, 1, H, Dh]; k, v [B, 1, KVH, Dh]
-        start = (0, 0, index, 0)
-        ks[i] = jax.lax.dynamic_update_slice(ks[i], jnp.swapaxes(k, 1, 2).astype(ks[i].dtype), start)
-        vs[i] = jax.lax.dynamic_update_slice(vs[i], jnp.swapaxes(v, 1, 2).astype(vs[i].dtype), start)
-        x = layer_output(cfg, p, x, _attend_one(q, ks[i].astype(cdt), vs[i].astype(cdt), allowed))
+        k_segments, v_segments = list(k_segments), list(v_segments)
+        for segments, new in ((k_segments, k), (v_segments, v)):
+            target = segments[1 + chunk]
+            segments[1 + chunk] = jax.lax.dynamic_update_slice(
+                target, jnp.swapaxes(new, 1, 2).astype(target.dtype), (0, 0, offset, 0))
+        visible = slice(0, chunk + 2)
+        attended = _attend_one(q, tuple(c.astype(cdt) for c in k_segments[visible]),
+                               tuple(c.astype(cdt) for c in v_segments[visible]), allowed)
+        x = layer_output(cfg, p, x, attended)
+        new_k.append(tuple(k_segments))
+        new_v.append(tuple(v_segments))
     hidden = rms_norm(x[:, 0], params["final_norm"], cfg.rms_norm_eps)
-    return hidden, DecodeCache(tuple(ks), tuple(vs))
+    return hidden, DecodeCache(tuple(new_k), tuple(new_v))

@@ -14,6 +14,7 @@ occurs inside every chat prompt.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, NamedTuple
 
 import jax
@@ -233,6 +234,19 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array) -> j
     return out.reshape(B, T, H, Dh)
 
 
+def dense(x: jax.Array, w: jax.Array, contract: int = 1) -> jax.Array:
+    """x [..., *in] times w [*in, *out], with `in` the last `contract` dims of x, as one 2-D matmul.
+
+    Same numbers as the einsum, but XLA:CPU runs a [rows, in] x [in, out] dot (and its two gradient dots)
+    much faster than a batched einsum over [B, T, ...] (measured on SmolLM2's MLP at 16 x 192: forward
+    90 -> 68 ms, forward + backward 389 -> 281 ms); merging leading dims keeps any sharding of B or heads.
+    """
+    lead, inner = x.shape[: x.ndim - contract], w.shape[:contract]
+    size = math.prod(inner)
+    y = x.reshape(-1, size) @ w.reshape(size, -1)
+    return y.reshape(*lead, *w.shape[contract:])
+
+
 def rope_cos_sin(cfg: LLMConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
     """cos, sin of the rotary angles for integer positions [B, T]: each [B, T, Dh/2] float32."""
     angles = positions.astype(jnp.float32)[..., None] * rope_inv_freq(cfg)
@@ -243,9 +257,7 @@ def layer_qkv(cfg: LLMConfig, p: dict, x: jax.Array, cos, sin):
     """A layer's queries [B, T, H, Dh] and keys, values [B, T, KVH, Dh] (biases, qk-norm, RoPE applied)."""
     with jax.named_scope("attention"):
         h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
-        q = jnp.einsum("btd,dhk->bthk", h, p["q"])
-        k = jnp.einsum("btd,dhk->bthk", h, p["k"])
-        v = jnp.einsum("btd,dhk->bthk", h, p["v"])
+        q, k, v = dense(h, p["q"]), dense(h, p["k"]), dense(h, p["v"])  # [B, T, H or KVH, Dh]
         if cfg.qkv_bias:
             q, k, v = q + p["q_bias"], k + p["k_bias"], v + p["v_bias"]
         if cfg.qk_norm:
@@ -257,13 +269,12 @@ def layer_qkv(cfg: LLMConfig, p: dict, x: jax.Array, cos, sin):
 def layer_output(cfg: LLMConfig, p: dict, x: jax.Array, attended: jax.Array) -> jax.Array:
     """The residual stream after a layer, given its attention output [B, T, H, Dh]: o-projection, then the MLP."""
     with jax.named_scope("attention"):
-        x = x + jnp.einsum("bthk,hkd->btd", attended, p["o"])
+        x = x + dense(attended, p["o"], contract=2)
         if cfg.o_bias:
             x = x + p["o_bias"]
     with jax.named_scope("mlp"):
         h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
-        gated = jax.nn.silu(jnp.einsum("btd,df->btf", h, p["gate"])) * jnp.einsum("btd,df->btf", h, p["up"])
-        return x + jnp.einsum("btf,fd->btd", gated, p["down"])
+        return x + dense(jax.nn.silu(dense(h, p["gate"])) * dense(h, p["up"]), p["down"])
 
 
 def _remat(fn, policy: str):
