@@ -1,6 +1,12 @@
 """What this machine can do: the figures benchmarks divide by (shared by every script here)."""
 
+import os
 import time
+
+
+def usable_cores() -> int:
+    """CPU cores this process may run on (`taskset` narrows it; os.cpu_count() would not see that)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
 def matmul_peak_flops(dtype: str = "float32", size: int = 2048, repeats: int = 5) -> float:

@@ -27,6 +27,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+from hardware import usable_cores  # noqa: E402
 from sampler import MESSAGES, TUNIX_CONFIG_FROM_HF, ensure_tunix_venv  # noqa: E402 - the sampler benchmark owns the Tunix virtualenv
 
 PHASES = ("sample", "reward", "logprobs", "update", "weight_sync", "checkpoint")
@@ -180,11 +181,11 @@ def main() -> None:
               + f" | {tunix_s:.1f} | {t['first_iteration_s']:.1f} | {generated / tunix_s:.0f} | 1.00x |")
     else:
         print(f"| Tunix 0.1.7 GRPOLearner | {errors.get('tunix', 'skipped')[:120]} |")
-    print(f"(load average {load_before:.1f} before, {load_after:.1f} after; {os.cpu_count()} cores; jgrpo "
+    print(f"(load average {load_before:.1f} before, {load_after:.1f} after; {usable_cores()} cores; jgrpo "
           "checkpoints every iteration, Tunix none; weight_sync with v=4 is averaged over the timed iterations)")
     print(json.dumps({"benchmark": "iteration", "model": args.model, "dtype": args.dtype, "prompts": args.prompts,
                       "generations": args.generations, "new_tokens": args.new_tokens, "prompt_len": args.prompt_len,
-                      "load_average": [load_before, load_after], "cpu_count": os.cpu_count(), **results,
+                      "load_average": [load_before, load_after], "cpu_count": usable_cores(), **results,
                       "errors": errors}))
 
 

@@ -30,7 +30,7 @@ import textwrap
 import time
 from pathlib import Path
 
-from hardware import matmul_peak_flops  # benchmarks/ is on sys.path when run as a script
+from hardware import matmul_peak_flops, usable_cores  # benchmarks/ is on sys.path when run as a script
 
 MODEL = "smollm2-135m-instruct"
 MESSAGES = [
@@ -214,7 +214,7 @@ def main() -> None:
     cfg = _jgrpo_model()[3]
     load_before = os.getloadavg()
     peak = matmul_peak_gflops()
-    print(f"float32 matmul peak on this CPU: {peak:.0f} GFLOP/s ({os.cpu_count()} cores, "
+    print(f"float32 matmul peak on this CPU: {peak:.0f} GFLOP/s ({usable_cores()} cores, "
           f"load average {load_before[0]:.1f})", file=sys.stderr)
     # Config by config, the three samplers back to back, so a shared machine's load hits them alike.
     runners = {"jgrpo": bench_jgrpo, "transformers": bench_transformers,
@@ -257,9 +257,9 @@ def main() -> None:
         figures.append({"rows": rows, "new_tokens": new, **{f"{n}_tok_s": tps[n] for n in names},
                         "jgrpo_over_tunix": ratio["tunix"], "jgrpo_over_transformers": ratio["transformers"],
                         "jgrpo_fraction_of_matmul_peak": frac, "load_average": loads[key]})
-    print(f"(load average {load_before[0]:.1f} before, {load_after[0]:.1f} after; {os.cpu_count()} cores)")
+    print(f"(load average {load_before[0]:.1f} before, {load_after[0]:.1f} after; {usable_cores()} cores)")
     print(json.dumps({"benchmark": "sampler", "model": MODEL, "dtype": "float32", "matmul_peak_gflops": peak,
-                      "load_average": [load_before[0], load_after[0]], "cpu_count": os.cpu_count(),
+                      "load_average": [load_before[0], load_after[0]], "cpu_count": usable_cores(),
                       "results": figures, "errors": errors}))
 
 

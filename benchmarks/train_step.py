@@ -28,7 +28,7 @@ import sys
 import time
 
 import numpy as np
-from hardware import matmul_peak_flops  # benchmarks/ is on sys.path when run as a script
+from hardware import matmul_peak_flops, usable_cores  # benchmarks/ is on sys.path when run as a script
 
 BETA, CLIP_EPS, LR = 0.04, 0.2, 1e-6
 # Random-weight stand-ins for models the hub would serve (unreachable offline): name -> LLMConfig fields.
@@ -134,7 +134,7 @@ def bench_torch(args, host) -> dict:
 
     from jgrpo.models.builtin import resolve_model_dir
 
-    torch.set_num_threads(os.cpu_count())
+    torch.set_num_threads(usable_cores())
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
     model = transformers.AutoModelForCausalLM.from_pretrained(resolve_model_dir(args.model), dtype=dtype)
     model.train()
@@ -252,12 +252,12 @@ def main() -> None:
     ratio = figures["jgrpo"]["tokens_per_s"] / figures["torch"]["tokens_per_s"] if len(figures) == 2 else None
     if ratio:
         print(f"| jgrpo / torch | | {ratio:.2f}x | |")
-    print(f"(load average {load_before:.1f} before, {load_after:.1f} after; {os.cpu_count()} cores; "
+    print(f"(load average {load_before:.1f} before, {load_after:.1f} after; {usable_cores()} cores; "
           f"log-prob chunk {args.chunk}, remat {args.remat})")
     print(json.dumps({"benchmark": "train_step", "model": args.model, "dtype": args.dtype, "rows": rows,
                       "tokens_per_row": length, "new_tokens": args.new_tokens, "chunk": args.chunk,
                       "remat": args.remat, "device": jax.devices()[0].device_kind, "peak_tflops": peak,
-                      "load_average": [load_before, load_after], "cpu_count": os.cpu_count(), **figures,
+                      "load_average": [load_before, load_after], "cpu_count": usable_cores(), **figures,
                       "jgrpo_over_torch": ratio, "errors": errors}))
 
 
