@@ -22,6 +22,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec
 
+from jgrpo.models.attention import attention
+
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 REMAT_POLICIES = ("none", "full", "dots")
@@ -219,19 +221,6 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     cos, sin = cos[:, :, None, :], sin[:, :, None, :]
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
-
-
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array) -> jax.Array:
-    """Grouped-query attention. q: [B, T, H, Dh]; k, v: [B, S, KVH, Dh]; allowed: [B, T, S] bool."""
-    B, T, H, Dh = q.shape
-    KVH = k.shape[2]
-    q = q.reshape(B, T, KVH, H // KVH, Dh)
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32) * Dh**-0.5
-    # A finite floor, not -inf: rows with nothing allowed (padding queries) stay finite instead of NaN.
-    scores = jnp.where(allowed[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
-    return out.reshape(B, T, H, Dh)
 
 
 def dense(x: jax.Array, w: jax.Array, contract: int = 1) -> jax.Array:
