@@ -198,7 +198,9 @@ def generate(
     `params` may be any params pytree of `graphdef` (current or behaviour policy). With a `mesh`,
     rows are sharded over the batch axes and heads over tensor (`rules`, SAMPLE_RULES by default);
     params in another layout (e.g. the FSDP training layout, or one device) are resharded first, once per
-    call; params already in the sampling layout are used as they are.
+    call; params already in the sampling layout are used as they are. `decode_chunk` sets the length of
+    the cache chunks the decode attends to one by one (default: `decode_chunking`'s choice); it changes
+    speed and compile time, never the samples.
     """
     if num_samples < 1 or max_new_tokens < 1:
         raise ValueError(f"num_samples={num_samples} and max_new_tokens={max_new_tokens} must be positive")
