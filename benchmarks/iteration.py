@@ -3,13 +3,15 @@
 Same shape on every side: SmolLM2-135M-Instruct in float32, 4 prompts x 4 samples x 128 new tokens (every
 row forced to the full length: no stop ids), prompts left-padded to 64 tokens, beta 0.04 (k3 KL to the
 initial params), clip 0.2, AdamW, one optimiser step per iteration. jgrpo's time per phase comes from the
-trainer's own `time/*` metrics (sampling, rewards, log-probs, update, weight sync, checkpoint every iteration);
+trainer's own `time/*` metrics (sampling, rewards, log-probs, update, weight sync, checkpoint: every iteration by
+default, never with --checkpoint-every 0);
 the first iteration compiles and is reported apart, the others are averaged. Tunix (PyPI google-tunix==0.1.7,
 its own virtualenv, see benchmarks/sampler.py) runs `GRPOLearner.train` on the same model files with the
 vanilla rollout engine, no checkpoints; its warm iteration time is the interval between consecutive calls of
 its reward function (one call per iteration). A Tunix failure is reported in the table, not raised.
 
     python benchmarks/iteration.py                         # jgrpo v=1, v=4 and Tunix
+    python benchmarks/iteration.py --checkpoint-every 0    # like for like: no checkpoints on either side
     python benchmarks/iteration.py --skip tunix --dtype bfloat16 --model /path/to/hf_dir      # accelerator
 
 Prints a table, then one JSON line with every figure.
@@ -42,8 +44,10 @@ def bench_jgrpo(args, refresh: int, iterations: int, run_dir: Path) -> dict:
         f"data.batch_size={args.prompts}", "data.source=arithmetic", "data.max_prompt_length=64",
         f"grpo.num_generations={args.generations}", f"grpo.behaviour_refresh={refresh}", "grpo.beta=0.04",
         f"sampler.max_new_tokens={args.new_tokens}", f"sampler.prompt_bucket={args.prompt_len}",
-        "optim.learning_rate=1e-6", "checkpoint.every=1", "checkpoint.keep=1", "logging.tensorboard=false",
-        "logging.progress_bar=false", "logging.samples_every=0", f"run.iterations={iterations}",
+        "optim.learning_rate=1e-6", f"checkpoint.every={args.checkpoint_every}", "checkpoint.keep=1",
+        "logging.tensorboard=false", "logging.progress_bar=false", "logging.samples_every=0",
+        # With checkpoint.every=0 the trainer still saves at its last iteration: make that one never come.
+        f"run.iterations={iterations if args.checkpoint_every else 10**6}",
         f"run.output_dir={run_dir}", "reward.num_workers=1",
     ]
     trainer = Trainer(load_config(None, overrides))
@@ -138,6 +142,8 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--iterations", type=int, default=3, help="jgrpo iterations per run (the first compiles)")
     p.add_argument("--off-policy-iterations", type=int, default=5, help="v=4: 5 covers one refresh after the first")
+    p.add_argument("--checkpoint-every", type=int, default=1,
+                   help="jgrpo saves every N iterations (0 = never, like the Tunix side)")
     p.add_argument("--tunix-iterations", type=int, default=4, help="Tunix: the first two compile")
     p.add_argument("--tunix-venv", type=Path, default=Path("/tmp/tunix-venv"))
     p.add_argument("--skip", action="append", default=[], choices=("on_policy", "off_policy", "tunix"))
@@ -181,11 +187,13 @@ def main() -> None:
               + f" | {tunix_s:.1f} | {t['first_iteration_s']:.1f} | {generated / tunix_s:.0f} | 1.00x |")
     else:
         print(f"| Tunix 0.1.7 GRPOLearner | {errors.get('tunix', 'skipped')[:120]} |")
+    saves = f"every {args.checkpoint_every} iteration(s)" if args.checkpoint_every else "never"
     print(f"(load average {load_before:.1f} before, {load_after:.1f} after; {usable_cores()} cores; jgrpo "
-          "checkpoints every iteration, Tunix none; weight_sync with v=4 is averaged over the timed iterations)")
+          f"checkpoints {saves}, Tunix never; weight_sync with v=4 is averaged over the timed iterations)")
     print(json.dumps({"benchmark": "iteration", "model": args.model, "dtype": args.dtype, "prompts": args.prompts,
                       "generations": args.generations, "new_tokens": args.new_tokens, "prompt_len": args.prompt_len,
-                      "load_average": [load_before, load_after], "cpu_count": usable_cores(), **results,
+                      "load_average": [load_before, load_after], "cpu_count": usable_cores(),
+                      "checkpoint_every": args.checkpoint_every, **results,
                       "errors": errors}))
 
 
