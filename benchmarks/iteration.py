@@ -30,7 +30,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from hardware import usable_cores  # noqa: E402
-from sampler import MESSAGES, TUNIX_CONFIG_FROM_HF, ensure_tunix_venv  # noqa: E402 - the sampler benchmark owns the Tunix virtualenv
+from sampler import MESSAGES, TUNIX_CONFIG_FROM_HF, ensure_tunix_venv  # noqa: E402
+from train_step import add_batch_arguments  # noqa: E402 - the sampler benchmark owns the Tunix virtualenv
 
 PHASES = ("sample", "reward", "logprobs", "update", "weight_sync", "checkpoint")
 
@@ -134,12 +135,7 @@ def bench_tunix(args) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    p.add_argument("--prompts", type=int, default=4)
-    p.add_argument("--generations", type=int, default=4)
-    p.add_argument("--new-tokens", type=int, default=128)
-    p.add_argument("--prompt-len", type=int, default=64)
+    add_batch_arguments(p)
     p.add_argument("--iterations", type=int, default=3, help="jgrpo iterations per run (the first compiles)")
     p.add_argument("--off-policy-iterations", type=int, default=5, help="v=4: 5 covers one refresh after the first")
     p.add_argument("--checkpoint-every", type=int, default=1,

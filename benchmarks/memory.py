@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from train_step import build_model, jgrpo_step_setup, synthetic_batch  # noqa: E402
+from train_step import add_batch_arguments, build_model, jgrpo_step_setup, synthetic_batch  # noqa: E402
 
 MiB = 2**20
 
@@ -101,12 +101,7 @@ def torch_peak_bytes(args) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    p.add_argument("--prompts", type=int, default=4)
-    p.add_argument("--generations", type=int, default=4)
-    p.add_argument("--prompt-len", type=int, default=64)
-    p.add_argument("--new-tokens", type=int, default=128)
+    add_batch_arguments(p)
     p.add_argument("--remat", default="none,full,dots", help="comma-separated remat policies")
     p.add_argument("--chunks", default="32,128", help="comma-separated log-prob chunks (>= new tokens = unchunked)")
     p.add_argument("--skip", action="append", default=[], choices=("jgrpo", "torch"))

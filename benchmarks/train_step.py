@@ -55,6 +55,16 @@ def build_model(name: str, *, dtype: str = "float32", remat: str = "none"):
     return load_model(name, param_dtype=dtype, compute_dtype=dtype, remat=remat)
 
 
+def add_batch_arguments(parser: argparse.ArgumentParser, model_help: str | None = None) -> None:
+    """The model and GRPO batch shape flags every training-side benchmark takes (same defaults everywhere)."""
+    parser.add_argument("--model", default="smollm2-135m-instruct", help=model_help)
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--generations", type=int, default=4)
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=128)
+
+
 def synthetic_batch(cfg, *, prompts: int, generations: int, prompt_len: int, new_tokens: int, seed: int = 0):
     """Host arrays of one sampled batch: left-padded prompts, completions (some stopped early), rewards."""
     rng = np.random.default_rng(seed)
@@ -195,13 +205,7 @@ def matmul_peak_tflops(dtype: str, size: int = 2048, repeats: int = 5) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="smollm2-135m-instruct",
-                   help=f"built-in name / HF dir, or a random preset: {', '.join(RANDOM_MODELS)}")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    p.add_argument("--prompts", type=int, default=4)
-    p.add_argument("--generations", type=int, default=4)
-    p.add_argument("--prompt-len", type=int, default=64)
-    p.add_argument("--new-tokens", type=int, default=128)
+    add_batch_arguments(p, model_help=f"built-in name / HF dir, or a random preset: {', '.join(RANDOM_MODELS)}")
     p.add_argument("--chunk", type=int, default=None, help="log-prob chunk (default: the config default)")
     p.add_argument("--remat", default="none", choices=("none", "full", "dots"))
     p.add_argument("--steps", type=int, default=3, help="timed steps per side (median kept)")
