@@ -30,7 +30,7 @@ PANELS = (
 X_AXES = {"iteration": "iteration", "wallclock": "training time (s)"}
 
 
-def _with_training_time(record: dict) -> dict:
+def with_training_time(record: dict) -> dict:
     """The record plus time/training: its iteration's time without the held-out evaluation it ran."""
     if "time/iteration" not in record:
         return record
@@ -43,7 +43,7 @@ def _x_values(records: list[dict], axis: str) -> dict[int, float]:
         return {r["iteration"]: float(r["iteration"]) for r in records}
     elapsed, out = 0.0, {}
     for r in sorted(records, key=lambda r: r["iteration"]):
-        elapsed += _with_training_time(r).get("time/training", 0.0)
+        elapsed += with_training_time(r).get("time/training", 0.0)
         out[r["iteration"]] = elapsed
     return out
 
@@ -74,7 +74,7 @@ def plot_runs(run_dirs: list[str | Path], out_file: str | Path, smooth: int = 1,
         records = read_metrics(run_dir)
         if not records:
             raise FileNotFoundError(f"{Path(run_dir) / METRICS_FILE}: no metrics (is this a jgrpo run directory?)")
-        runs.append((Path(run_dir).name or str(run_dir), [_with_training_time(r) for r in records]))
+        runs.append((Path(run_dir).name or str(run_dir), [with_training_time(r) for r in records]))
 
     columns = 3
     rows = -(-len(PANELS) // columns)

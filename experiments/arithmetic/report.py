@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from jgrpo.metrics import read_metrics
-from jgrpo.plot import plot_runs
+from jgrpo.plot import plot_runs, with_training_time
 
 RUN_ORDER = ("v1_i1", "v1_i1_masked", "v4_i1", "v10_i1", "v10_i1_recentred", "v10_i1_current", "v1_i4")
 
@@ -30,7 +30,7 @@ def _mean(values):
 
 def summarise(records: list[dict]) -> dict:
     evals = [r for r in records if "eval/greedy_accuracy" in r]
-    warm = [r["time/iteration"] - r.get("time/eval", 0.0) for r in records[1:]]
+    warm = [with_training_time(r)["time/training"] for r in records[1:]]
     out = {"iterations": records[-1]["iteration"] if records else 0,
            "reward_last10": _mean([r["reward/mean"] for r in records[-10:]]),
            "s_per_iteration": statistics.median(warm) if warm else float("nan"),
