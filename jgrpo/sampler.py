@@ -139,9 +139,9 @@ def _constrain_cache(cache: DecodeCache, layout: _Layout | None) -> DecodeCache:
     if layout is None:
         return cache
 
-    def segments(per_layer):
-        return tuple((_constrain(layer[0], layout.prompt_cache),) + tuple(_constrain(c, layout.chunk_cache)
-                                                                          for c in layer[1:]) for layer in per_layer)
+    def segments(per_layer):  # each layer: (prompt segment, chunk 0, chunk 1, ...)
+        return tuple((_constrain(prompt, layout.prompt_cache), *(_constrain(c, layout.chunk_cache) for c in chunks))
+                     for prompt, *chunks in per_layer)
 
     return DecodeCache(segments(cache.k), segments(cache.v))
 
@@ -230,7 +230,7 @@ def generate(
 
 class _DecodeState(NamedTuple):
     step: jax.Array  # [] int32: index of the next token to generate
-    cache: DecodeCache  # L x [R, KVH, S, Dh]
+    cache: DecodeCache  # per layer: the prompt segment [R, KVH, P, Dh], then chunks [R, KVH, C, Dh]
     last: jax.Array  # [R] int32 the latest token of every row
     done: jax.Array  # [R] bool
     tokens: jax.Array  # [R, N] int32
