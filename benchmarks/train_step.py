@@ -4,13 +4,15 @@ One step = forward + backward + global-norm clipping + AdamW update of the GRPO 
 ratio to the behaviour log-probs, k3 KL to reference log-probs, beta 0.04) on R sequences of P prompt +
 N completion tokens (default 16 x (64 + 128) = 16 x 192, SmolLM2-135M-Instruct, float32). Both sides
 load the same converted HF checkpoint and see the same token ids, masks, advantages and recorded
-log-probs. Both run every position through the model and the vocabulary projection only on the N
-completion positions (transformers: `logits_to_keep`, as TRL does).
+log-probs. Both run the vocabulary projection only on the N completion positions (transformers:
+`logits_to_keep`, as TRL does). PyTorch runs every row's prompt; jgrpo by default computes each prompt once
+for its G rows (`model.share_prompts`, same numbers; `--no-share-prompts` runs every row like PyTorch).
 
-tokens/s counts the R * (P + N - 1) tokens the model reads per step. jgrpo is compiled once (untimed);
+tokens/s counts the R * (P + N - 1) tokens a step scores. jgrpo is compiled once (untimed);
 PyTorch gets one untimed warm-up step; then each side runs `--steps` timed steps, the median is kept.
-MFU = model FLOPs (6 per parameter-token of the matmuls plus attention, backward = 2x forward) / time /
-peak, where peak is `--peak-tflops` or else a large matmul measured here in the step's dtype.
+MFU = FLOPs as executed by each side (6 per parameter-token of the matmuls plus attention, backward = 2x
+forward; a shared prompt counts once per group) / time / peak, where peak is `--peak-tflops` or else a
+large matmul measured here in the step's dtype.
 
     python benchmarks/train_step.py                                   # SmolLM2, CPU, both sides
     python benchmarks/train_step.py --dtype bfloat16 --model qwen2.5-0.5b-random --skip torch   # accelerator
@@ -82,7 +84,7 @@ def synthetic_batch(cfg, *, prompts: int, generations: int, prompt_len: int, new
                 completion_mask=completion_mask, rewards=rewards)
 
 
-def jgrpo_step_setup(graphdef, params, host, *, chunk: int, generations: int):
+def jgrpo_step_setup(graphdef, params, host, *, chunk: int, generations: int, share_prompts: bool = True):
     """(StepFunctions, StepBatch with lp_alpha = lp_ref = the model's own log-probs, opt_state)."""
     import jax
     import jax.numpy as jnp
@@ -97,7 +99,7 @@ def jgrpo_step_setup(graphdef, params, host, *, chunk: int, generations: int):
     optimizer = make_optimizer(OptimConfig(learning_rate=LR, max_grad_norm=1.0), total_steps=1000)
     steps = StepFunctions(graphdef=graphdef, params=params, mesh=make_mesh(MeshConfig()), grpo=grpo,
                           optimizer=optimizer, method=SamplingMethod(), logprob_chunk=chunk,
-                          new_tokens=host["tokens"].shape[1])
+                          new_tokens=host["tokens"].shape[1], share_prompts=share_prompts)
     placeholder = jnp.zeros(host["tokens"].shape, jnp.float32)
     batch, _ = steps.assemble(host["prompt_tokens"], host["prompt_mask"], host["tokens"], host["completion_mask"],
                               placeholder, host["rewards"])
@@ -112,7 +114,7 @@ def bench_jgrpo(args, host) -> dict:
 
     graphdef, params, cfg = build_model(args.model, dtype=args.dtype, remat=args.remat)
     steps, batch, opt_state = jgrpo_step_setup(graphdef, params, host, chunk=args.chunk,
-                                               generations=args.generations)
+                                               generations=args.generations, share_prompts=args.share_prompts)
     minibatch, first = jnp.int32(0), jnp.bool_(True)
     start = time.perf_counter()
     params, opt_state, metrics = jax.block_until_ready(steps.train_step(params, opt_state, batch, minibatch, first))
@@ -198,6 +200,17 @@ def train_flops_per_token(cfg, context: float) -> float:
     return 3 * 2 * L * per_layer
 
 
+def step_flops(cfg, *, prompts: int, generations: int, prompt_len: int, new_tokens: int, shared: bool) -> float:
+    """FLOPs of one step as executed: each prompt once per row, or once per group when `shared`."""
+    rows, length = prompts * generations, prompt_len + new_tokens - 1
+    logits = 3 * 2 * cfg.hidden_size * cfg.vocab_size * rows * new_tokens
+    if not shared:
+        return train_flops_per_token(cfg, context=length / 2) * rows * length + logits
+    completion = new_tokens - 1  # completion queries see the whole prompt and their own prefix
+    return (train_flops_per_token(cfg, context=prompt_len / 2) * prompts * prompt_len
+            + train_flops_per_token(cfg, context=prompt_len + completion / 2) * rows * completion + logits)
+
+
 def matmul_peak_tflops(dtype: str, size: int = 2048, repeats: int = 5) -> float:
     """Best-of-`repeats` TFLOP/s of a jitted square matmul: this machine's practical peak."""
     return matmul_peak_flops(dtype, size, repeats) / 1e12
@@ -211,6 +224,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3, help="timed steps per side (median kept)")
     p.add_argument("--peak-tflops", type=float, default=None, help="device peak for MFU (default: measured)")
     p.add_argument("--skip", action="append", default=[], choices=("jgrpo", "torch"))
+    p.add_argument("--share-prompts", action=argparse.BooleanOptionalAction, default=True,
+                   help="jgrpo computes each prompt once per group of G rows (model.share_prompts, the default)")
     args = p.parse_args()
     if args.chunk is None:
         from jgrpo.config import ModelConfig
@@ -238,9 +253,11 @@ def main() -> None:
     cfg = results.get("jgrpo", {}).pop("cfg", None) or cfg or build_model(args.model)[2]
     load_after = os.getloadavg()[0]
 
-    tokens = rows * length
-    flops = train_flops_per_token(cfg, context=length / 2) * tokens + 3 * 2 * cfg.hidden_size * cfg.vocab_size * \
-        rows * args.new_tokens
+    tokens = rows * length  # what a step scores; MFU counts each side's FLOPs as executed
+    shape = dict(prompts=args.prompts, generations=args.generations, prompt_len=args.prompt_len,
+                 new_tokens=args.new_tokens)
+    side_flops = {"jgrpo": step_flops(cfg, **shape, shared=args.share_prompts and args.generations > 1),
+                  "torch": step_flops(cfg, **shape, shared=False)}
     print(f"| {rows} x {length + 1} tokens, {args.model}, {args.dtype}, {jax.devices()[0].device_kind} "
           f"| s/step | tokens/s | MFU (peak {peak:.2f} TFLOP/s) |")
     print("|---|---|---|---|")
@@ -248,7 +265,7 @@ def main() -> None:
     for name in ("jgrpo", "torch"):
         if name in results:
             s = results[name]["seconds"]
-            figures[name] = {"s_per_step": s, "tokens_per_s": tokens / s, "mfu": flops / s / (peak * 1e12),
+            figures[name] = {"s_per_step": s, "tokens_per_s": tokens / s, "mfu": side_flops[name] / s / (peak * 1e12),
                              "first_step_s": results[name]["first_step_s"], "loss": results[name]["loss"]}
             print(f"| {name} | {s:.2f} | {tokens / s:.0f} | {100 * figures[name]['mfu']:.1f}% |")
         else:
@@ -257,10 +274,11 @@ def main() -> None:
     if ratio:
         print(f"| jgrpo / torch | | {ratio:.2f}x | |")
     print(f"(load average {load_before:.1f} before, {load_after:.1f} after; {usable_cores()} cores; "
-          f"log-prob chunk {args.chunk}, remat {args.remat})")
+          f"log-prob chunk {args.chunk}, remat {args.remat}, jgrpo shares prompts: {args.share_prompts})")
     print(json.dumps({"benchmark": "train_step", "model": args.model, "dtype": args.dtype, "rows": rows,
                       "tokens_per_row": length, "new_tokens": args.new_tokens, "chunk": args.chunk,
-                      "remat": args.remat, "device": jax.devices()[0].device_kind, "peak_tflops": peak,
+                      "remat": args.remat, "share_prompts": args.share_prompts,
+                      "device": jax.devices()[0].device_kind, "peak_tflops": peak,
                       "load_average": [load_before, load_after], "cpu_count": usable_cores(), **figures,
                       "jgrpo_over_torch": ratio, "errors": errors}))
 

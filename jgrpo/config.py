@@ -38,6 +38,9 @@ class ModelConfig:
     remat: Literal["none", "full", "dots"] = "none"
     # Tokens per chunk when computing log-probs from hidden states (never materialise [B, T, V]).
     logprob_chunk: int = 256
+    # Trainer forward/backward: compute each prompt once for its G completions instead of once per row
+    # (same numbers; the prompt's share of the work drops by G). Off = plain [prompt | completion] rows.
+    share_prompts: bool = True
 
     def __post_init__(self):
         _check(self.logprob_chunk > 0, "model.logprob_chunk", self.logprob_chunk, "a positive integer")

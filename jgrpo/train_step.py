@@ -10,7 +10,9 @@ axes. Minibatch m is chunks [m*U, (m+1)*U) (U = micro_batches): a slice of the l
 every device, and each micro-batch spans all devices.
 
 Sequences are [prompt (left-padded, P) | completion (N)]; the model reads all but the last token and the
-hidden state at slot P-1+j predicts completion token j.
+hidden state at slot P-1+j predicts completion token j. The G rows of a group are consecutive and share
+their prompt, so with `share_prompts` (and chunks of whole groups) the model computes each prompt once
+(`models.shared_prompt`).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from jgrpo.diagnostics import finalize_metrics
 from jgrpo.logprobs import token_logprobs
 from jgrpo.mesh import TRAIN_RULES, logical_shardings, logical_to_spec, replicated
 from jgrpo.models.llm import merge_model, param_logical_axes, position_ids_from_mask
+from jgrpo.models.shared_prompt import forward_shared_prompts
 from jgrpo.objectives import grpo_loss, step_normaliser
 from jgrpo.sampling_methods import SamplingMethod
 
@@ -87,9 +90,10 @@ class StepFunctions:
     """
 
     def __init__(self, *, graphdef, params, mesh: Mesh, grpo: GRPOConfig, optimizer: optax.GradientTransformation,
-                 method: SamplingMethod, logprob_chunk: int, new_tokens: int):
+                 method: SamplingMethod, logprob_chunk: int, new_tokens: int, share_prompts: bool = True):
         self.graphdef, self.mesh, self.grpo, self.optimizer = graphdef, mesh, grpo, optimizer
         self.method, self.chunk, self.new_tokens = method, logprob_chunk, new_tokens
+        self.share_prompts = share_prompts
         self.chunks = grpo.num_minibatches * grpo.micro_batches
         self.lp_k_source = lp_k_source(grpo)
         self.param_shardings = logical_shardings(param_logical_axes(params), mesh, TRAIN_RULES, shapes=params)
@@ -149,12 +153,24 @@ class StepFunctions:
 
     # -------------------------------------------------------------- log-probs
 
+    def _predicting_states(self, model, inputs, input_mask, positions, new_tokens: int) -> jax.Array:
+        """[r, N, D]: the hidden states at slots P-1 ... P+N-2, which predict completion tokens 0 ... N-1."""
+        rows, P = inputs.shape[0], inputs.shape[1] + 1 - new_tokens
+        G = self.grpo.num_generations
+        if self.share_prompts and G > 1 and rows % G == 0 and new_tokens > 1:
+            def first_of_group(x):  # [r, ...] -> [r/G, ...]: the group's shared prompt
+                return x[:, :P].reshape(rows // G, G, P)[:, 0]
+
+            prompt, completion = forward_shared_prompts(model, first_of_group(inputs), first_of_group(input_mask),
+                                                        inputs[:, P:], input_mask[:, P:], positions[:, P:])
+            return jnp.concatenate([jnp.repeat(prompt[:, -1:], G, axis=0), completion], axis=1)
+        hidden, _ = model(inputs, positions, input_mask)  # [r, P+N-1, D]
+        return hidden[:, P - 1 :]
+
     def _sequence_logprobs(self, params, inputs, input_mask, positions, targets):
         """(lp, entropy), each [r, N], of `targets` under `params` and the sampling method (spec §6)."""
         model = merge_model(self.graphdef, params)
-        hidden, _ = model(inputs, positions, input_mask)  # [r, P+N-1, D]
-        prompt_len = inputs.shape[1] + 1 - targets.shape[1]
-        hidden = hidden[:, prompt_len - 1 :]  # [r, N, D]: the states that predict the completion
+        hidden = self._predicting_states(model, inputs, input_mask, positions, targets.shape[1])
         return token_logprobs(hidden, model.unembedding(), targets, chunk=self.chunk,
                               process_logits=self.method.process_logits)
 

@@ -77,7 +77,7 @@ class Trainer:
         self.schedule = learning_rate_schedule(config.optim, total_updates)
         self.steps = StepFunctions(graphdef=self.graphdef, params=params, mesh=self.mesh, grpo=g,
                                    optimizer=optimizer, method=self.method, logprob_chunk=m.logprob_chunk,
-                                   new_tokens=config.sampler.max_new_tokens)
+                                   new_tokens=config.sampler.max_new_tokens, share_prompts=m.share_prompts)
         self.steps.check_rows(config.data.batch_size * g.num_generations)
         self.sample_shardings = logical_shardings(param_logical_axes(params), self.mesh, SAMPLE_RULES,
                                                   shapes=params)

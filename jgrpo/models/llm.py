@@ -266,7 +266,8 @@ def layer_output(cfg: LLMConfig, p: dict, x: jax.Array, attended: jax.Array) -> 
         return x + dense(jax.nn.silu(dense(h, p["gate"])) * dense(h, p["up"]), p["down"])
 
 
-def _remat(fn, policy: str):
+def with_remat(fn, policy: str):
+    """`fn` (a layer body) under the model's remat policy: what its backward pass recomputes."""
     if policy == "full":
         return jax.checkpoint(fn)
     if policy == "dots":  # keep weight matmul outputs, recompute the cheap elementwise work
@@ -335,7 +336,7 @@ class LLM(nnx.Module):
             x = layer_output(cfg, p, x, attention(q, k, v, allowed))
             return (x, cache), None
 
-        layer = _remat(layer, cfg.remat)
+        layer = with_remat(layer, cfg.remat)
         xs = (self.layers.arrays(), jnp.arange(cfg.num_layers))
         (x, cache), _ = jax.lax.scan(layer, (x, cache), xs)
         return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps), cache

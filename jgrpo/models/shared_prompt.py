@@ -1,0 +1,72 @@
+"""The training forward pass with each prompt computed once for its group of G completions.
+
+A GRPO batch holds G completions of every prompt, and the trainer scores [prompt | completion] rows.
+Run as plain rows, the model computes every prompt's tokens G times over, forward and backward, for the
+same hidden states. Here each layer runs two streams instead: the Bp distinct prompts [Bp, P] and the
+R = Bp * G completions [R, N]. Prompt queries attend within their prompt (causal, as before); completion
+queries attend to their group's prompt keys and values (repeated G times, so the backward sums their G
+gradients) followed by the completion's own keys (causal). Every token sees exactly what it sees in the
+full [R, P + N] forward, so the numbers agree to float rounding (tested), and the prompt's share of the
+matmul work drops by a factor G: with SmolLM2 at 4 x 4 rows of 64 + 128 tokens, a quarter of the step.
+
+On a mesh the rows stay sharded over the data axes; a group is cheapest when its G rows live on one device
+(rows per device a multiple of G), otherwise XLA moves the prompt's keys and values between devices.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jgrpo.models.attention import attention
+from jgrpo.models.llm import LLM, layer_output, layer_qkv, position_ids_from_mask, rms_norm, rope_cos_sin, with_remat
+
+
+def _causal(length: int) -> jax.Array:
+    return jnp.arange(length)[None, :] <= jnp.arange(length)[:, None]  # [T, T]: key slot <= query slot
+
+
+def forward_shared_prompts(
+    model: LLM,
+    prompt_tokens: jax.Array,  # [Bp, P] int32, left-padded
+    prompt_mask: jax.Array,  # [Bp, P] bool
+    completion_tokens: jax.Array,  # [R, N] int32, R = Bp * G; rows b*G ... b*G + G-1 continue prompt b
+    completion_mask: jax.Array,  # [R, N] bool
+    completion_positions: jax.Array,  # [R, N] int32: the real prompt length of the row's prompt + j
+) -> tuple[jax.Array, jax.Array]:
+    """Hidden states after the final norm: (prompt [Bp, P, D], completion [R, N, D]).
+
+    The same numbers as `model(concat(repeat(prompt, G), completion), ...)` sliced into the two parts.
+    """
+    cfg = model.cfg
+    cdt = jnp.dtype(cfg.compute_dtype)
+    (Bp, P), (R, N) = prompt_tokens.shape, completion_tokens.shape
+    if R % Bp:
+        raise ValueError(f"{R} completion rows are not a whole number of groups of the {Bp} prompts")
+    G = R // Bp
+    prompt_mask = prompt_mask.astype(bool)
+    prompt_allowed = _causal(P)[None] & prompt_mask[:, None, :]  # [Bp, P, P]
+    completion_allowed = jnp.concatenate(  # [R, N, P + N]: the whole real prompt, then causal completion
+        [jnp.broadcast_to(jnp.repeat(prompt_mask, G, axis=0)[:, None, :], (R, N, P)),
+         _causal(N)[None] & completion_mask.astype(bool)[:, None, :]],
+        axis=-1,
+    )
+    prompt_rope = rope_cos_sin(cfg, position_ids_from_mask(prompt_mask))
+    completion_rope = rope_cos_sin(cfg, completion_positions)
+    embed = model.embed[...]
+
+    def layer(carry, p):
+        xp, xc = carry  # [Bp, P, D], [R, N, D]
+        p = {name: w.astype(cdt) for name, w in p.items()}
+        qp, kp, vp = layer_qkv(cfg, p, xp, *prompt_rope)
+        qc, kc, vc = layer_qkv(cfg, p, xc, *completion_rope)
+        keys = jnp.concatenate([jnp.repeat(kp, G, axis=0), kc], axis=1)  # [R, P + N, KVH, Dh]
+        values = jnp.concatenate([jnp.repeat(vp, G, axis=0), vc], axis=1)
+        xp = layer_output(cfg, p, xp, attention(qp, kp, vp, prompt_allowed))
+        xc = layer_output(cfg, p, xc, attention(qc, keys, values, completion_allowed))
+        return (xp, xc), None
+
+    carry = (jnp.take(embed, prompt_tokens, axis=0).astype(cdt), jnp.take(embed, completion_tokens, axis=0).astype(cdt))
+    (xp, xc), _ = jax.lax.scan(with_remat(layer, cfg.remat), carry, model.layers.arrays())
+    norm = model.final_norm[...]
+    return rms_norm(xp, norm, cfg.rms_norm_eps), rms_norm(xc, norm, cfg.rms_norm_eps)
