@@ -65,8 +65,9 @@ def group_advantages(rewards: jax.Array, config: GRPOConfig) -> GroupAdvantages:
         advantages = centred / denominator
     advantages = jnp.where(zero_variance, 0.0, advantages)
 
-    # Theorem 1's s is the group's reward std as the paper defines it (eps inside the sqrt).
-    s = jnp.sqrt(group_var + eps)  # [B, 1]
+    # Theorem 1's s is the group's reward std as the paper defines it: var_alpha is the population variance
+    # (whatever `advantage_std` scales the advantages with), eps inside the sqrt.
+    s = jnp.sqrt(grouped.var(axis=1, keepdims=True) + eps)  # [B, 1]
     tv_weight = (1.0 - s) / s
 
     in_loss = ~zero_variance if config.mask_zero_variance else jnp.ones_like(zero_variance)

@@ -111,6 +111,9 @@ class GRPOConfig:
     # Aggregation (spec §4); sum_norm_length is Dr.GRPO's constant L (None = sampler.max_new_tokens).
     aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = "token_mean"
     sum_norm_length: int | None = None
+    # Re-deal whole groups to the minibatches at every inner step after the first (PPO-style reshuffling).
+    # None = on exactly when it changes anything: inner_steps > 1 and num_minibatches > 1.
+    shuffle_minibatches: bool | None = None
 
     def __post_init__(self):
         for name in ("num_generations", "behaviour_refresh", "inner_steps", "num_minibatches", "micro_batches"):
@@ -126,6 +129,19 @@ class GRPOConfig:
             self.sum_norm_length is None or self.sum_norm_length > 0,
             "grpo.sum_norm_length", self.sum_norm_length, "None or a positive integer",
         )
+        # pi/alpha * min(pi_k/alpha, C) would weigh the behaviour ratio twice (at the first stale update,
+        # effectively (pi_k/alpha)^2): truncated IS corrects the pi/pi_k ratio only (the decoupled form).
+        _check(self.truncated_is == "none" or self.off_policy_ratio == "current", "grpo.truncated_is",
+               self.truncated_is, f"only with grpo.off_policy_ratio=current (got {self.off_policy_ratio!r}): the "
+               "truncated weight min(pi_k/alpha, C) already corrects for the behaviour policy, so the clipped "
+               "ratio must be pi/pi_k")
+
+    @property
+    def shuffles_minibatches(self) -> bool:
+        """Whether minibatches are re-dealt at each inner step (`shuffle_minibatches`, None = auto)."""
+        if self.shuffle_minibatches is None:
+            return self.inner_steps > 1 and self.num_minibatches > 1
+        return self.shuffle_minibatches
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -139,6 +155,11 @@ class OptimConfig:
     b2: float = 0.999
     eps: float = 1e-8
     max_grad_norm: float | None = 1.0  # global-norm clipping; None = off
+    # A step with nothing in the loss (every group of the minibatch masked as zero-variance; with beta = 0 also
+    # every advantage 0) has a zero gradient, yet AdamW would still move along its momentum and the schedule
+    # would advance. True: such a step leaves params, optimiser state and schedule untouched (counted as
+    # loss/empty_steps). False: step anyway, as TRL and verl do.
+    skip_empty_steps: bool = True
 
     def __post_init__(self):
         _check(self.learning_rate > 0, "optim.learning_rate", self.learning_rate, "> 0")

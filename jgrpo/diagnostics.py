@@ -3,7 +3,9 @@
 `grpo_loss` returns metrics as *accumulators*: sums and counts (added across micro-batches), and
 keys ending in `_min` / `_max` (combined with min / max). Under `jax.jit` over a sharded batch they
 are already global. `combine_metrics` merges two micro-batches; `finalize_metrics` turns the merged
-accumulators into the logged means. A mean over no tokens (e.g. every group masked) is NaN.
+accumulators into the logged means. A mean over an empty set (e.g. the KL when every group is masked) is
+finalised as 0 next to its count, and `MEAN_COUNTS` names that count, so whoever reports a mean can drop it
+when its count is 0: a NaN in the metrics only ever means a real numerical problem.
 
 Theorem 1 (rewards in [0, 1]), per prompt x with s = sqrt(var_alpha(r) + eps):
     J(pi) - J(pi_k) >= L_alpha(pi) - 2 (1 - s)/s TV(pi, alpha) - 2 TV(pi_k, alpha),
@@ -69,9 +71,15 @@ def loss_metrics(*, lp, lp_alpha, lp_k, adv, valid, mask, ratio, clipped_low, cl
     if entropy is not None:
         m["entropy_sum"] = _sum(sg(entropy), valid)
     if lp_behaviour_trainer is not None:
-        gap = jnp.abs(lp_alpha - jnp.where(valid, sg(lp_behaviour_trainer), 0.0))
-        m["logprob_mismatch_sum"] = _sum(gap, valid)
-        m["logprob_mismatch_max"] = _max(gap, valid)
+        # A sampled token outside the trainer's truncated support (lp = -inf, e.g. at a top-p edge that rounding
+        # moved) is a mismatch of support, not of value: counted, and kept out of the gap statistics.
+        trainer_lp = jnp.where(valid, sg(lp_behaviour_trainer), 0.0)
+        inside = valid & jnp.isfinite(trainer_lp)
+        gap = jnp.abs(lp_alpha - jnp.where(inside, trainer_lp, 0.0))
+        m["logprob_mismatch_sum"] = _sum(gap, inside)
+        m["logprob_mismatch_max"] = _max(gap, inside)
+        m["mismatch_token_count"] = _sum(1.0, inside)
+        m["outside_support_count"] = _sum(1.0, valid & ~inside)
     if staleness is not None:
         m["staleness_max"] = jnp.asarray(staleness, jnp.float32)
     m.update(theorem1_accumulators(lp, lp_alpha, lp_k, adv, valid))
@@ -114,15 +122,28 @@ def combine_metrics(a: dict[str, jax.Array], b: dict[str, jax.Array]) -> dict[st
     return {key: merge(key) for key in a}
 
 
+# Each finalised mean (or min / max) and the count of the set it is taken over. With a count of 0 the value
+# is a placeholder 0: drop it (see `trainer_metrics`).
+MEAN_COUNTS = {
+    **dict.fromkeys(("clip_frac_low", "clip_frac_high", "clip_frac_dual", "ratio_mean", "ratio_min", "ratio_max",
+                     "kl_mean", "is_weight_mean"), "token_count"),
+    "entropy_mean": "completion_token_count",
+    "logprob_mismatch_mean": "mismatch_token_count",
+    "logprob_mismatch_max": "mismatch_token_count",
+    "outside_support_frac": "completion_token_count",
+    **dict.fromkeys(("tv_theta_alpha", "tv_k_alpha", "tv_weight_mean", "tv_weight_M", "surrogate_alpha",
+                     "lower_bound"), "bound_row_count"),
+}
+
+
 def finalize_metrics(acc: dict[str, jax.Array]) -> dict[str, jax.Array]:
-    """Accumulators of a whole optimiser step -> the logged values (scalars)."""
-    nan = jnp.float32(jnp.nan)
+    """Accumulators of a whole optimiser step -> the logged values (scalars); see `MEAN_COUNTS`."""
 
     def mean(total, count):
-        return jnp.where(count > 0, total / jnp.maximum(count, 1.0), nan)
+        return jnp.where(count > 0, total / jnp.maximum(count, 1.0), 0.0)
 
     def extreme(value, count):
-        return jnp.where(count > 0, value, nan)
+        return jnp.where(count > 0, value, 0.0)
 
     tokens, completion_tokens, rows = acc["token_count"], acc["completion_token_count"], acc["row_count"]
     out = {
@@ -130,6 +151,7 @@ def finalize_metrics(acc: dict[str, jax.Array]) -> dict[str, jax.Array]:
         "pg_loss": acc["pg_loss"],
         "kl_loss": acc["kl_loss"],
         "token_count": tokens,
+        "completion_token_count": completion_tokens,
         "row_count": rows,
         "clip_frac_low": mean(acc["clip_low_count"], tokens),
         "clip_frac_high": mean(acc["clip_high_count"], tokens),
@@ -151,8 +173,11 @@ def finalize_metrics(acc: dict[str, jax.Array]) -> dict[str, jax.Array]:
     if "entropy_sum" in acc:
         out["entropy_mean"] = mean(acc["entropy_sum"], completion_tokens)
     if "logprob_mismatch_sum" in acc:
-        out["logprob_mismatch_mean"] = mean(acc["logprob_mismatch_sum"], completion_tokens)
-        out["logprob_mismatch_max"] = extreme(acc["logprob_mismatch_max"], completion_tokens)
+        matched = acc["mismatch_token_count"]
+        out["mismatch_token_count"] = matched
+        out["logprob_mismatch_mean"] = mean(acc["logprob_mismatch_sum"], matched)
+        out["logprob_mismatch_max"] = extreme(acc["logprob_mismatch_max"], matched)
+        out["outside_support_frac"] = mean(acc["outside_support_count"], completion_tokens)
     if "staleness_max" in acc:
         out["staleness"] = acc["staleness_max"]
 
@@ -162,6 +187,7 @@ def finalize_metrics(acc: dict[str, jax.Array]) -> dict[str, jax.Array]:
     surrogate = mean(acc["surrogate_alpha_sum"], bound_rows)
     weight_m = jnp.sqrt(mean(acc["tv_weight_sq_sum"], bound_rows))
     out.update({
+        "bound_row_count": bound_rows,
         "tv_theta_alpha": tv_theta,
         "tv_k_alpha": tv_k,
         "tv_weight_mean": mean(acc["tv_weight_sum"], bound_rows),

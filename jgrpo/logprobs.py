@@ -2,13 +2,16 @@
 
 The vocabulary projection is done `chunk` positions at a time inside `lax.scan`, and each chunk is
 wrapped in `jax.checkpoint`, so the backward pass recomputes that chunk's logits instead of storing
-them: peak memory holds one [B, chunk, V] block (plus its softmax), not [B, T, V]. Logits are float32
-whatever the dtype of the hidden states and the unembedding (the matmul accumulates in float32).
+them: peak memory holds one [B, chunk, V] block (plus its softmax), not [B, T, V]. The projection is
+`models.llm.vocab_logits`, the sampler's own: operands in the compute dtype, float32 accumulation, so
+float32 logits whatever the dtype, rounded exactly as the sampler rounds them.
 
 `process_logits` maps float32 logits [..., V] to the log-probs of the distribution that was actually
 sampled (temperature, top-k/top-p/min-p truncation; -inf outside the support). In training it is the
 sampler's `SamplingMethod.process_logits`, so trainer and sampler log-probs mean the same thing
-(GRPO_SPEC §6). The default is the plain softmax (temperature 1, no truncation).
+(GRPO_SPEC §6). The default is the plain softmax (temperature 1, no truncation). `untruncated`, when
+given, is a second map of the same logits (the tempered softmax without truncation, for the KL term):
+one projection serves both.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+
+from jgrpo.models import llm
 
 ProcessLogits = Callable[[jax.Array], jax.Array]
 
@@ -45,13 +50,17 @@ def token_logprobs(
     *,
     chunk: int,
     process_logits: ProcessLogits | None = None,
-) -> tuple[jax.Array, jax.Array]:
+    untruncated: ProcessLogits | None = None,
+    compute_dtype=None,
+) -> tuple[jax.Array, ...]:
     """hidden [B, T, D] (after the final norm), unembedding [D, V], targets [B, T] int -> (logprobs, entropy).
 
     Both outputs are [B, T] float32: the log-prob of `targets[b, t]` under `process_logits(hidden[b, t] @
     unembedding)` and that distribution's entropy. `hidden[b, t]` must be the state that *predicts*
     `targets[b, t]` (shift before calling). T need not be a multiple of `chunk` (padded internally). A
     target outside a truncated support gets -inf: mask such positions (e.g. padding) in the loss.
+    With `untruncated`, a third [B, T] output: the targets' log-probs under `untruncated(logits)`.
+    `compute_dtype` (default: hidden's dtype) is the dtype of the projection's operands.
     """
     if hidden.ndim != 3:
         raise ValueError(f"hidden must be [B, T, D], got shape {hidden.shape}")
@@ -65,6 +74,7 @@ def token_logprobs(
     if not (isinstance(chunk, int) and chunk > 0):
         raise ValueError(f"chunk must be a positive integer, got {chunk!r}")
     process = _log_softmax if process_logits is None else process_logits
+    compute_dtype = hidden.dtype if compute_dtype is None else compute_dtype
     batch, length, dim = hidden.shape
     chunk = min(chunk, length) if length else 1
     pad = (-length) % chunk
@@ -77,17 +87,18 @@ def token_logprobs(
 
     @jax.checkpoint  # backward recomputes this chunk's logits rather than keeping them from the forward
     def one_chunk(h, t):  # [B, chunk, D], [B, chunk]
-        # One 2-D matmul (XLA:CPU runs it faster than the batched einsum), float32 accumulation. [B, chunk, V]
-        logits = jnp.matmul(h.reshape(-1, dim), unembedding, preferred_element_type=jnp.float32)
-        logits = logits.reshape(h.shape[0], h.shape[1], -1)
-        return logprobs_and_entropy(process(logits.astype(jnp.float32)), t)
+        logits = llm.vocab_logits(h, unembedding, compute_dtype)  # [B, chunk, V] float32
+        out = logprobs_and_entropy(process(logits), t)
+        if untruncated is not None:
+            out += (jnp.take_along_axis(untruncated(logits), t[..., None].astype(jnp.int32), axis=-1)[..., 0],)
+        return out
 
     def step(carry, xs):
         return carry, one_chunk(*xs)
 
-    _, (logprobs, entropy) = jax.lax.scan(step, None, (hidden_chunks, target_chunks))  # [C, B, chunk] each
+    _, outputs = jax.lax.scan(step, None, (hidden_chunks, target_chunks))  # [C, B, chunk] each
 
     def unchunk(x):
         return x.swapaxes(0, 1).reshape(batch, num_chunks * chunk)[:, :length]
 
-    return unchunk(logprobs), unchunk(entropy)
+    return tuple(unchunk(x) for x in outputs)

@@ -96,6 +96,17 @@ def _masked_row_sum(x: jax.Array, valid: jax.Array) -> jax.Array:
     return jnp.sum(jnp.where(valid, x, 0.0), axis=1)  # [N]
 
 
+def _log_ratio(lp_num: jax.Array, lp_den: jax.Array) -> jax.Array:
+    """log(num / den) of truncated policies, at most LOG_RATIO_LIMIT, never NaN.
+
+    A sampled token can lie outside a truncated (top-k/top-p/min-p) support of the numerator's policy
+    (lp_num = -inf): its ratio is 0 and, through the `where`, its gradient exactly 0 (even when lp_den is
+    -inf too, e.g. lp_k = sg(lp) at the first update, where num - den would be NaN). Outside the
+    denominator's support only (lp_den = -inf < lp_num), the ratio is the clamp, like any runaway ratio.
+    """
+    return jnp.where(jnp.isneginf(lp_num), -jnp.inf, jnp.minimum(lp_num - lp_den, LOG_RATIO_LIMIT))
+
+
 def policy_ratio(lp, lp_alpha, lp_k, valid, config: GRPOConfig):
     """The ratio in the clip and its clip range for `config.off_policy_ratio` (spec §3 table).
 
@@ -103,19 +114,19 @@ def policy_ratio(lp, lp_alpha, lp_k, valid, config: GRPOConfig):
     token of a row carries the row's length-normalised ratio exp(mean_t log-ratio).
     """
     if config.off_policy_ratio == "current":  # pi_theta / pi_k (= pi_theta / sg(pi_theta) at i = 1)
-        log_ratio = lp - lp_k
+        log_ratio = _log_ratio(lp, lp_k)
     else:  # "behaviour" and "recentred": pi_theta / alpha
-        log_ratio = lp - lp_alpha
+        log_ratio = _log_ratio(lp, lp_alpha)
     recentred = config.off_policy_ratio == "recentred"
-    log_centre = lp_k - lp_alpha if recentred else None  # log(pi_k / alpha), no gradient
+    log_centre = _log_ratio(lp_k, lp_alpha) if recentred else None  # log(pi_k / alpha), no gradient
     if config.sequence_ratio:
         length = jnp.maximum(valid.sum(axis=1, keepdims=True), 1)  # [N, 1]
         log_ratio = jnp.broadcast_to(_masked_row_sum(log_ratio, valid)[:, None] / length, lp.shape)
         if recentred:
             log_centre = jnp.broadcast_to(_masked_row_sum(log_centre, valid)[:, None] / length, lp.shape)
-    ratio = jnp.exp(jnp.minimum(log_ratio, LOG_RATIO_LIMIT))
+    ratio = jnp.exp(log_ratio)
     if recentred:
-        centre = jnp.exp(jnp.minimum(log_centre, LOG_RATIO_LIMIT))
+        centre = jnp.exp(log_centre)
         low = jnp.maximum(centre - config.clip_eps_low, 0.0)
         high = centre + config.clip_eps_high
     else:
@@ -147,10 +158,24 @@ def truncated_is_weight(lp_k, lp_alpha, valid, config: GRPOConfig) -> jax.Array 
     """min(pi_k / alpha, C) per token or per sequence (product over its tokens), no gradient; None if off."""
     if config.truncated_is == "none":
         return None
-    log_w = lp_k - lp_alpha  # [N, T]
+    log_w = _log_ratio(lp_k, lp_alpha)  # [N, T]
     if config.truncated_is == "sequence":
         log_w = jnp.broadcast_to(_masked_row_sum(log_w, valid)[:, None], lp_k.shape)
     return jax.lax.stop_gradient(jnp.exp(jnp.minimum(log_w, math.log(config.truncated_is_cap))))
+
+
+def step_has_signal(adv: GroupAdvantages, norm: StepNorm, config: GRPOConfig) -> jax.Array:
+    """[] bool: whether anything in the optimiser step can produce a gradient.
+
+    False when no token is in the loss (every group of the step masked as zero-variance) or, without a KL
+    term, when every advantage in the loss is 0 (zero-variance groups left unmasked): the gradient is then
+    exactly 0 and only the optimiser's momentum would move the params (see `optim.skip_empty_steps`).
+    `adv` fields may be any shape (e.g. [chunks, rows]).
+    """
+    has_tokens = norm.num_tokens > 0
+    if config.beta > 0:
+        return has_tokens
+    return has_tokens & jnp.any(adv.in_loss.astype(bool) & (adv.advantages != 0))
 
 
 def grpo_loss(
@@ -166,6 +191,7 @@ def grpo_loss(
     entropy: jax.Array | None = None,
     lp_behaviour_trainer: jax.Array | None = None,
     staleness: jax.Array | int | None = None,
+    lp_kl: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The loss to minimise, -(sum over tokens of weight * (surrogate - beta * kl)), and additive metrics.
 
@@ -173,7 +199,11 @@ def grpo_loss(
     comes from `step_normaliser` over the whole optimiser step. Only `lp` carries a gradient.
     - `lp_k`: log-probs at the start of the outer iteration. None means "this is inner step 1", where
       pi_k is the current policy, so stop_gradient(lp) is used (the `current` ratio is then pi/sg(pi)).
-    - `lp_ref`: reference log-probs; may be None (and is ignored) when config.beta == 0.
+    - `lp_ref`: reference log-probs for the KL term: untruncated, temperature-scaled (the sampler's
+      `tempered_logprobs`); may be None (and is ignored) when config.beta == 0.
+    - `lp_kl`: pi_theta's log-probs for the KL term, untruncated like `lp_ref` (with gradient). None means
+      `lp` (right when the sampler does not truncate). `lp` itself may be -inf on a sampled token outside
+      pi_theta's current truncated support: that token's ratio is 0 and its gradient 0.
     - `entropy`: per-token policy entropy, for the metrics only.
     - `lp_behaviour_trainer`: the trainer's log-probs at the behaviour params (e.g. `lp` itself at
       (v=1, i=1), or `lp_k` when v=1), for the sampler-vs-trainer mismatch metric.
@@ -181,12 +211,13 @@ def grpo_loss(
     Metrics are sums/counts/min/max over this micro-batch: combine micro-batches with
     `diagnostics.combine_metrics` and turn them into means with `diagnostics.finalize_metrics`.
     """
-    _check_inputs(lp, lp_alpha, lp_k, lp_ref, adv, completion_mask, config, entropy, lp_behaviour_trainer)
+    _check_inputs(lp, lp_alpha, lp_k, lp_ref, adv, completion_mask, config, entropy, lp_behaviour_trainer, lp_kl)
     valid = completion_mask.astype(bool)  # [N, T]
     mask = loss_token_mask(valid, adv.in_loss)  # [N, T]
     # Masked positions may hold -inf or garbage (e.g. padding outside a top-k support): zero them before any
     # exp so no inf/NaN reaches the sums, and the where keeps their gradient exactly 0.
     lp = jnp.where(valid, lp, 0.0)
+    lp_kl = lp if lp_kl is None else jnp.where(valid, lp_kl, 0.0)
     lp_alpha = jnp.where(valid, jax.lax.stop_gradient(lp_alpha), 0.0)
     lp_k = jnp.where(valid, jax.lax.stop_gradient(lp if lp_k is None else lp_k), 0.0)
     advantages = adv.advantages.astype(jnp.float32)[:, None]  # [N, 1]
@@ -204,7 +235,7 @@ def grpo_loss(
     kl = None
     kl_loss = jnp.float32(0.0)
     if config.beta > 0:
-        kl = kl_estimate(lp, jnp.where(valid, lp_ref, 0.0), config.kl_estimator)
+        kl = kl_estimate(lp_kl, jnp.where(valid, lp_ref, 0.0), config.kl_estimator)
         kl_loss = config.beta * jnp.sum(weights * kl)
     loss = pg_loss + kl_loss
 
@@ -217,12 +248,12 @@ def grpo_loss(
     return loss, metrics
 
 
-def _check_inputs(lp, lp_alpha, lp_k, lp_ref, adv, completion_mask, config, entropy, lp_behaviour_trainer):
+def _check_inputs(lp, lp_alpha, lp_k, lp_ref, adv, completion_mask, config, entropy, lp_behaviour_trainer, lp_kl):
     shape = lp.shape
     if lp.ndim != 2:
         raise ValueError(f"lp must be [N, T] per-token log-probs, got shape {shape}")
     named = {"lp_alpha": lp_alpha, "lp_k": lp_k, "completion_mask": completion_mask, "entropy": entropy,
-             "lp_behaviour_trainer": lp_behaviour_trainer}
+             "lp_behaviour_trainer": lp_behaviour_trainer, "lp_kl": lp_kl}
     if config.beta > 0:
         if lp_ref is None:
             raise ValueError(f"grpo.beta={config.beta} > 0 needs lp_ref (reference log-probs); pass beta=0 to "

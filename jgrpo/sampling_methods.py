@@ -50,6 +50,23 @@ class SamplingMethod:
     def is_greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def truncates(self) -> bool:
+        """Whether the sampled distribution is a truncation (top-k, top-p or min-p) of the tempered softmax."""
+        return 0 < self.top_k or self.top_p < 1 or self.min_p > 0
+
+    def tempered_logprobs(self, logits: jax.Array) -> jax.Array:
+        """[..., V] logits -> float32 log_softmax(logits / T), untruncated: finite for every token.
+
+        The KL to the reference compares these (for both policies), not the truncated ones: a token outside one
+        policy's truncated support would make it infinite, and at equal params it is exactly 0 either way.
+        """
+        if self.is_greedy:
+            raise ValueError("greedy decoding has no tempered distribution (temperature 0)")
+        logits = jnp.asarray(logits, jnp.float32)
+        scaled = logits if self.temperature == 1 else logits / jnp.float32(self.temperature)
+        return jax.nn.log_softmax(scaled, axis=-1)
+
     def process_logits(self, logits: jax.Array) -> jax.Array:
         """[..., V] logits -> [..., V] float32 log-probs of the sampled distribution (-inf outside its support)."""
         logits = jnp.asarray(logits, jnp.float32)

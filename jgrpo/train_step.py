@@ -32,27 +32,30 @@ from jgrpo.logprobs import token_logprobs
 from jgrpo.mesh import TRAIN_RULES, logical_shardings, logical_to_spec, replicated
 from jgrpo.models.llm import merge_model, param_logical_axes, position_ids_from_mask
 from jgrpo.models.shared_prompt import forward_shared_prompts
-from jgrpo.objectives import grpo_loss, step_normaliser
+from jgrpo.objectives import grpo_loss, step_has_signal, step_normaliser
 from jgrpo.sampling_methods import SamplingMethod
 
 # Where lp_k (log-probs at the start of the iteration) comes from after the first update of an iteration
 # (at the first update it is always stop_gradient(lp): the params are still pi_k).
-#   computed:  a trainer forward pass at the start of the iteration (the ratio mode or truncated IS needs it)
+#   computed:  a trainer forward pass at the start of the iteration (no backward: about a third of one update's
+#              forward + backward), when a later update's loss needs pi_k, or the Theorem 1 diagnostic
+#              TV(pi_k, alpha) could not otherwise see every row
 #   behaviour: the sampler's lp_alpha; exact when v = 1, because then pi_k is the behaviour policy
-#   self:      stop_gradient(lp), only for diagnostics (v > 1 in a mode that does not need pi_k)
+#   self:      stop_gradient(lp), exact at the first update only: a single update per batch (which therefore
+#              never needs a forward for pi_k), or one minibatch whose first update sees every row (the host
+#              keeps TV(pi_k, alpha) from the updates flagged `lp_k_exact`)
 LpKSource = Literal["computed", "behaviour", "self"]
 
 
 def lp_k_source(grpo: GRPOConfig) -> LpKSource:
     updates_per_batch = grpo.inner_steps * grpo.num_minibatches
-    needs_pi_k = (
-        grpo.off_policy_ratio == "recentred"
-        or grpo.truncated_is != "none"
-        or (grpo.off_policy_ratio == "current" and updates_per_batch > 1)
-    )
-    if needs_pi_k:
+    on_policy = grpo.behaviour_refresh == 1
+    if updates_per_batch == 1:
+        return "behaviour" if on_policy else "self"
+    needs_pi_k = grpo.off_policy_ratio in ("recentred", "current") or grpo.truncated_is != "none"
+    if needs_pi_k or (not on_policy and grpo.num_minibatches > 1):
         return "computed"
-    return "behaviour" if grpo.behaviour_refresh == 1 else "self"
+    return "behaviour" if on_policy else "self"
 
 
 class StepBatch(NamedTuple):
@@ -90,10 +93,11 @@ class StepFunctions:
     """
 
     def __init__(self, *, graphdef, params, mesh: Mesh, grpo: GRPOConfig, optimizer: optax.GradientTransformation,
-                 method: SamplingMethod, logprob_chunk: int, new_tokens: int, share_prompts: bool = True):
+                 method: SamplingMethod, logprob_chunk: int, new_tokens: int, share_prompts: bool = True,
+                 skip_empty_steps: bool = True):
         self.graphdef, self.mesh, self.grpo, self.optimizer = graphdef, mesh, grpo, optimizer
         self.method, self.chunk, self.new_tokens = method, logprob_chunk, new_tokens
-        self.share_prompts = share_prompts
+        self.share_prompts, self.skip_empty_steps = share_prompts, skip_empty_steps
         self.chunks = grpo.num_minibatches * grpo.micro_batches
         self.lp_k_source = lp_k_source(grpo)
         self.param_shardings = logical_shardings(param_logical_axes(params), mesh, TRAIN_RULES, shapes=params)
@@ -106,7 +110,9 @@ class StepFunctions:
         # A real copy (new buffers) even where layouts agree: the original is donated to the next update.
         self.copy_params = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=self.param_shardings)
         self.assemble = jax.jit(self._assemble)
-        self.logprobs = jax.jit(self._all_logprobs)
+        self.logprobs = jax.jit(functools.partial(self._all_logprobs, kind="sampled"))
+        self.reference_logprobs = jax.jit(functools.partial(self._all_logprobs, kind="kl"))
+        self.shuffle_groups = jax.jit(self._shuffle_groups)
         self.train_step = jax.jit(
             self._train_step,
             out_shardings=(self.param_shardings, self.opt_shardings, None),
@@ -167,26 +173,49 @@ class StepFunctions:
         hidden, _ = model(inputs, positions, input_mask)  # [r, P+N-1, D]
         return hidden[:, P - 1 :]
 
-    def _sequence_logprobs(self, params, inputs, input_mask, positions, targets):
-        """(lp, entropy), each [r, N], of `targets` under `params` and the sampling method (spec §6)."""
+    def _sequence_logprobs(self, params, inputs, input_mask, positions, targets, *, kind: str = "sampled",
+                           with_kl: bool = False):
+        """Per-token [r, N] log-probs of `targets` under `params` (spec §6).
+
+        kind "sampled": (lp, entropy) under the sampling method's distribution (truncated like the sampler's),
+        plus, `with_kl` and a truncating method, the untruncated tempered log-probs for the KL term.
+        kind "kl": (untruncated tempered lp, entropy), what the reference contributes to the KL.
+        """
         model = merge_model(self.graphdef, params)
         hidden = self._predicting_states(model, inputs, input_mask, positions, targets.shape[1])
-        return token_logprobs(hidden, model.unembedding(), targets, chunk=self.chunk,
-                              process_logits=self.method.process_logits)
+        tempered = self.method.tempered_logprobs
+        process = tempered if kind == "kl" else self.method.process_logits
+        untruncated = tempered if kind == "sampled" and with_kl and self.method.truncates else None
+        return token_logprobs(hidden, model.unembedding(), targets, chunk=self.chunk, process_logits=process,
+                              untruncated=untruncated, compute_dtype=model.cfg.compute_dtype)
 
-    def _all_logprobs(self, params, batch: StepBatch):
+    def _all_logprobs(self, params, batch: StepBatch, kind: str):
         """[C, r, N] log-probs of every chunk (one chunk at a time: the memory of one micro-batch)."""
 
         def one(xs):
             inputs, input_mask, positions, targets = xs
-            return self._sequence_logprobs(params, inputs, input_mask, positions, targets)[0]
+            return self._sequence_logprobs(params, inputs, input_mask, positions, targets, kind=kind)[0]
 
         return self._rows(jax.lax.map(one, (batch.inputs, batch.input_mask, batch.positions, batch.targets)))
+
+    def _shuffle_groups(self, batch: StepBatch, key) -> StepBatch:
+        """The batch with its groups dealt to the chunks in a random order (a group's G rows stay together and
+        in order, so minibatches hold whole groups and the shared-prompt forward still applies)."""
+        G = self.grpo.num_generations
+
+        def permute(x):  # [C, r, ...] -> same shape, whole groups moved
+            flat = x.reshape((-1, G) + x.shape[2:])  # [R/G, G, ...]
+            order = jax.random.permutation(key, flat.shape[0])
+            return self._rows(flat[order].reshape(x.shape))
+
+        return jax.tree.map(permute, batch)
 
     # ------------------------------------------------------------------ update
 
     def _loss(self, params, micro: StepBatch, norm, first_update):
-        lp, entropy = self._sequence_logprobs(params, micro.inputs, micro.input_mask, micro.positions, micro.targets)
+        with_kl = self.grpo.beta > 0
+        lp, entropy, *lp_kl = self._sequence_logprobs(params, micro.inputs, micro.input_mask, micro.positions,
+                                                      micro.targets, with_kl=with_kl)
         own = jax.lax.stop_gradient(lp)
         if self.lp_k_source == "computed":
             later = micro.lp_k
@@ -198,13 +227,16 @@ class StepFunctions:
         # lp itself stands in for the trainer's behaviour log-probs: the host keeps that mismatch metric only
         # for updates where the current params are the behaviour params (first update after a refresh).
         return grpo_loss(lp, micro.lp_alpha, lp_k, micro.lp_ref, micro.adv, micro.completion_mask, norm, self.grpo,
-                         entropy=entropy, lp_behaviour_trainer=lp)
+                         entropy=entropy, lp_behaviour_trainer=lp, lp_kl=lp_kl[0] if lp_kl else None)
 
     def _train_step(self, params, opt_state, batch: StepBatch, minibatch, first_update):
         """One optimiser step on minibatch `minibatch` (traced), accumulating gradients over its micro-batches.
 
         A non-finite loss or gradient norm leaves params and optimiser state untouched (the step is skipped
-        and reported in the metrics as `nonfinite` = 1).
+        and reported in the metrics as `nonfinite` = 1). So does, with `skip_empty_steps`, a step with nothing
+        in the loss (`empty` = 1; `objectives.step_has_signal`): its gradient is 0, but AdamW would still move
+        along its momentum and count the step in its schedule.
+        `lp_k_exact` = 1 flags the updates whose lp_k is the real pi_k (see `lp_k_source`).
         """
         U = self.grpo.micro_batches
         mb = jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, minibatch * U, U, axis=0), batch)
@@ -223,9 +255,13 @@ class StepFunctions:
         updates, new_opt_state = self.optimizer.update(grads, opt_state, params)
         new_params = optax.apply_updates(params, updates)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        keep = functools.partial(jnp.where, finite)
+        has_signal = step_has_signal(mb.adv, norm, self.grpo)
+        apply = finite & has_signal if self.skip_empty_steps else finite
+        keep = functools.partial(jnp.where, apply)
         params = jax.tree.map(keep, new_params, params)
         opt_state = jax.tree.map(keep, new_opt_state, opt_state)
         out = finalize_metrics(_stack_sum(metrics))
-        out.update(grad_norm=grad_norm, nonfinite=(~finite).astype(jnp.float32))
+        lp_k_exact = jnp.logical_or(first_update, self.lp_k_source != "self")
+        out.update(grad_norm=grad_norm, nonfinite=(~finite).astype(jnp.float32),
+                   empty=(~has_signal).astype(jnp.float32), lp_k_exact=lp_k_exact.astype(jnp.float32))
         return params, opt_state, out

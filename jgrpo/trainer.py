@@ -42,6 +42,11 @@ from jgrpo.trainer_metrics import iteration_metrics, sample_dump
 log = logging.getLogger(__name__)
 
 
+# The run's JSON counters (checkpointed); a checkpoint written before a counter existed resumes it from 0.
+NEW_COUNTERS = {"prompt_width": 0, "optimizer_steps": 0, "nonfinite_in_a_row": 0, "nonfinite_total": 0,
+                "empty_steps": 0}
+
+
 class TrainingDiverged(RuntimeError):
     """Too many optimiser steps in a row had a non-finite loss or gradient."""
 
@@ -77,7 +82,8 @@ class Trainer:
         self.schedule = learning_rate_schedule(config.optim, total_updates)
         self.steps = StepFunctions(graphdef=self.graphdef, params=params, mesh=self.mesh, grpo=g,
                                    optimizer=optimizer, method=self.method, logprob_chunk=m.logprob_chunk,
-                                   new_tokens=config.sampler.max_new_tokens, share_prompts=m.share_prompts)
+                                   new_tokens=config.sampler.max_new_tokens, share_prompts=m.share_prompts,
+                                   skip_empty_steps=config.optim.skip_empty_steps)
         self.steps.check_rows(config.data.batch_size * g.num_generations)
         self.sample_shardings = logical_shardings(param_logical_axes(params), self.mesh, SAMPLE_RULES,
                                                   shapes=params)
@@ -100,7 +106,7 @@ class Trainer:
             epoch=0,
             behaviour_version=0,
             data_state=self.data.get_state(),
-            counters={"prompt_width": 0, "optimizer_steps": 0, "nonfinite_in_a_row": 0, "nonfinite_total": 0},
+            counters=dict(NEW_COUNTERS),
         )
         self.checkpointer = Checkpointer(self.run_dir, config.checkpoint, resolved_config=to_dict(config))
         self.preemption = PreemptionFlag()
@@ -130,6 +136,9 @@ class Trainer:
         if restored is None:
             return False
         self.state = restored
+        self.state.counters = {**NEW_COUNTERS, **restored.counters}
+        if restored.reference is not None:  # swapped before: the initial params are no longer the reference
+            self.initial_reference = None
         self.data.set_state(restored.data_state)
         log.info("resumed from iteration %d (epoch %d) in %s", restored.iteration, restored.epoch, self.run_dir)
         return True
@@ -195,6 +204,7 @@ class Trainer:
             self.state.epoch = batch.epoch
             if self.config.grpo.swap_reference and self.config.grpo.beta > 0:
                 self.state.reference = self.steps.copy_params(self.state.params)
+                self.initial_reference = None  # not a fourth copy of the params for the rest of the run
                 log.info("epoch %d: reference <- current params", batch.epoch)
         return batch
 
@@ -225,7 +235,10 @@ class Trainer:
 
         batch = self._next_batch()
         prompt_tokens, prompt_mask = self._prompt_arrays(batch)
-        s.rng, sample_key = jax.random.split(s.rng)
+        if g.shuffles_minibatches:
+            s.rng, sample_key, shuffle_key = jax.random.split(s.rng, 3)
+        else:
+            s.rng, sample_key = jax.random.split(s.rng)
         t = time.perf_counter()
         out = generate(self.graphdef, sample_params, prompt_tokens, prompt_mask, num_samples=g.num_generations,
                        max_new_tokens=c.sampler.max_new_tokens, method=self.method, stop_ids=self.stop_ids,
@@ -247,7 +260,7 @@ class Trainer:
         step_batch, _ = self.steps.assemble(prompt_tokens, prompt_mask, out.tokens, out.completion_mask,
                                             out.logprobs, reward_table[:, 0])
         if g.beta > 0:
-            step_batch = step_batch._replace(lp_ref=self.steps.logprobs(self.reference, step_batch))
+            step_batch = step_batch._replace(lp_ref=self.steps.reference_logprobs(self.reference, step_batch))
         if self.steps.lp_k_source == "computed":
             step_batch = step_batch._replace(lp_k=self.steps.logprobs(s.params, step_batch))
         jax.block_until_ready(step_batch)
@@ -256,16 +269,22 @@ class Trainer:
         t = time.perf_counter()
         update_metrics = []
         for inner in range(g.inner_steps):
+            dealt = step_batch
+            if inner and g.shuffles_minibatches:  # whole groups re-dealt to the minibatches, from the run's rng
+                dealt = self.steps.shuffle_groups(step_batch, jax.random.fold_in(shuffle_key, inner))
             for minibatch in range(g.num_minibatches):
                 first = inner == 0 and minibatch == 0
-                s.params, s.opt_state, m = self.steps.train_step(s.params, s.opt_state, step_batch,
+                s.params, s.opt_state, m = self.steps.train_step(s.params, s.opt_state, dealt,
                                                                  jnp.int32(minibatch), jnp.bool_(first))
                 update_metrics.append(m)
         update_metrics = jax.device_get(update_metrics)
         timings["update"] = time.perf_counter() - t
 
-        lr = float(self.schedule(s.counters["optimizer_steps"]))
-        skipped = self._count_nonfinite(update_metrics)
+        steps_before = s.counters["optimizer_steps"]
+        skipped, empty = self._count_steps(update_metrics)
+        # The rates of this iteration's first and last applied updates (the schedule counts applied steps only).
+        lr = float(self.schedule(steps_before))
+        lr_last = float(self.schedule(max(s.counters["optimizer_steps"] - 1, steps_before)))
         s.iteration = k + 1
         s.data_state = self.data.get_state()
         eval_metrics = self._maybe_eval(timings)
@@ -274,13 +293,13 @@ class Trainer:
         record = iteration_metrics(
             update_metrics=update_metrics, reward_table=reward_table, reward_names=c.reward.functions,
             result=result, out=out, timings=timings, staleness=k - s.behaviour_version,
-            behaviour_is_current=s.behaviour_version == k, lr=lr,
-            trained_tokens=int(step_batch.inputs.size) // g.num_minibatches,
+            behaviour_is_current=s.behaviour_version == k, lr=lr, lr_last=lr_last, prompt_mask=prompt_mask,
+            inner_steps=g.inner_steps,
         )
         record.update(eval_metrics)
         record.update({"epoch": s.epoch, "behaviour_version": s.behaviour_version, "optim/steps":
                        s.counters["optimizer_steps"], "nonfinite/skipped": skipped,
-                       "nonfinite/total": s.counters["nonfinite_total"]})
+                       "nonfinite/total": s.counters["nonfinite_total"], "loss/empty_steps": empty})
         if logger is not None and logger.should_dump_samples(s.iteration):
             logger.log_samples(s.iteration, sample_dump(batch, completions, result, g.num_generations))
         if s.counters["nonfinite_in_a_row"] >= c.run.max_nonfinite_steps:
@@ -295,9 +314,14 @@ class Trainer:
             )
         return record
 
-    def _count_nonfinite(self, update_metrics: list[dict]) -> int:
+    def _count_steps(self, update_metrics: list[dict]) -> tuple[int, int]:
+        """Count the iteration's updates into the run's counters; returns (non-finite, empty) steps.
+
+        A non-finite step was skipped; an empty one (nothing in the loss) was skipped with
+        `optim.skip_empty_steps`, else applied; every other step is an optimiser step.
+        """
         counters = self.state.counters
-        skipped = 0
+        skipped = empty = 0
         for m in update_metrics:
             if m["nonfinite"] > 0:
                 skipped += 1
@@ -305,10 +329,15 @@ class Trainer:
                 counters["nonfinite_total"] += 1
                 log.warning("iteration %d: non-finite loss (%s) or gradient norm (%s): update skipped",
                             self.state.iteration + 1, m["loss"], m["grad_norm"])
-            else:
-                counters["nonfinite_in_a_row"] = 0
-                counters["optimizer_steps"] += 1
-        return skipped
+                continue
+            counters["nonfinite_in_a_row"] = 0
+            if m["empty"] > 0:
+                empty += 1
+                counters["empty_steps"] += 1
+                if self.config.optim.skip_empty_steps:
+                    continue
+            counters["optimizer_steps"] += 1
+        return skipped, empty
 
     def _maybe_eval(self, timings: dict) -> dict:
         every = self.config.run.eval_every

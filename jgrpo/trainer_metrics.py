@@ -10,12 +10,18 @@ process computes the same numbers; only process 0 writes them. Names group into 
     clip/*                    frac_low, frac_high, frac_dual
     theorem1/*                tv_theta_alpha, tv_k_alpha, tv_weight_mean, tv_weight_M, surrogate_alpha,
                               lower_bound (GRPO_SPEC §7), and staleness = k - version(behaviour)
-    mismatch/*                |sampler - trainer| log-prob gap at the behaviour params (spec §6); logged on
+    mismatch/*                |sampler - trainer| log-prob gap at the behaviour params (spec §6), and the
+                              fraction of sampled tokens outside the trainer's truncated support; logged on
                               iterations whose first update runs at the behaviour params (every one when v = 1,
                               each refresh when v > 1)
-    loss/*                    loss, pg_loss, kl_loss, ratio_*, advantage_*, zero_variance_frac, grad_norm, ...
-    time/*, throughput/*      seconds per phase; generated tokens/s overall and while sampling, trained tokens/s
-Loss metrics are means over the iteration's optimiser steps.
+    loss/*                    loss, pg_loss, kl_loss, ratio_*, advantage_*, zero_variance_frac, grad_norm, ...,
+                              empty_steps (updates with nothing in the loss)
+    optim/*                   lr (first update of the iteration), lr_last (last one), steps
+    time/*, throughput/*      seconds per phase; generated tokens/s overall and while sampling; trained tokens/s
+                              (real prompt tokens once per group + generated tokens, per inner step)
+Loss metrics are means over the iteration's optimiser steps; a mean over an empty set (e.g. the KL when every
+group is masked) is absent, never NaN. TV(pi_k, alpha) is averaged over the updates where lp_k is the real
+pi_k (`lp_k_exact`), and the lower bound uses that value.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jgrpo.diagnostics import MEAN_COUNTS
 from jgrpo.host_arrays import global_sum
 
 _SECTIONS = {
@@ -40,15 +47,19 @@ _SECTIONS = {
     "lower_bound": "theorem1/lower_bound",
     "logprob_mismatch_mean": "mismatch/logprob_mean",
     "logprob_mismatch_max": "mismatch/logprob_max",
+    "outside_support_frac": "mismatch/outside_support_frac",
 }
-_FIRST_UPDATE_ONLY = ("logprob_mismatch_mean", "logprob_mismatch_max")
+_FIRST_UPDATE_ONLY = ("logprob_mismatch_mean", "logprob_mismatch_max", "mismatch_token_count", "outside_support_frac")
+_STEP_FLAGS = ("empty", "lp_k_exact")  # read by the trainer and below, not logged as loss/*
 
 
 @jax.jit
-def _batch_stats(reward_table, lengths, truncated):
-    """reward_table [R, 1+F] (total, then each function), lengths [R], truncated [R] -> scalar statistics."""
+def _batch_stats(reward_table, lengths, truncated, prompt_mask):
+    """reward_table [R, 1+F] (total, then each function), lengths [R], truncated [R], prompt_mask [B, P] ->
+    scalar statistics."""
     lengths = lengths.astype(jnp.float32)
     return {
+        "prompt_tokens": prompt_mask.astype(jnp.float32).sum(),
         "mean": reward_table.mean(axis=0),  # [1+F]
         "std": reward_table.std(axis=0),  # [1+F]
         "accuracy": (reward_table[:, 1] >= 1.0).mean() if reward_table.shape[1] > 1 else jnp.float32(jnp.nan),
@@ -60,9 +71,36 @@ def _batch_stats(reward_table, lengths, truncated):
     }
 
 
+def _update_means(update_metrics: list[dict], behaviour_is_current: bool) -> dict:
+    """The loss metrics of the iteration's updates, one value per key (see the module doc)."""
+    record = {}
+    for key in update_metrics[0]:
+        if key in _STEP_FLAGS:
+            continue
+        updates = update_metrics[:1] if key in _FIRST_UPDATE_ONLY else update_metrics
+        if key in _FIRST_UPDATE_ONLY and not behaviour_is_current:
+            continue
+        if key == "tv_k_alpha":
+            updates = [m for m in updates if m["lp_k_exact"] > 0]
+        if key in MEAN_COUNTS:  # a mean over an empty set is no value at all
+            updates = [m for m in updates if m[MEAN_COUNTS[key]] > 0]
+        if not updates:
+            continue
+        values = np.asarray([float(m[key]) for m in updates])
+        value = float(np.nanmean(values)) if np.isfinite(values).any() else float(values[0])
+        record[_SECTIONS.get(key, f"loss/{key}")] = value
+    if "theorem1/tv_k_alpha" in record and "theorem1/lower_bound" in record:
+        # Each update's bound used its own lp_k; put the real TV(pi_k, alpha) in: L - 2 M TV - 2 TV_k.
+        bounded = [m for m in update_metrics if m["bound_row_count"] > 0]
+        without_tv_k = np.mean([float(m["lower_bound"]) + 2 * float(m["tv_k_alpha"]) for m in bounded])
+        record["theorem1/lower_bound"] = float(without_tv_k - 2 * record["theorem1/tv_k_alpha"])
+    return record
+
+
 def iteration_metrics(*, update_metrics: list[dict], reward_table, reward_names, result, out, timings: dict,
-                      staleness: int, behaviour_is_current: bool, lr: float, trained_tokens: int) -> dict:
-    stats = jax.device_get(_batch_stats(reward_table, out.lengths, out.truncated))
+                      staleness: int, behaviour_is_current: bool, lr: float, lr_last: float, prompt_mask,
+                      inner_steps: int) -> dict:
+    stats = jax.device_get(_batch_stats(reward_table, out.lengths, out.truncated, prompt_mask))
     record = {"reward/mean": float(stats["mean"][0]), "reward/std": float(stats["std"][0])}
     failures = global_sum(np.asarray([result.failures[n] for n in reward_names] +
                                      [result.timeouts[n] for n in reward_names], np.int64))
@@ -75,24 +113,20 @@ def iteration_metrics(*, update_metrics: list[dict], reward_table, reward_names,
     for key in ("length_mean", "length_min", "length_max", "truncated_frac"):
         record[f"completion/{key}"] = float(stats[key])
 
-    for key in update_metrics[0]:
-        if key in _FIRST_UPDATE_ONLY:
-            if not behaviour_is_current:
-                continue
-            value = float(update_metrics[0][key])
-        else:
-            values = np.asarray([float(m[key]) for m in update_metrics])
-            value = float(np.nanmean(values)) if np.isfinite(values).any() else float(values[0])
-        record[_SECTIONS.get(key, f"loss/{key}")] = value
+    record.update(_update_means(update_metrics, behaviour_is_current))
     record["theorem1/staleness"] = staleness
     record["optim/lr"] = lr
+    record["optim/lr_last"] = lr_last
 
     for phase, seconds in timings.items():
         record[f"time/{phase}"] = seconds
     generated = float(stats["generated_tokens"])
     record["throughput/tokens_per_s"] = generated / max(timings["iteration"], 1e-9)
     record["throughput/sample_tokens_per_s"] = generated / max(timings["sample"], 1e-9)
-    record["throughput/train_tokens_per_s"] = trained_tokens * len(update_metrics) / max(timings["update"], 1e-9)
+    # Useful tokens: each real prompt token once per group (the trainer computes it once for its G samples),
+    # each generated token once; no padding. Every inner step passes over all of them.
+    trained = inner_steps * (float(stats["prompt_tokens"]) + generated)
+    record["throughput/train_tokens_per_s"] = trained / max(timings["update"], 1e-9)
     return record
 
 

@@ -32,6 +32,10 @@ def test_bessel_std_with_eps_added_to_std():
     adv = group_advantages(jnp.array([1.0, 0, 0, 0]),
                            _cfg(advantage_std="bessel", advantage_eps_placement="add_to_std", advantage_eps=0.1))
     np.testing.assert_allclose(adv.advantages, np.array([0.75, -0.25, -0.25, -0.25]) / 0.6, rtol=1e-6)
+    # Theorem 1's s is the paper's var_alpha, the population variance, whatever scales the advantages:
+    # population var = 0.1875, s = sqrt(0.1875 + 0.1) (not the Bessel 0.25).
+    s = math.sqrt(0.1875 + 0.1)
+    np.testing.assert_allclose(adv.tv_weight, [(1 - s) / s] * 4, rtol=1e-6)
 
 
 def test_batch_scale_centres_per_group_and_divides_by_batch_std():

@@ -138,3 +138,17 @@ def test_bad_inputs_are_named():
         token_logprobs(hidden, unembedding, targets[:, :3], chunk=2)
     with pytest.raises(ValueError, match="chunk must be a positive integer"):
         token_logprobs(hidden, unembedding, targets, chunk=0)
+
+
+def test_bfloat16_compute_rounds_the_projection_exactly_as_the_sampler_does():
+    # float32 params, bfloat16 compute: the sampler's logits (LLM.logits) cast the unembedding to bf16; the
+    # trainer used to multiply the bf16 hidden state by the float32 unembedding (promoted to float32), so the
+    # same hidden state gave other log-probs on the two sides (~1e-2 here). One function now does both.
+    hidden, unembedding, targets = _inputs(b=3, t=5, d=64, v=97, seed=3)
+    hidden = (4 * hidden).astype(jnp.bfloat16)
+    # The sampler's rounding: both operands in bf16, float32 accumulation.
+    logits = jnp.einsum("btd,dv->btv", hidden, unembedding.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
+    sampler_lp = jax.nn.log_softmax(logits, axis=-1)
+    sampler_lp = jnp.take_along_axis(sampler_lp, targets[..., None], -1)[..., 0]
+    lp, _ = token_logprobs(hidden, unembedding, targets, chunk=5)
+    np.testing.assert_allclose(lp, sampler_lp, rtol=0, atol=1e-6)

@@ -279,3 +279,66 @@ def test_shape_errors_name_the_argument():
         grpo_loss(LP, jnp.zeros((2, 3)), None, None, _adv([1.0, -1.0]), MASK, norm, cfg)
     with pytest.raises(ValueError, match="advantages field advantages"):
         grpo_loss(LP, LP_ALPHA, None, None, _adv([1.0, -1.0, 0.0]), MASK, norm, cfg)
+
+
+# ---------------------------------------------------------------- review defects (issue 15)
+
+@pytest.mark.parametrize("mode", ["behaviour", "recentred", "current"])
+@pytest.mark.parametrize("sequence_ratio", [False, True])
+def test_sampled_token_outside_current_truncated_support_has_ratio_zero_and_no_gradient(mode, sequence_ratio):
+    # A token sampled from alpha's truncated support can fall outside pi_theta's truncated support (lp = -inf),
+    # e.g. at a top-p edge. Its ratio is 0 (no probability under the truncated pi_theta) and it gets no
+    # gradient; the loss and every other gradient stay finite, also when lp_k (= sg(lp) at the first update,
+    # or a stored pi_k) is -inf there. A masked token may hold -inf as well.
+    lp = LP.at[0, 1].set(-jnp.inf).at[1, 0].set(-jnp.inf)
+    mask = jnp.array([[True, True], [True, True]])
+    for lp_k in (None, lp, LP_ALPHA.at[1, 0].set(-jnp.inf)):
+        loss, grad, m = _loss_and_grad(_cfg(off_policy_ratio=mode, sequence_ratio=sequence_ratio, beta=0.1),
+                                       lp=lp, lp_k=lp_k, lp_ref=LP_ALPHA, lp_kl=LP, mask=mask)
+        assert np.isfinite(loss), (mode, lp_k)
+        assert np.all(np.isfinite(grad)), (mode, lp_k, grad)
+        assert grad[0, 1] == 0.0 and grad[1, 0] == 0.0
+        assert m["ratio_min"] == 0.0
+        assert all(np.isfinite(v) for v in m.values()), m
+    masked = jnp.array([[True, True], [False, True]])  # -inf at a masked position too
+    loss, grad, _ = _loss_and_grad(_cfg(off_policy_ratio=mode, sequence_ratio=sequence_ratio, beta=0.1), lp=lp,
+                                   lp_ref=LP_ALPHA, lp_kl=LP, mask=masked)
+    assert np.isfinite(loss) and np.all(np.isfinite(grad))
+
+
+def test_kl_uses_untruncated_logprobs_and_is_zero_at_the_reference():
+    # lp (truncated, -inf at [0, 1]) only enters the ratio; the KL term reads lp_kl and lp_ref, both untruncated.
+    # With lp_kl == lp_ref the KL is exactly 0 and has zero gradient, whatever lp does.
+    lp = LP.at[0, 1].set(-jnp.inf)
+    cfg = _cfg(beta=0.1, off_policy_ratio="current")
+    loss, grad, m = _loss_and_grad(cfg, lp=lp, lp_ref=LP, lp_kl=LP, adv=_adv([0.0, 0.0]))
+    assert m["kl_mean"] == 0.0 and loss == 0.0 and np.all(grad == 0.0)
+    # k3 of d = lp_ref - lp_kl = -ln 2 on every token (hand value as in test_kl_estimators).
+    lp_kl = jnp.full((2, 2), math.log(0.5))
+    _, _, m = _loss_and_grad(cfg, lp=lp, lp_ref=jnp.full((2, 2), math.log(0.25)), lp_kl=lp_kl, adv=_adv([0.0, 0.0]))
+    np.testing.assert_allclose(m["kl_mean"], 0.5 + math.log(2) - 1, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["behaviour", "recentred"])
+def test_truncated_is_with_a_behaviour_ratio_is_rejected(mode):
+    # (pi/alpha) * min(pi_k/alpha, C) would weigh the behaviour ratio twice.
+    from jgrpo.config import ConfigError
+
+    with pytest.raises(ConfigError, match="off_policy_ratio=current"):
+        _cfg(off_policy_ratio=mode, truncated_is="token")
+
+
+def test_truncated_is_decoupled_form_at_a_later_update():
+    # The allowed combination: ratio pi/pi_k clipped in [0.8, 1.2], weighted by min(pi_k/alpha, C), C = 1.5.
+    # pi/pi_k = RATIOS (lp_k = alpha + 0 ... ) and pi_k/alpha = [[2, 0.5], [1, 3]]:
+    #   row0 (A=+1): t0 r 1.1 inside -> 1.1 * w 1.5 = 1.65 ; t1 r 1.5 > 1.2 clipped -> 1.2 * w 0.5 = 0.6
+    #   row1 (A=-1): t0 r 0.5 < 0.8 clipped -> -0.8 * w 1 = -0.8 ; t1 r 1.3 unclipped -> -1.3 * w 1.5 = -1.95
+    # objective = (1.65 + 0.6 - 0.8 - 1.95) / 4 = -0.125 -> loss 0.125; gradient -(1/4) A w r on unclipped tokens.
+    weights = jnp.array([[2.0, 0.5], [1.0, 3.0]])
+    lp_k = LP_ALPHA + jnp.log(weights)
+    lp = lp_k + jnp.log(jnp.asarray(RATIOS, jnp.float32))
+    loss, grad, m = _loss_and_grad(_cfg(off_policy_ratio="current", truncated_is="token", truncated_is_cap=1.5),
+                                   lp=lp, lp_k=lp_k)
+    np.testing.assert_allclose(loss, 0.125, rtol=1e-5)
+    np.testing.assert_allclose(grad, [[-1.1 * 1.5 / 4, 0.0], [0.0, 1.3 * 1.5 / 4]], rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(m["is_weight_mean"], (1.5 + 0.5 + 1 + 1.5) / 4, rtol=1e-6)

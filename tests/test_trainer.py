@@ -115,6 +115,7 @@ def test_off_policy_with_minibatches_micro_batches_and_reference_swap(tmp_path):
         assert records[1]["theorem1/tv_k_alpha"] > 0  # pi_k differs from a stale behaviour policy
         assert _changed(initial, _copy(trainer.state.params))
         assert trainer.state.reference is not None  # swapped at the start of epoch 1
+        assert trainer.initial_reference is None  # and the initial params are not kept as a fourth copy
         latest = tmp_path / "checkpoints" / "3"
         assert (latest / "behaviour").is_dir() and (latest / "reference").is_dir()
         assert not (tmp_path / "checkpoints" / "1" / "reference").exists()  # still the initial params then

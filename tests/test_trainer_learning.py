@@ -16,6 +16,9 @@ from jgrpo.trainer import Trainer
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("refresh", "inner", "ratio", "iterations"), [
+    # On-policy with 4 prompts the take-off iteration depends on the sample path (seed 0 rose from iteration 8
+    # in one build and stayed at 0.10 for 15 after a 1e-7 change in a gradient): 8 prompts per batch rise
+    # within 15 iterations for seeds 0 and 1 alike (0.10 -> 0.18 and 0.31, last 3).
     (1, 1, "behaviour", 15),
     (1, 2, "behaviour", 15),
     # Off-policy v=4 with eq. 6 exactly: the clip is centred on pi_k / alpha, so a stale batch's first step is an
@@ -36,6 +39,7 @@ def test_mean_reward_rises(tmp_path, refresh, inner, ratio, iterations):
         f"grpo.behaviour_refresh={refresh}", f"grpo.inner_steps={inner}", f"grpo.off_policy_ratio={ratio}",
         "grpo.num_generations=8", "grpo.beta=0.0", "optim.learning_rate=3e-2", f"run.iterations={iterations}",
         "checkpoint.every=0", "data.epochs=4",  # the 1-digit task has too few distinct problems for 24 batches
+        *(["data.batch_size=8"] if (refresh, inner) == (1, 1) else []),
     ])
     trainer = Trainer(config)
     try:

@@ -19,3 +19,13 @@ def space_fraction(prompt: str, completion: str, reference: dict) -> float:
 @pytest.mark.parametrize(("completion", "want"), [("", 0.0), ("ab", 0.0), (" a b", 0.5), ("    ", 1.0)])
 def test_space_fraction(completion, want):
     assert space_fraction("q", completion, {}) == want
+
+
+def length_parity(prompt: str, completion: str, reference: dict) -> float:
+    """1 when the completion has an odd number of characters: random text gives real variance in every group."""
+    return float(len(completion) % 2)
+
+
+@pytest.mark.parametrize(("completion", "want"), [("", 0.0), ("a", 1.0), ("ab", 0.0)])
+def test_length_parity(completion, want):
+    assert length_parity("q", completion, {}) == want

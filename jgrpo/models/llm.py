@@ -275,6 +275,21 @@ def with_remat(fn, policy: str):
     return fn
 
 
+def vocab_logits(hidden: jax.Array, unembedding: jax.Array, compute_dtype) -> jax.Array:
+    """[..., D] hidden states x [D, V] unembedding -> [..., V] float32 logits: THE vocabulary projection.
+
+    Both operands in the compute dtype, accumulated in float32. The sampler (`LLM.logits`) and the trainer
+    (`logprobs.token_logprobs`) both call this one function, so with bfloat16 compute they round the same
+    operands the same way: a sampler/trainer difference here would be multiplied by 1/temperature in every
+    log-prob. One 2-D matmul: XLA:CPU runs it faster than the batched einsum.
+    """
+    cdt = jnp.dtype(compute_dtype)
+    dim = hidden.shape[-1]
+    logits = jnp.matmul(hidden.reshape(-1, dim).astype(cdt), unembedding.astype(cdt),
+                        preferred_element_type=jnp.float32)
+    return logits.reshape(hidden.shape[:-1] + (unembedding.shape[-1],))
+
+
 class LLM(nnx.Module):
     def __init__(self, cfg: LLMConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -289,8 +304,8 @@ class LLM(nnx.Module):
         return self.embed[...].T if self.cfg.tie_word_embeddings else self.lm_head[...]
 
     def logits(self, hidden: jax.Array) -> jax.Array:
-        w = self.unembedding().astype(hidden.dtype)
-        return jnp.einsum("...d,dv->...v", hidden, w, preferred_element_type=jnp.float32)
+        """[..., D] final hidden states -> [..., V] float32 logits (the sampler's path; see `vocab_logits`)."""
+        return vocab_logits(hidden, self.unembedding(), self.cfg.compute_dtype)
 
     def __call__(
         self,
