@@ -39,7 +39,7 @@ from jgrpo.models.decode import DecodeCache, decode_cache_from_prefill, decode_s
 from jgrpo.models.llm import init_cache, merge_model, param_logical_axes, position_ids_from_mask
 from jgrpo.sampling_methods import SamplingMethod
 
-__all__ = ["SampleOutput", "SamplingMethod", "generate", "left_pad_prompts", "stop_ids_for"]
+__all__ = ["SampleOutput", "SamplingMethod", "generate", "left_pad_prompts", "lower_generate", "stop_ids_for"]
 
 # Tokens that close a turn in the chat templates of the supported families (besides the EOS id).
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<|endoftext|>", "<end_of_turn>")
@@ -219,12 +219,45 @@ def generate(
     layout = None
     if mesh is not None:
         params = jax.device_put(params, logical_shardings(param_logical_axes(params), mesh, rules, shapes=params))
-        rows = batch * num_samples
-        layout = _layout(mesh, rules, cfg, batch, rows, prompt_len, decode_chunking(max_new_tokens, decode_chunk)[0])
+        layout = _layout(mesh, rules, cfg, batch, batch * num_samples, prompt_len,
+                         decode_chunking(max_new_tokens, decode_chunk)[0])
     return _generate(
         graphdef, params, jnp.asarray(prompt_tokens, jnp.int32), jnp.asarray(prompt_mask, bool), key,
         num_samples=num_samples, max_new_tokens=max_new_tokens, method=method, stop_ids=stop_ids,
         pad_id=int(pad_id), layout=layout, decode_chunk=decode_chunk,
+    )
+
+
+def lower_generate(
+    graphdef,
+    params,
+    prompt_tokens: jax.ShapeDtypeStruct,
+    prompt_mask: jax.ShapeDtypeStruct,
+    key: jax.ShapeDtypeStruct,
+    *,
+    cfg,
+    num_samples: int,
+    max_new_tokens: int,
+    method: SamplingMethod,
+    stop_ids: Sequence[int],
+    mesh: Mesh,
+    rules: Rules = SAMPLE_RULES,
+    pad_id: int = 0,
+    decode_chunk: int | None = None,
+) -> jax.stages.Lowered:
+    """The program `generate` runs for these shapes, lowered for `mesh` but not compiled or run.
+
+    Every argument may be abstract (`jax.ShapeDtypeStruct` with a sharding; `params` in the sampling layout
+    of `rules`) and the mesh may be made of devices this machine does not have (a TPU topology): this is how
+    `jgrpo.plan` compiles the sampler for a TPU slice. `cfg` is the model's LLMConfig.
+    """
+    batch, prompt_len = prompt_tokens.shape
+    layout = _layout(mesh, rules, cfg, batch, batch * num_samples, prompt_len,
+                     decode_chunking(max_new_tokens, decode_chunk)[0])
+    return _generate.lower(
+        graphdef, params, prompt_tokens, prompt_mask, key, num_samples=num_samples, max_new_tokens=max_new_tokens,
+        method=method, stop_ids=tuple(sorted({int(i) for i in stop_ids})), pad_id=int(pad_id), layout=layout,
+        decode_chunk=decode_chunk,
     )
 
 

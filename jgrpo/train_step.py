@@ -29,7 +29,7 @@ from jgrpo.advantages import GroupAdvantages, group_advantages
 from jgrpo.config import GRPOConfig
 from jgrpo.diagnostics import finalize_metrics
 from jgrpo.logprobs import token_logprobs
-from jgrpo.mesh import TRAIN_RULES, logical_shardings, logical_to_spec, replicated
+from jgrpo.mesh import TRAIN_RULES, Rules, logical_shardings, logical_to_spec, replicated
 from jgrpo.models.llm import merge_model, param_logical_axes, position_ids_from_mask
 from jgrpo.models.shared_prompt import forward_shared_prompts
 from jgrpo.objectives import grpo_loss, step_has_signal, step_normaliser
@@ -94,13 +94,13 @@ class StepFunctions:
 
     def __init__(self, *, graphdef, params, mesh: Mesh, grpo: GRPOConfig, optimizer: optax.GradientTransformation,
                  method: SamplingMethod, logprob_chunk: int, new_tokens: int, share_prompts: bool = True,
-                 skip_empty_steps: bool = True):
+                 skip_empty_steps: bool = True, rules: Rules = TRAIN_RULES):
         self.graphdef, self.mesh, self.grpo, self.optimizer = graphdef, mesh, grpo, optimizer
         self.method, self.chunk, self.new_tokens = method, logprob_chunk, new_tokens
-        self.share_prompts, self.skip_empty_steps = share_prompts, skip_empty_steps
+        self.share_prompts, self.skip_empty_steps, self.rules = share_prompts, skip_empty_steps, rules
         self.chunks = grpo.num_minibatches * grpo.micro_batches
         self.lp_k_source = lp_k_source(grpo)
-        self.param_shardings = logical_shardings(param_logical_axes(params), mesh, TRAIN_RULES, shapes=params)
+        self.param_shardings = logical_shardings(param_logical_axes(params), mesh, rules, shapes=params)
         abstract_opt = jax.eval_shape(optimizer.init, params)
         self.opt_shardings = optax.tree_map_params(
             optimizer, lambda _, sharding: sharding, abstract_opt, self.param_shardings,
@@ -129,7 +129,7 @@ class StepFunctions:
     def _rows(self, x: jax.Array) -> jax.Array:
         """Constrain a chunked [C, r, ...] array: rows over the data-parallel axes (when they divide r)."""
         logical = (None, "batch") + (None,) * (x.ndim - 2)
-        spec = logical_to_spec(logical, TRAIN_RULES, x.shape, self.mesh)
+        spec = logical_to_spec(logical, self.rules, x.shape, self.mesh)
         return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
 
     # ------------------------------------------------------------------ batch

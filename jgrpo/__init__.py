@@ -1,0 +1,37 @@
+"""jgrpo: JAX/TPU-native GRPO, on-policy and off-policy (arXiv 2505.22257).
+
+Importing the package only decides one thing before jax is imported: on a machine with libtpu installed (the
+`tpu` extra, which `jgrpo.plan` uses to compile for TPUs deviceless) but no TPU attached, jax would try the TPU
+first and print initialisation errors before falling back to the CPU. There, unless the user chose with
+JAX_PLATFORMS, jgrpo runs on the CPU quietly. A TPU VM (a Google PCI device) or a CUDA plugin leaves jax to
+choose as usual.
+"""
+
+import glob
+import importlib.util
+import os
+
+_GOOGLE_PCI_VENDOR = "0x1ae0"  # TPU chips appear as PCI devices of this vendor on Cloud TPU VMs
+
+
+def _tpu_attached() -> bool:
+    for path in glob.glob("/sys/bus/pci/devices/*/vendor"):
+        try:
+            with open(path) as f:
+                if f.read().strip() == _GOOGLE_PCI_VENDOR:
+                    return True
+        except OSError:
+            continue
+    return False
+
+
+def _quiet_cpu_when_libtpu_has_no_tpu() -> None:
+    if "JAX_PLATFORMS" in os.environ or importlib.util.find_spec("libtpu") is None:
+        return
+    if any(importlib.util.find_spec(p) for p in ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm_plugin")):
+        return
+    if not _tpu_attached():
+        os.environ["JAX_PLATFORMS"] = "cpu"
+
+
+_quiet_cpu_when_libtpu_has_no_tpu()

@@ -1,0 +1,114 @@
+"""`jgrpo.plan`: the trainer's programs compiled for a real TPU topology (deviceless, libtpu's compiler).
+
+Per-chip bytes are checked against arithmetic from the parameter count and the shardings, a broken sharding
+rule must show up as per-chip memory, an oversized plan must say it does not fit, and bad input fails by name.
+"""
+
+import dataclasses
+import json
+import math
+
+import pytest
+
+pytest.importorskip("libtpu", reason="the TPU compiler comes with jax[tpu] (bash .ci/install installs it)")
+
+from jgrpo.config import ConfigError, load_config  # noqa: E402
+from jgrpo.mesh import TRAIN_RULES  # noqa: E402
+from jgrpo.models.shapes import KNOWN_SHAPES, model_shapes  # noqa: E402
+from jgrpo.plan import abstract_run, main, per_chip_bytes, plan_iteration, topology_devices  # noqa: E402
+
+TINY = ["checkpoint.every=0", "logging.tensorboard=false"]
+
+
+@pytest.fixture(scope="module")
+def v5e():
+    devices, chip = topology_devices("v5e:2x4")
+    assert len(devices) == 8 and chip.hbm_gib == 16
+    return devices
+
+
+def test_per_chip_params_and_optimizer_state_are_the_arithmetic(v5e):
+    # SmolLM2-135M from its shipped shape description, FSDP over the 8 chips of a v5e-8. Every weight has a
+    # hidden (576 = 8 x 72) dimension that FSDP splits, except the RMSNorm weights, which are replicated:
+    # per chip = 4 bytes x (weights / 8 + norms). AdamW keeps two such moments, plus step counters.
+    config = load_config("configs/quickstart.yaml", TINY)
+    run = abstract_run(config, v5e)
+    cfg = run.cfg
+    D, F, L = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    norms = (2 * L + 1) * D
+    weights = cfg.vocab_size * D + L * (D * q + 2 * D * kv + q * D + 3 * D * F)
+    assert weights + norms == 134_515_008  # SmolLM2-135M's published parameter count
+    params = per_chip_bytes(run.params)
+    assert params == 4 * (weights // 8 + norms)
+    opt = per_chip_bytes(run.opt_state)
+    assert 2 * params <= opt <= 2 * params + 64  # mu, nu and a few scalar counters
+    # The sampling layout keeps weights whole along fsdp: the full model on every chip.
+    assert per_chip_bytes(run.sample_params) == 4 * (weights + norms)
+
+
+def test_plan_of_a_small_run_and_a_broken_sharding_rule(v5e):
+    config = load_config("configs/tiny.yaml", TINY + ["grpo.behaviour_refresh=2"])
+    plan = plan_iteration(config, v5e)
+    names = [p["name"] for p in plan["programs"]]
+    assert names == ["sample", "assemble", "ref_logprobs", "update", "behaviour"]
+    assert all(p["compile_s"] > 0 and p["argument_bytes"] > 0 for p in plan["programs"])
+    update = next(p for p in plan["programs"] if p["name"] == "update")
+    resident = plan["resident_bytes"]
+    # The update reads params, optimiser state and the step batch (plus TPU tiling padding of small dims, ~6% on
+    # this 64-wide model), and donates the first two to its outputs.
+    logical = resident["params"] + resident["opt_state"] + resident["step_batch"]
+    assert logical <= update["argument_bytes"] <= 1.1 * logical
+    assert update["alias_bytes"] >= resident["params"] + resident["opt_state"] - 64
+    assert plan["peak_bytes"] >= sum(resident.values())
+
+    # A rule that forgets FSDP (weights replicated on every chip) costs 8x the param and optimiser bytes.
+    broken = plan_iteration(config, v5e, train_rules={**TRAIN_RULES, "embed": None})
+    ratio = broken["resident_bytes"]["params"] / resident["params"]
+    assert 7 < ratio <= 8
+    assert broken["peak_bytes"] > plan["peak_bytes"] + 6 * resident["opt_state"]
+
+
+def test_cli_says_when_a_plan_does_not_fit(capsys):
+    assert main(["configs/tiny.yaml", *TINY, "--topology", "v5e:2x4", "--hbm-gib", "0.001"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert any("DOES NOT FIT in 0.001 GiB" in line for line in out)
+    assert any(line.startswith("largest buffers:") for line in out)
+    record = json.loads(out[-1])["plans"][0]
+    assert record["topology"] == "v5e:2x4" and record["fits"] is False and record["mesh"]["fsdp"] == 8
+
+
+def test_bad_input_names_the_problem(v5e):
+    with pytest.raises(ValueError, match=r"unknown TPU topology 'v9x:2x2'.*v5e:2x4"):
+        topology_devices("v9x:2x2")
+    with pytest.raises(ValueError, match=r"cannot describe TPU topology 'v5e:3x7'"):
+        topology_devices("v5e:3x7")
+    with pytest.raises(ValueError, match=r"needs 3 devices but 8 are available"):
+        abstract_run(load_config("configs/tiny.yaml", ["mesh.data=3", "mesh.fsdp=1"]), v5e)
+    with pytest.raises(ValueError, match=r"no shape description for model 'org/unknown-7b'.*Qwen2.5-0.5B-Instruct"):
+        abstract_run(load_config("configs/tiny.yaml", ["model.name=org/unknown-7b"]), v5e)
+    with pytest.raises(ConfigError):
+        load_config("configs/tiny.yaml", ["mesh.tensor=0"])
+
+
+@pytest.mark.parametrize("name", sorted(KNOWN_SHAPES))
+def test_shipped_shape_descriptions_have_the_published_sizes(name):
+    # Model cards: SmolLM2 134.5M, Qwen2.5-0.5B 0.49B, R1-Distill-1.5B 1.78B, Llama-3.2-1B 1.24B, Qwen3-0.6B
+    # 0.6B (0.44B without embeddings), Qwen3-1.7B 1.7B (1.41B without embeddings; tied embeddings counted once).
+    published = {"HuggingFaceTB/SmolLM2-135M-Instruct": 134.5e6, "Qwen/Qwen2.5-0.5B-Instruct": 494.0e6,
+                 "deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B": 1777.1e6, "meta-llama/Llama-3.2-1B": 1235.8e6,
+                 "Qwen/Qwen3-0.6B": 596.0e6, "Qwen/Qwen3-1.7B": 1720.6e6}
+    cfg = model_shapes(name)
+    from jgrpo.models.llm import param_shapes
+
+    count = sum(math.prod(s) for s in _leaves(param_shapes(cfg)))
+    assert abs(count - published[name]) / published[name] < 2e-3, count
+    assert dataclasses.asdict(model_shapes(name.split("/")[-1].upper())) == dataclasses.asdict(cfg)
+
+
+def _leaves(tree):
+    if isinstance(tree, dict):
+        for value in tree.values():
+            yield from _leaves(value)
+    else:
+        yield tuple(tree)
