@@ -14,7 +14,8 @@ import os
 _GOOGLE_PCI_VENDOR = "0x1ae0"  # TPU chips appear as PCI devices of this vendor on Cloud TPU VMs
 
 
-def _tpu_attached() -> bool:
+def tpu_attached() -> bool:
+    """Whether this machine has a TPU chip on its PCI bus (a Cloud TPU VM)."""
     for path in glob.glob("/sys/bus/pci/devices/*/vendor"):
         try:
             with open(path) as f:
@@ -30,7 +31,7 @@ def _quiet_cpu_when_libtpu_has_no_tpu() -> None:
         return
     if any(importlib.util.find_spec(p) for p in ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm_plugin")):
         return
-    if not _tpu_attached():
+    if not tpu_attached():
         os.environ["JAX_PLATFORMS"] = "cpu"
 
 

@@ -31,8 +31,16 @@ import os
 import sys
 import time
 
-# Planning compiles for a TPU that is not here: never let jax try to initialise one.
+from jgrpo import tpu_attached  # noqa: E402 - its import settles JAX_PLATFORMS before jax is imported
+
+# Planning compiles for a TPU that is not here: never let jax try to initialise one. Without a TPU, describe
+# this host to libtpu so that loading it for the compiler does not print "could not determine TPU worker
+# hostnames / accelerator type" errors (the values only name the local host; the topology is the argument).
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if not tpu_attached():
+    for name, value in (("TPU_SKIP_MDS_QUERY", "1"), ("TPU_WORKER_HOSTNAMES", "localhost"), ("TPU_WORKER_ID", "0"),
+                        ("TPU_ACCELERATOR_TYPE", "v5litepod-8")):
+        os.environ.setdefault(name, value)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
