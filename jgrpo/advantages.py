@@ -1,4 +1,4 @@
-"""Group-relative advantages (GRPO_SPEC §2) and the per-row facts the loss kernel needs about each group.
+"""Group-relative advantages (docs/algorithm.md §2) and the per-row facts the loss kernel needs about each group.
 
 Rewards arrive flat, `[B * G]`, with the G completions of prompt b in rows b*G .. b*G+G-1 (the
 sampler's layout). Everything here is computed once per iteration on the *whole* batch, before any
@@ -21,11 +21,11 @@ class GroupAdvantages(NamedTuple):
     advantages: jax.Array  # [N] float32, 0 for zero-variance groups
     in_loss: jax.Array  # [N] bool: the row enters surrogate, KL and normalisers (False = masked zero-variance)
     zero_variance: jax.Array  # [N] bool: all rewards of the row's group are equal
-    tv_weight: jax.Array  # [N] float32: (1 - s) / s of the row's prompt, s = sqrt(var(r) + eps) (spec §7)
+    tv_weight: jax.Array  # [N] float32: (1 - s) / s of the row's prompt, s = sqrt(var(r) + eps) (docs/algorithm.md §7)
 
 
 def group_advantages(rewards: jax.Array, config: GRPOConfig) -> GroupAdvantages:
-    """A_i = (r_i - mean_group(r)) / scale, with the scale chosen by the config (spec §2).
+    """A_i = (r_i - mean_group(r)) / scale, with the scale chosen by the config (docs/algorithm.md §2).
 
     - `advantage_scale`: "group" divides by the group's std (paper eq. 2), "batch" by the std of all
       rewards of the batch (centring stays per group), "none" does not divide (Dr.GRPO).
@@ -61,7 +61,7 @@ def group_advantages(rewards: jax.Array, config: GRPOConfig) -> GroupAdvantages:
             denominator = jnp.sqrt(var + eps)
         else:
             denominator = jnp.sqrt(var) + eps
-        # With eps = 0 a zero-variance group divides 0 by 0; the where below replaces that NaN by the spec's 0.
+        # With eps = 0 a zero-variance group divides 0 by 0; the where below puts the 0 of docs/algorithm.md §2.
         advantages = centred / denominator
     advantages = jnp.where(zero_variance, 0.0, advantages)
 

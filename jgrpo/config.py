@@ -83,20 +83,20 @@ class SamplerConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class GRPOConfig:
-    """The objective and the loop shape of GRPO_SPEC.md; names follow the spec."""
+    """The objective and the loop shape of docs/algorithm.md; names follow it."""
 
     num_generations: int = 8  # G completions per prompt
     behaviour_refresh: int = 1  # v: behaviour <- current every v iterations (1 = on-policy)
     inner_steps: int = 1  # i: optimiser steps per batch of samples
     num_minibatches: int = 1  # each inner step may be split into minibatches (one update each)
     micro_batches: int = 1  # gradient accumulation inside one update
-    # Advantages (spec §2).
+    # Advantages (docs/algorithm.md §2).
     advantage_scale: Literal["group", "batch", "none"] = "group"
     advantage_std: Literal["population", "bessel"] = "population"
     advantage_eps_placement: Literal["inside_sqrt", "add_to_std"] = "inside_sqrt"
     advantage_eps: float = 1e-4
     mask_zero_variance: bool = True
-    # Surrogate (spec §3).
+    # Surrogate (docs/algorithm.md §3).
     off_policy_ratio: Literal["behaviour", "recentred", "current"] = "behaviour"
     clip_eps_low: float = 0.2
     clip_eps_high: float = 0.2
@@ -108,7 +108,7 @@ class GRPOConfig:
     beta: float = 0.04
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     swap_reference: bool = False  # reference <- current after every epoch
-    # Aggregation (spec §4); sum_norm_length is Dr.GRPO's constant L (None = sampler.max_new_tokens).
+    # Aggregation (docs/algorithm.md §4); sum_norm_length is Dr.GRPO's constant L (None = sampler.max_new_tokens).
     aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = "token_mean"
     sum_norm_length: int | None = None
     # Re-deal whole groups to the minibatches at every inner step after the first (PPO-style reshuffling).

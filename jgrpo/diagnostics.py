@@ -1,4 +1,4 @@
-"""Metrics of the GRPO loss, including the Theorem 1 diagnostics of GRPO_SPEC §7.
+"""Metrics of the GRPO loss, including the Theorem 1 diagnostics of docs/algorithm.md §7.
 
 `grpo_loss` returns metrics as *accumulators*: sums and counts (added across micro-batches), and
 keys ending in `_min` / `_max` (combined with min / max). Under `jax.jit` over a sharded batch they

@@ -9,7 +9,7 @@ float32 logits whatever the dtype, rounded exactly as the sampler rounds them.
 `process_logits` maps float32 logits [..., V] to the log-probs of the distribution that was actually
 sampled (temperature, top-k/top-p/min-p truncation; -inf outside the support). In training it is the
 sampler's `SamplingMethod.process_logits`, so trainer and sampler log-probs mean the same thing
-(GRPO_SPEC §6). The default is the plain softmax (temperature 1, no truncation). `untruncated`, when
+(docs/algorithm.md §6). The default is the plain softmax (temperature 1, no truncation). `untruncated`, when
 given, is a second map of the same logits (the tempered softmax without truncation, for the KL term):
 one projection serves both.
 """

@@ -1,4 +1,4 @@
-"""The GRPO loss kernel (GRPO_SPEC §3, §4): clipped surrogate in every off-policy mode, KL, aggregation.
+"""The GRPO loss kernel (docs/algorithm.md §3, §4): clipped surrogate in every off-policy mode, KL, aggregation.
 
 Pure functions of arrays; no model inside. Shapes: N completion rows (B prompts x G samples), T
 completion tokens. Per-token log-probs are `lp` (current params, the only input with a gradient),
@@ -108,7 +108,7 @@ def _log_ratio(lp_num: jax.Array, lp_den: jax.Array) -> jax.Array:
 
 
 def policy_ratio(lp, lp_alpha, lp_k, valid, config: GRPOConfig):
-    """The ratio in the clip and its clip range for `config.off_policy_ratio` (spec §3 table).
+    """The ratio in the clip and its clip range for `config.off_policy_ratio` (docs/algorithm.md §3 table).
 
     Returns (ratio [N, T] with gradient, low [N, T], high [N, T]); with `sequence_ratio` (GSPO) every
     token of a row carries the row's length-normalised ratio exp(mean_t log-ratio).

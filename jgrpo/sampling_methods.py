@@ -3,7 +3,7 @@
 One small frozen dataclass holds every knob, so the methods combine freely and the method is a
 hashable static argument of the jitted decode loop. `process_logits` turns raw logits into the
 float32 log-probs of the distribution *actually sampled from*; the sampler records those
-log-probs and the trainer recomputes them with the same function (GRPO_SPEC §6), so the two can
+log-probs and the trainer recomputes them with the same function (docs/algorithm.md §6), so the two can
 only agree if both call this one pure function.
 
 Order of the transformations (the same as transformers' `generate`): temperature, then top-k,

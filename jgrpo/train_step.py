@@ -175,7 +175,7 @@ class StepFunctions:
 
     def _sequence_logprobs(self, params, inputs, input_mask, positions, targets, *, kind: str = "sampled",
                            with_kl: bool = False):
-        """Per-token [r, N] log-probs of `targets` under `params` (spec §6).
+        """Per-token [r, N] log-probs of `targets` under `params` (docs/algorithm.md §6).
 
         kind "sampled": (lp, entropy) under the sampling method's distribution (truncated like the sampler's),
         plus, `with_kl` and a truncating method, the untruncated tempered log-probs for the KL term.

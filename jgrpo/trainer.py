@@ -1,4 +1,4 @@
-"""The GRPO loop of GRPO_SPEC §5 (paper Algorithm 1): on-policy and off-policy, with checkpoints and metrics.
+"""The GRPO loop of docs/algorithm.md §5 (paper Algorithm 1): on-policy and off-policy, with checkpoints and metrics.
 
     behaviour <- current <- init ; reference <- init            (reference only when beta > 0)
     for iteration k = 0, 1, ...:

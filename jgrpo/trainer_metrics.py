@@ -9,8 +9,8 @@ process computes the same numbers; only process 0 writes them. Names group into 
     kl/mean, entropy/mean     per token, over the loss tokens / all completion tokens
     clip/*                    frac_low, frac_high, frac_dual
     theorem1/*                tv_theta_alpha, tv_k_alpha, tv_weight_mean, tv_weight_M, surrogate_alpha,
-                              lower_bound (GRPO_SPEC §7), and staleness = k - version(behaviour)
-    mismatch/*                |sampler - trainer| log-prob gap at the behaviour params (spec §6), and the
+                              lower_bound (docs/algorithm.md §7), and staleness = k - version(behaviour)
+    mismatch/*                |sampler - trainer| log-prob gap at the behaviour params (docs/algorithm.md §6), and the
                               fraction of sampled tokens outside the trainer's truncated support; logged on
                               iterations whose first update runs at the behaviour params (every one when v = 1,
                               each refresh when v > 1)

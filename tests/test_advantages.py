@@ -1,4 +1,4 @@
-"""Group advantages (GRPO_SPEC §2) against hand-derived numbers."""
+"""Group advantages (docs/algorithm.md §2) against hand-derived numbers."""
 
 import math
 

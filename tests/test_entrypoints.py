@@ -190,5 +190,5 @@ def test_quickstart_runs_two_iterations_of_real_smollm2(tmp_path):
         # (loss means such as kl/mean are NaN when every group had equal rewards: no token enters the loss)
         for key in ("reward/mean", "loss/loss", "entropy/mean", "completion/length_mean", "time/update"):
             assert np.isfinite(record[key]), (key, record[key])
-        assert 0 < record["mismatch/logprob_max"] < 1e-3  # sampler vs trainer log-probs (spec §6), real model
+        assert 0 < record["mismatch/logprob_max"] < 1e-3  # sampler vs trainer (docs/algorithm.md §6)
     assert (tmp_path / "checkpoints" / "2").is_dir() and (tmp_path / "config.yaml").is_file()

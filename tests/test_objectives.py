@@ -1,4 +1,4 @@
-"""The loss kernel (GRPO_SPEC §3, §4) against hand-derived numbers and closed-form gradients.
+"""The loss kernel (docs/algorithm.md §3, §4) against hand-derived numbers and closed-form gradients.
 
 Common setup unless a test says otherwise: 2 rows x 2 tokens, all valid, advantages A = [+1, -1],
 alpha = 0.5 everywhere, and the current policy chosen so that the token ratios pi/alpha are

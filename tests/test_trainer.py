@@ -58,7 +58,7 @@ def test_on_policy_run_is_finite_changes_params_and_never_recompiles(tmp_path, c
             for key in KEY_METRICS:
                 assert np.isfinite(record[key]), (key, record[key])
             assert record["theorem1/staleness"] == 0 and "mismatch/logprob_mean" in record
-            assert record["mismatch/logprob_max"] < 1e-3  # sampler and trainer log-probs agree (spec §6)
+            assert record["mismatch/logprob_max"] < 1e-3  # sampler and trainer log-probs agree (docs/algorithm.md §6)
             assert record["nonfinite/skipped"] == 0
         assert np.isfinite(records[-1]["kl/mean"]) and records[-1]["kl/mean"] > 0  # moved away from the reference
         assert _changed(initial, _copy(trainer.state.params))

@@ -4,9 +4,9 @@ With v = 4 and the default `behaviour` ratio, iterations after a refresh sample 
 quantity of such a stale update is recomputed here by an independent path (own sequence assembly, positions,
 full-vocabulary log-softmax at the sampler's temperature, own group advantages from the decoded texts):
 - the sampler samples with the params of the last refresh, not the current ones;
-- its log-probs lp_alpha are the behaviour policy's log-probs of those very tokens (spec §6);
+- its log-probs lp_alpha are the behaviour policy's log-probs of those very tokens (docs/algorithm.md §6);
 - the trainer's loss and gradient equal -sum_t w_t * min(rho_t A, clip(rho_t, 1 - eps, 1 + eps) A) with
-  rho = pi_theta / alpha and its gradient -sum_t w_t A rho_t 1[unclipped] d lp_t (spec §3), with clipping
+  rho = pi_theta / alpha and its gradient -sum_t w_t A rho_t 1[unclipped] d lp_t (docs/algorithm.md §3), with clipping
   present on both sides so the check has teeth.
 A misalignment of rows, advantages, positions or tokens, a wrong lp as alpha, a temperature mismatch, a clip
 on the wrong side or a behaviour copy that is not the refreshed params would each break one of these.
@@ -99,7 +99,7 @@ def test_stale_update_matches_closed_form(stale_iterations, k):
     mask = jnp.asarray(np.concatenate([np.repeat(sample["prompt_mask"], G, 0), out.completion_mask], 1))
     valid = np.asarray(out.completion_mask)
 
-    # spec §6: the sampler's log-probs are the behaviour policy's, at the sampling temperature, token by token
+    # docs/algorithm.md §6: the sampler's log-probs are the behaviour policy's, at its temperature, token by token
     lp_behaviour = _independent_logprobs(trainer.graphdef, sample["params"], sequences, mask, N)
     np.testing.assert_allclose(np.where(valid, lp_behaviour, 0), np.where(valid, out.logprobs, 0), atol=1e-4)
 
