@@ -1,0 +1,199 @@
+"""A run without weights, for a TPU slice that is not here: abstract params and the trainer's programs, lowered.
+
+`topology_devices("v5e:2x4")` describes a TPU slice's devices with libtpu's compiler (no TPU attached);
+`abstract_run` builds the run's mesh over them, its params / optimiser state as `jax.ShapeDtypeStruct`s with
+the training and sampling shardings (from the model's shape description, `models.shapes`) and its
+`StepFunctions`; `lower_iteration` lowers one iteration's programs exactly as the trainer calls them, through
+the same public functions (`sampler.lower_generate`, `train_step.StepFunctions`):
+
+    sample        the sampler's generate (B prompts x G samples) from the sampling-layout params
+    assemble      sampler outputs + rewards -> the step batch and advantages
+    ref_logprobs  reference log-probs (beta > 0)
+    lp_k          log-probs at the start of the iteration (when `lp_k_source` is "computed")
+    update        one optimiser step (params and optimiser state donated); runs once per update
+    behaviour     current -> the sampling layout (and `sampler.weights_dtype`): the behaviour copy when v > 1
+    eval          held-out generate, greedy, when run.eval_every is set
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+
+from jgrpo import tpu_attached  # noqa: E402 - its import settles JAX_PLATFORMS before jax is imported
+
+# Planning compiles for a TPU that is not here: never let jax try to initialise one. Without a TPU, describe
+# this host to libtpu so that loading it for the compiler does not print "could not determine TPU worker
+# hostnames / accelerator type" errors (the values only name the local host; the topology is the argument).
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if not tpu_attached():
+    for name, value in (("TPU_SKIP_MDS_QUERY", "1"), ("TPU_WORKER_HOSTNAMES", "localhost"), ("TPU_WORKER_ID", "0"),
+                        ("TPU_ACCELERATOR_TYPE", "v5litepod-8")):
+        os.environ.setdefault(name, value)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+
+from jgrpo.config import Config  # noqa: E402
+from jgrpo.data import bucketed_length  # noqa: E402
+from jgrpo.mesh import SAMPLE_RULES, TRAIN_RULES, Rules, logical_shardings, logical_to_spec, make_mesh, replicated  # noqa: E402
+from jgrpo.models.llm import abstract_model, param_logical_axes  # noqa: E402
+from jgrpo.models.shapes import model_shapes  # noqa: E402
+from jgrpo.optim import make_optimizer  # noqa: E402
+from jgrpo.roofline import CHIPS, Chip  # noqa: E402
+from jgrpo.sampler import lower_generate  # noqa: E402
+from jgrpo.sampling_methods import SamplingMethod  # noqa: E402
+from jgrpo.train_step import StepFunctions  # noqa: E402
+
+# Topologies checked on this project's machines (a name is "<chip>:<AxB[xC]>").
+EXAMPLE_TOPOLOGIES = ("v5e:2x4", "v5p:2x2x2", "v6e:2x4", "v4:2x2x1")
+
+
+def topology_devices(name: str) -> tuple[list, Chip]:
+    """The devices of TPU topology `name` (deviceless) and its chip, or a ValueError naming the choices."""
+    chip_name = name.split(":", 1)[0]
+    if ":" not in name or chip_name not in CHIPS:
+        raise ValueError(f"unknown TPU topology '{name}': use <chip>:<shape> with chip one of {sorted(CHIPS)}, "
+                         f"e.g. {', '.join(EXAMPLE_TOPOLOGIES)}")
+    try:
+        from jax.experimental import topologies
+
+        topology = topologies.get_topology_desc(topology_name=name, platform="tpu")
+    except Exception as e:  # noqa: BLE001 - libtpu missing, or a shape the chip does not come in
+        raise ValueError(f"cannot describe TPU topology '{name}' ({type(e).__name__}: {e}); libtpu must be installed "
+                         f"(pip install \"jax[tpu]\"); examples that work: {', '.join(EXAMPLE_TOPOLOGIES)}") from e
+    return list(topology.devices), CHIPS[chip_name]
+
+
+
+def per_chip_bytes(tree) -> int:
+    """Bytes one chip holds of a pytree of sharded arrays / ShapeDtypeStructs (the largest shard of each leaf)."""
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        shape = leaf.sharding.shard_shape(leaf.shape) if leaf.sharding is not None else leaf.shape
+        total += math.prod(shape) * jnp.dtype(leaf.dtype).itemsize
+    return total
+
+
+def parameter_count(tree) -> int:
+    return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(tree))
+
+
+def _abstract(tree, shardings):
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+
+
+def _rows(mesh: Mesh, rules: Rules, shape, dtype) -> jax.ShapeDtypeStruct:
+    spec = logical_to_spec(("batch",) + (None,) * (len(shape) - 1), rules, shape, mesh)
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
+
+
+
+@dataclasses.dataclass
+class AbstractRun:
+    """A run's model and state as ShapeDtypeStructs with their shardings, and its step functions."""
+
+    mesh: Mesh
+    cfg: object  # LLMConfig
+    graphdef: object
+    params: dict  # training layout
+    sample_params: dict  # sampling layout
+    opt_state: object
+    steps: StepFunctions
+
+
+def abstract_run(config: Config, devices: list, *, train_rules: Rules = TRAIN_RULES,
+                 sample_rules: Rules = SAMPLE_RULES) -> AbstractRun:
+    """The run's mesh over `devices`, its abstract params / optimiser state and its StepFunctions (no weights)."""
+    c, g, m = config, config.grpo, config.model
+    mesh = make_mesh(c.mesh, devices)
+    cfg = model_shapes(m.name, param_dtype=m.param_dtype, compute_dtype=m.compute_dtype, remat=m.remat)
+    graphdef, shapes = abstract_model(cfg)
+    axes = param_logical_axes(shapes)
+    params = _abstract(shapes, logical_shardings(axes, mesh, train_rules, shapes=shapes))
+    sample_params = _abstract(shapes, logical_shardings(axes, mesh, sample_rules, shapes=shapes))
+    optimizer = make_optimizer(c.optim, max(c.run.iterations * g.inner_steps * g.num_minibatches, 1))
+    steps = StepFunctions(graphdef=graphdef, params=params, mesh=mesh, grpo=g, optimizer=optimizer,
+                          method=SamplingMethod.from_config(c.sampler), logprob_chunk=m.logprob_chunk,
+                          new_tokens=c.sampler.max_new_tokens, share_prompts=m.share_prompts,
+                          skip_empty_steps=c.optim.skip_empty_steps, rules=train_rules)
+    opt_state = _abstract(jax.eval_shape(optimizer.init, shapes), steps.opt_shardings)
+    return AbstractRun(mesh, cfg, graphdef, params, sample_params, opt_state, steps)
+
+
+
+
+@dataclasses.dataclass
+class Program:
+    name: str
+    lowered: object  # jax.stages.Lowered
+    resident_argument_bytes: int  # its arguments that are the iteration's resident buffers (not extra)
+    runs: float = 1.0  # times per iteration
+
+
+@dataclasses.dataclass
+class Iteration:
+    run: AbstractRun
+    resident: dict[str, int]  # per-chip bytes of the buffers alive across the whole iteration
+    programs: list[Program]
+    shape: dict[str, int]  # B prompts, G samples, P prompt width, N new tokens
+
+
+def lower_iteration(config: Config, devices: list, *, names: tuple[str, ...] | None = None,
+                    train_rules: Rules = TRAIN_RULES, sample_rules: Rules = SAMPLE_RULES) -> Iteration:
+    """Lower the programs of one iteration of `config` over `devices` (all, or those in `names`)."""
+    c, g = config, config.grpo
+    run = abstract_run(config, devices, train_rules=train_rules, sample_rules=sample_rules)
+    mesh, cfg, graphdef, steps = run.mesh, run.cfg, run.graphdef, run.steps
+    params, sample_params, opt_state = run.params, run.sample_params, run.opt_state
+    B, G, N = c.data.batch_size, g.num_generations, c.sampler.max_new_tokens
+    R, P = B * G, bucketed_length(c.data.max_prompt_length, c.sampler.prompt_bucket)
+    wanted = (lambda name: True) if names is None else (lambda name: name in names)
+    key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype, sharding=replicated(mesh))
+    prompts = _rows(mesh, sample_rules, (B, P), jnp.int32), _rows(mesh, sample_rules, (B, P), jnp.bool_)
+    sample_kwargs = dict(cfg=cfg, max_new_tokens=N, stop_ids=(0,), mesh=mesh, rules=sample_rules)
+
+    resident = {"params": per_chip_bytes(params), "opt_state": per_chip_bytes(opt_state)}
+    if g.beta > 0:
+        resident["reference"] = resident["params"]
+    if g.behaviour_refresh > 1:
+        resident["behaviour"] = per_chip_bytes(sample_params)
+    programs = []
+    if wanted("sample"):
+        programs.append(Program("sample", lower_generate(graphdef, sample_params, *prompts, key, num_samples=G,
+                                                         method=SamplingMethod.from_config(c.sampler),
+                                                         **sample_kwargs), resident.get("behaviour", 0)))
+    outputs = (_rows(mesh, train_rules, (R, N), jnp.int32), _rows(mesh, train_rules, (R, N), jnp.bool_),
+               _rows(mesh, train_rules, (R, N), jnp.float32), _rows(mesh, train_rules, (R,), jnp.float32))
+    train_prompts = _rows(mesh, train_rules, (B, P), jnp.int32), _rows(mesh, train_rules, (B, P), jnp.bool_)
+    assemble = steps.assemble.lower(*train_prompts, *outputs)
+    if wanted("assemble"):
+        programs.append(Program("assemble", assemble, 0))
+    # The step batch's shardings are what the compiled assembly produces (a second compile of it is cheap).
+    batch = _abstract(jax.eval_shape(steps.assemble, *train_prompts, *outputs),
+                      assemble.compile().output_shardings)[0]
+    batch = batch._replace(lp_ref=batch.lp_alpha if g.beta > 0 else None,
+                           lp_k=batch.lp_alpha if steps.lp_k_source == "computed" else None)
+    resident["step_batch"] = per_chip_bytes(batch)
+    read_only = resident["params"] + resident["step_batch"]
+    if g.beta > 0 and wanted("ref_logprobs"):
+        programs.append(Program("ref_logprobs", steps.reference_logprobs.lower(params, batch), read_only))
+    if steps.lp_k_source == "computed" and wanted("lp_k"):
+        programs.append(Program("lp_k", steps.logprobs.lower(params, batch), read_only))
+    if wanted("update"):
+        update = steps.train_step.lower(params, opt_state, batch, jnp.int32(0), jnp.bool_(True))
+        programs.append(Program("update", update, read_only + resident["opt_state"],
+                                runs=g.inner_steps * g.num_minibatches))
+    if g.behaviour_refresh > 1 and wanted("behaviour"):
+        copy = jax.jit(lambda p: jax.tree.map(jnp.copy, p),
+                       out_shardings=jax.tree.map(lambda x: x.sharding, sample_params))
+        programs.append(Program("behaviour", copy.lower(params), resident["params"], runs=1 / g.behaviour_refresh))
+    if c.run.eval_every and wanted("eval"):
+        eval_batch = c.run.eval_batch_size or B
+        eval_prompts = (_rows(mesh, sample_rules, (eval_batch, P), jnp.int32),
+                        _rows(mesh, sample_rules, (eval_batch, P), jnp.bool_))
+        programs.append(Program("eval", lower_generate(graphdef, sample_params, *eval_prompts, key, num_samples=1,
+                                                       method=SamplingMethod(temperature=0.0), **sample_kwargs), 0))
+    return Iteration(run, resident, programs, {"B": B, "G": G, "P": P, "N": N})

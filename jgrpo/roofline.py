@@ -1,0 +1,83 @@
+"""How fast can an iteration go at best on a TPU chip: a roofline from a plan's per-program costs.
+
+A program cannot run faster than its matmul FLOPs at the chip's peak rate, nor than its HBM traffic at the
+chip's bandwidth: its roofline time is the larger of the two (`hlo_cost` counts both from the compiled TPU
+HLO, loops included). The iteration's lower bound is the sum over its programs, each times it runs per
+iteration. Model FLOPs are the work the model itself needs (2 x matmul params per token forward, 3 forwards'
+worth to train, plus attention, PaLM's convention), independent of remat and of padding; MFU = model FLOPs /
+(peak x roofline time) is therefore the best MFU this plan allows, an upper bound for the real run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+    hbm_gib: float  # HBM per chip
+    bf16_tflops: float  # peak dense bf16 TFLOP/s per chip
+    hbm_gbps: float  # HBM bandwidth per chip, GB/s
+
+
+# Published per-chip figures (Google Cloud TPU documentation, "TPU versions": the v4, v5e, v5p and v6e pages).
+CHIPS = {
+    "v4": Chip(hbm_gib=32, bf16_tflops=275, hbm_gbps=1228),
+    "v5e": Chip(hbm_gib=16, bf16_tflops=197, hbm_gbps=819),
+    "v5p": Chip(hbm_gib=95, bf16_tflops=459, hbm_gbps=2765),
+    "v6e": Chip(hbm_gib=32, bf16_tflops=918, hbm_gbps=1640),
+}
+
+
+def program_seconds(flops: float, hbm_bytes: float, chip: Chip) -> float:
+    """Roofline time of one program on one chip: compute-bound or bandwidth-bound, whichever is slower."""
+    return max(flops / (chip.bf16_tflops * 1e12), hbm_bytes / (chip.hbm_gbps * 1e9))
+
+
+def matmul_params(cfg) -> int:
+    """Parameters that take part in a matmul per token: every layer's projections and the unembedding (the
+    embedding lookup is a gather, not a matmul)."""
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    layer = cfg.hidden_size * (q + 2 * kv) + q * cfg.hidden_size + 3 * cfg.hidden_size * cfg.intermediate_size
+    return cfg.num_layers * layer + cfg.vocab_size * cfg.hidden_size
+
+
+def forward_flops(cfg, tokens: float, context: float) -> float:
+    """Model FLOPs of a forward pass over `tokens` tokens that each attend to `context` positions."""
+    attention = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * context  # q.k and p.v per token
+    return tokens * (2 * matmul_params(cfg) + attention)
+
+
+def iteration_model_flops(cfg, *, prompts: int, samples: int, prompt_len: int, new_tokens: int,
+                          train_passes: float, forward_passes: int) -> dict[str, float]:
+    """Model FLOPs of one iteration (whole slice): sampling (each prompt prefilled once, every completion
+    decoded to full length) and training (`train_passes` forward+backward passes over the batch, plus
+    `forward_passes` forward-only passes: reference and lp_k). Each prompt counts once per group."""
+    rows = prompts * samples
+    sample = (forward_flops(cfg, prompts * prompt_len, prompt_len)
+              + forward_flops(cfg, rows * new_tokens, prompt_len + new_tokens / 2))
+    one_pass = forward_flops(cfg, prompts * prompt_len + rows * new_tokens, prompt_len + new_tokens)
+    return {"sample": sample, "train": (3 * train_passes + forward_passes) * one_pass}
+
+
+def roofline(plan: dict, chip: Chip) -> dict:
+    """Per-program roofline seconds and the iteration's lower bound, tokens/s per chip and best-case MFU."""
+    chips = plan["chips"]
+    seconds = {p["name"]: program_seconds(p["flops"], p["hbm_bytes"], chip) for p in plan["programs"]}
+    per_iteration = {p["name"]: p["runs"] * seconds[p["name"]] for p in plan["programs"] if p["name"] != "eval"}
+    sample_s = per_iteration.get("sample", 0.0)
+    train_s = sum(v for k, v in per_iteration.items() if k != "sample")
+    iteration_s = sample_s + train_s
+    model = plan["model_flops"]
+    tokens = plan["tokens"]
+    return {
+        "program_s": seconds,
+        "iteration_s": iteration_s,
+        "sample_s": sample_s,
+        "train_s": train_s,
+        "sample_tokens_per_s_per_chip": tokens["sampled"] / chips / sample_s if sample_s else 0.0,
+        "train_tokens_per_s_per_chip": tokens["trained"] / chips / train_s if train_s else 0.0,
+        "mfu": (model["sample"] + model["train"]) / chips / (chip.bf16_tflops * 1e12 * iteration_s),
+        "bound": {name: "compute" if p["flops"] / (chip.bf16_tflops * 1e12) >= p["hbm_bytes"] / (chip.hbm_gbps * 1e9)
+                  else "memory" for name, p in ((p["name"], p) for p in plan["programs"])},
+    }

@@ -1,0 +1,114 @@
+"""Loop-aware FLOPs / HBM bytes from compiled TPU HLO (`hlo_cost`) and the in-loop inspection (`hlo_inspect`).
+
+XLA's own cost analysis counts a loop body once; these counts must multiply it by the trip count and agree
+with hand-derived FLOPs of the same program, the trainer's forward pass included.
+"""
+
+import numpy as np
+import pytest
+
+pytest.importorskip("libtpu", reason="the TPU compiler comes with jax[tpu] (bash .ci/install installs it)")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as S  # noqa: E402
+
+from jgrpo.config import load_config  # noqa: E402
+from jgrpo.data import bucketed_length  # noqa: E402
+from jgrpo.hlo_cost import HloCost, hbm_bytes, type_bytes  # noqa: E402
+from jgrpo.hlo_inspect import big_copies_in_loops, collectives_in_loops, loops  # noqa: E402
+from jgrpo.plan import abstract_run, lower_iteration, topology_devices  # noqa: E402
+from jgrpo.roofline import forward_flops  # noqa: E402
+
+TINY = ["checkpoint.every=0", "logging.tensorboard=false", "model.compute_dtype=bfloat16"]
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    devices, _ = topology_devices("v5e:2x4")
+    return Mesh(np.array(devices).reshape(8), ("d",))
+
+
+def _compile(f, *args):
+    return jax.jit(f).lower(*args).compile()
+
+
+def test_types_and_memory_spaces():
+    assert type_bytes("(s32[], bf16[2,64]{1,0:T(8,128)(2,1)}, pred[3])") == 4 + 256 + 3
+    # S(1) is on-chip memory (VMEM): not HBM traffic.
+    assert hbm_bytes("(f32[8,128]{1,0:T(8,128)S(1)}, f32[8,128]{1,0:T(8,128)})") == 4096
+
+
+def test_a_scanned_matmul_counts_every_iteration(mesh):
+    def layers(x, ws):
+        return jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)[0]
+
+    x = jax.ShapeDtypeStruct((8 * 64, 512), jnp.bfloat16, sharding=NamedSharding(mesh, S("d")))
+    counts = {}
+    for n in (2, 12):
+        ws = jax.ShapeDtypeStruct((n, 512, 512), jnp.bfloat16, sharding=NamedSharding(mesh, S()))
+        compiled = _compile(layers, x, ws)
+        cost = HloCost(compiled.as_text())
+        assert cost.flops == 2 * 64 * 512 * 512 * n  # per chip: 64 rows each
+        assert list(cost.trip_counts.values()) == [n]
+        counts[n] = (cost.bytes, compiled.cost_analysis()["flops"])
+        # Each iteration reads its (512 x 512) bf16 weight, not the whole stack.
+        assert n * 512 * 512 * 2 <= cost.bytes <= n * 4 * 512 * 512 * 2
+    assert counts[2][1] == counts[12][1]  # what XLA's cost analysis says: the loop body once
+
+
+def test_a_batched_matmul_expressed_as_a_convolution(mesh):
+    a = jax.ShapeDtypeStruct((16, 128, 256), jnp.bfloat16, sharding=NamedSharding(mesh, S("d")))
+    b = jax.ShapeDtypeStruct((16, 256, 64), jnp.bfloat16, sharding=NamedSharding(mesh, S("d")))
+    compiled = _compile(lambda a, b: jnp.einsum("bts,bsd->btd", a, b), a, b)
+    assert HloCost(compiled.as_text()).flops == 2 * 2 * 128 * 256 * 64
+
+
+def test_trainer_forward_and_update_flops_match_the_analytic_count():
+    # The trainer's own programs for a 2-layer model on a v5e-8 (2 rows per chip, no prompt sharing so every
+    # row is a plain sequence of T tokens). Forward, by hand: per row 2 x T x (layer matmul params) per layer,
+    # q.k and p.v over T positions (4 T^2 H hd per layer), and the unembedding on the N completion tokens.
+    devices, _ = topology_devices("v5e:2x4")
+    counts = {}
+    for remat in ("none", "full"):
+        config = load_config("configs/tiny.yaml", TINY + ["model.share_prompts=false", f"model.remat={remat}"])
+        programs = lower_iteration(config, devices, names=("ref_logprobs", "update")).programs
+        counts[remat] = {p.name: HloCost(p.lowered.compile().as_text()).flops for p in programs}
+    run = abstract_run(config, devices)
+    cfg = run.cfg
+    N = config.sampler.max_new_tokens
+    T = bucketed_length(config.data.max_prompt_length, config.sampler.prompt_bucket) + N - 1
+    rows = config.data.batch_size * config.grpo.num_generations // 8
+    D, H, K, hd, F, V, L = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
+                            cfg.vocab_size, cfg.num_layers)
+    layer_params = D * H * hd + 2 * D * K * hd + H * hd * D + 3 * D * F
+    layers = rows * L * (2 * T * layer_params + 4 * T * T * H * hd)
+    unembed = rows * 2 * N * V * D
+    assert counts["none"]["ref_logprobs"] == pytest.approx(layers + unembed, rel=0.01)
+    # Training: forward + backward (3 forwards), and the log-prob chunks recompute their logits in the backward.
+    assert counts["none"]["update"] == pytest.approx(3 * (layers + unembed) + unembed, rel=0.02)
+    # remat="full" recomputes the layers' forward in the backward pass: one more forward of the layers.
+    assert counts["full"]["update"] - counts["none"]["update"] == pytest.approx(layers, rel=0.3)
+    assert forward_flops(cfg, rows * T, T) > layers  # the model-FLOPs helper counts the unembedding everywhere
+
+
+def test_decode_loop_copies_no_weight_or_cache_and_the_check_can_fail(mesh):
+    # Positive control: a loop that transposes a carried weight every step is a weight-sized copy in the loop.
+    def transposes(w, x):
+        return jax.lax.fori_loop(0, 16, lambda i, c: (c[0].T, c[1] + x @ c[0]), (w, jnp.zeros((64, 512), w.dtype)))
+
+    w = jax.ShapeDtypeStruct((512, 512), jnp.bfloat16, sharding=NamedSharding(mesh, S()))
+    x = jax.ShapeDtypeStruct((64, 512), jnp.bfloat16, sharding=NamedSharding(mesh, S()))
+    found = big_copies_in_loops(_compile(transposes, w, x).as_text())
+    assert found and all(c.type.startswith("bf16[512,512]") and c.trips == 16 for c in found)
+
+    # The sampler's generate for a v5e-8: prefill scan and decode loop, no weight- or cache-sized copy inside.
+    devices, _ = topology_devices("v5e:2x4")
+    config = load_config("configs/tiny.yaml", TINY)
+    sample = lower_iteration(config, devices, names=("sample",)).programs[0].lowered.compile().as_text()
+    cost = HloCost(sample)
+    N, L = config.sampler.max_new_tokens, 2
+    assert sorted(trips for _, _, trips in loops(cost)) == [L, N - 1]  # the first token comes from the prefill
+    assert big_copies_in_loops(sample, min_bytes=1024) == []
+    assert collectives_in_loops(sample) == []  # sampling layout: weights whole, rows independent
