@@ -25,11 +25,12 @@ from jgrpo import tpu_attached  # noqa: E402 - its import settles JAX_PLATFORMS 
 
 # Planning compiles for a TPU that is not here: never let jax try to initialise one. Without a TPU, describe
 # this host to libtpu so that loading it for the compiler does not print "could not determine TPU worker
-# hostnames / accelerator type" errors (the values only name the local host; the topology is the argument).
+# hostnames / accelerator type" errors (the values only name the local host; the topology is the argument),
+# and let several planners compile at once (no TPU is opened, so libtpu's one-process lock guards nothing).
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if not tpu_attached():
     for name, value in (("TPU_SKIP_MDS_QUERY", "1"), ("TPU_WORKER_HOSTNAMES", "localhost"), ("TPU_WORKER_ID", "0"),
-                        ("TPU_ACCELERATOR_TYPE", "v5litepod-8")):
+                        ("TPU_ACCELERATOR_TYPE", "v5litepod-8"), ("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")):
         os.environ.setdefault(name, value)
 
 import jax  # noqa: E402
@@ -43,9 +44,9 @@ from jgrpo.models.llm import abstract_model, param_logical_axes  # noqa: E402
 from jgrpo.models.shapes import model_shapes  # noqa: E402
 from jgrpo.optim import make_optimizer  # noqa: E402
 from jgrpo.roofline import CHIPS, Chip  # noqa: E402
-from jgrpo.sampler import lower_generate  # noqa: E402
+from jgrpo.sampler import lower_generate, to_sampling_layout  # noqa: E402
 from jgrpo.sampling_methods import SamplingMethod  # noqa: E402
-from jgrpo.train_step import StepFunctions  # noqa: E402
+from jgrpo.train_step import StepFunctions, lp_k_source  # noqa: E402
 
 # Topologies checked on this project's machines (a name is "<chip>:<AxB[xC]>").
 EXAMPLE_TOPOLOGIES = ("v5e:2x4", "v5p:2x2x2", "v6e:2x4", "v4:2x2x1")
@@ -113,7 +114,9 @@ def abstract_run(config: Config, devices: list, *, train_rules: Rules = TRAIN_RU
     graphdef, shapes = abstract_model(cfg)
     axes = param_logical_axes(shapes)
     params = _abstract(shapes, logical_shardings(axes, mesh, train_rules, shapes=shapes))
-    sample_params = _abstract(shapes, logical_shardings(axes, mesh, sample_rules, shapes=shapes))
+    sample_dtype = jnp.dtype(c.sampler.weights_dtype)
+    sample_params = _abstract(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, sample_dtype), shapes),
+                              logical_shardings(axes, mesh, sample_rules, shapes=shapes))
     optimizer = make_optimizer(c.optim, max(c.run.iterations * g.inner_steps * g.num_minibatches, 1))
     steps = StepFunctions(graphdef=graphdef, params=params, mesh=mesh, grpo=g, optimizer=optimizer,
                           method=SamplingMethod.from_config(c.sampler), logprob_chunk=m.logprob_chunk,
@@ -141,16 +144,40 @@ class Iteration:
     shape: dict[str, int]  # B prompts, G samples, P prompt width, N new tokens
 
 
+def program_names(config: Config) -> tuple[str, ...]:
+    """The programs one iteration of `config` runs, in order."""
+    g = config.grpo
+    names = ["sample", "assemble"]
+    if g.beta > 0:
+        names.append("ref_logprobs")
+    if lp_k_source(g) == "computed":
+        names.append("lp_k")
+    names.append("update")
+    # The sampling copy: the behaviour copy every v iterations, or each iteration when v = 1 and the sampler's
+    # weights dtype differs (with equal dtypes, v = 1 reshards the current params by device_put).
+    if g.behaviour_refresh > 1 or config.sampler.weights_dtype != config.model.param_dtype:
+        names.append("behaviour")
+    if config.run.eval_every:
+        names.append("eval")
+    return tuple(names)
+
+
 def lower_iteration(config: Config, devices: list, *, names: tuple[str, ...] | None = None,
                     train_rules: Rules = TRAIN_RULES, sample_rules: Rules = SAMPLE_RULES) -> Iteration:
     """Lower the programs of one iteration of `config` over `devices` (all, or those in `names`)."""
     c, g = config, config.grpo
     run = abstract_run(config, devices, train_rules=train_rules, sample_rules=sample_rules)
     mesh, cfg, graphdef, steps = run.mesh, run.cfg, run.graphdef, run.steps
+    steps.check_rows(c.data.batch_size * g.num_generations)
+    hosts = len({d.process_index for d in devices})
+    if c.data.batch_size % hosts:
+        raise ValueError(f"data.batch_size={c.data.batch_size} prompts cannot be split over the {hosts} hosts of "
+                         f"this slice (each host loads an equal share): use a multiple of {hosts}")
     params, sample_params, opt_state = run.params, run.sample_params, run.opt_state
     B, G, N = c.data.batch_size, g.num_generations, c.sampler.max_new_tokens
     R, P = B * G, bucketed_length(c.data.max_prompt_length, c.sampler.prompt_bucket)
-    wanted = (lambda name: True) if names is None else (lambda name: name in names)
+    runs = program_names(config)
+    wanted = (lambda name: name in runs) if names is None else (lambda name: name in runs and name in names)
     key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype, sharding=replicated(mesh))
     prompts = _rows(mesh, sample_rules, (B, P), jnp.int32), _rows(mesh, sample_rules, (B, P), jnp.bool_)
     sample_kwargs = dict(cfg=cfg, max_new_tokens=N, stop_ids=(0,), mesh=mesh, rules=sample_rules)
@@ -178,19 +205,18 @@ def lower_iteration(config: Config, devices: list, *, names: tuple[str, ...] | N
                            lp_k=batch.lp_alpha if steps.lp_k_source == "computed" else None)
     resident["step_batch"] = per_chip_bytes(batch)
     read_only = resident["params"] + resident["step_batch"]
-    if g.beta > 0 and wanted("ref_logprobs"):
+    if wanted("ref_logprobs"):
         programs.append(Program("ref_logprobs", steps.reference_logprobs.lower(params, batch), read_only))
-    if steps.lp_k_source == "computed" and wanted("lp_k"):
+    if wanted("lp_k"):
         programs.append(Program("lp_k", steps.logprobs.lower(params, batch), read_only))
     if wanted("update"):
         update = steps.train_step.lower(params, opt_state, batch, jnp.int32(0), jnp.bool_(True))
         programs.append(Program("update", update, read_only + resident["opt_state"],
                                 runs=g.inner_steps * g.num_minibatches))
-    if g.behaviour_refresh > 1 and wanted("behaviour"):
-        copy = jax.jit(lambda p: jax.tree.map(jnp.copy, p),
-                       out_shardings=jax.tree.map(lambda x: x.sharding, sample_params))
+    if wanted("behaviour"):
+        copy = to_sampling_layout(jax.tree.map(lambda x: x.sharding, sample_params), c.sampler.weights_dtype)
         programs.append(Program("behaviour", copy.lower(params), resident["params"], runs=1 / g.behaviour_refresh))
-    if c.run.eval_every and wanted("eval"):
+    if wanted("eval"):
         eval_batch = c.run.eval_batch_size or B
         eval_prompts = (_rows(mesh, sample_rules, (eval_batch, P), jnp.int32),
                         _rows(mesh, sample_rules, (eval_batch, P), jnp.bool_))

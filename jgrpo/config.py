@@ -71,6 +71,11 @@ class SamplerConfig:
     stop_token_ids: tuple[int, ...] = ()
     # Prompt lengths are rounded up to a multiple of this, so recompiles stay rare.
     prompt_bucket: int = 64
+    # The dtype of the weights the sampler reads (the sampling-layout copy, and the behaviour copy when v > 1).
+    # bfloat16 halves their memory and their HBM reads per decoded token; with model.compute_dtype=bfloat16
+    # the matmuls see the same bf16 weights either way (only norms and the embedding row are rounded), so the
+    # behaviour policy barely moves. float32 keeps the sampler's log-probs exactly those of the trained weights.
+    weights_dtype: Literal["float32", "bfloat16"] = "float32"
 
     def __post_init__(self):
         _check(self.temperature >= 0, "sampler.temperature", self.temperature, ">= 0 (0 = greedy)")

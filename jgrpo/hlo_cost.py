@@ -201,7 +201,8 @@ class HloCost:
         return self._cost(self.entry, "bytes")
 
     def trip_count(self, computation: str, ins: Instruction) -> int:
-        """N of a loop whose condition is `counter < N` (and perhaps more), minus a constant start."""
+        """Iterations of a loop whose condition is `counter < N` (and perhaps more): (N - start) / step, the step
+        read from the body (a bidirectional windowed matmul steps by 2)."""
         condition = self.computations[_called(ins, "condition")[0]]
         by_name = {i.name: i for i in condition}
         for c in condition:
@@ -211,10 +212,27 @@ class HloCost:
             if counter and bound and counter.opcode == "get-tuple-element" and bound.opcode == "constant":
                 index = int(re.search(r"index=(\d+)", counter.attributes).group(1))
                 start = self._initial_constant(computation, ins, index)
-                trips = max(int(bound.operands[0]) - start, 0)
+                step = self._counter_step(_called(ins, "body")[0], index)
+                trips = max(-(-(int(bound.operands[0]) - start) // step), 0)
                 self.trip_counts[ins.name] = trips
                 return trips
         raise ValueError(f"cannot read the trip count of loop '{ins.name}' (no 'counter < constant' condition)")
+
+    def _counter_step(self, body: str, index: int) -> int:
+        """c in the body's `counter <- counter + c` (1 when the update is not of that form)."""
+        instructions = self.computations[body]
+        by_name = {i.name: i for i in instructions}
+        root = instructions[-1]
+        update = by_name.get(root.operands[index]) if root.opcode == "tuple" and index < len(root.operands) else None
+        if update is None or update.opcode != "add":
+            return 1
+        for operand in update.operands:
+            value = self._value(body, by_name, operand, depth=0)
+            other = by_name.get(next((o for o in update.operands if o != operand), ""))
+            if value is not None and value > 0 and other is not None and other.opcode == "get-tuple-element" \
+                    and f"index={index}" in other.attributes:
+                return value
+        return 1
 
     def _initial_constant(self, computation: str, ins: Instruction, index: int) -> int:
         """The loop counter's start: a constant, or where an earlier loop's counter stopped (a decode split into

@@ -11,15 +11,15 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from jgrpo.hlo_cost import HloCost, Instruction, _called, _dims, type_bytes
+from jgrpo.hlo_cost import HloCost, Instruction, _called, _dims, hbm_bytes, type_bytes
 
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 
 
 @dataclasses.dataclass(frozen=True)
 class LoopOp:
-    loop: str  # the while instruction
-    trips: int
+    loop: str  # the innermost while instruction around it
+    trips: int  # how many times it runs per program execution (enclosing trip counts multiplied)
     opcode: str
     name: str
     type: str
@@ -30,17 +30,23 @@ def _elements(type_: str) -> list[int]:
     return [math.prod(dims) for _, dims in _dims(type_)]
 
 
-def _walk(cost: HloCost, computation: str, seen: set[str]):
-    """Every instruction of `computation` and of what it calls, each once."""
-    if computation in seen:
-        return
-    seen.add(computation)
+def _cost(hlo: str | HloCost) -> HloCost:
+    return hlo if isinstance(hlo, HloCost) else HloCost(hlo)
+
+
+def _walk(cost: HloCost, computation: str, trips: int, loop: Instruction | None, body: str | None):
+    """(computation, instruction, times it runs, innermost loop, that loop's body) for all the program runs."""
     for ins in cost.computations[computation]:
-        yield ins
-        for key in ("calls", "to_apply", "body", "condition", "branch_computations"):
+        yield computation, ins, trips, loop, body
+        if ins.opcode == "while":
+            inner = _called(ins, "body")[0]
+            yield from _walk(cost, inner, trips * cost.trip_count(computation, ins), ins, inner)
+            continue
+        for key in ("calls", "to_apply", "branch_computations", "true_computation", "false_computation"):
             for called in _called(ins, key):
-                if called in cost.computations:
-                    yield from _walk(cost, called, seen)
+                if called in cost.computations and ins.opcode not in ("reduce", "sort", "scatter", "map",
+                                                                      "reduce-window", "select-and-scatter"):
+                    yield from _walk(cost, called, trips, loop, body)
 
 
 def loops(cost: HloCost) -> list[tuple[Instruction, str, int]]:
@@ -53,46 +59,59 @@ def loops(cost: HloCost) -> list[tuple[Instruction, str, int]]:
     return found
 
 
-def _is_copy(cost: HloCost, ins: Instruction) -> bool:
-    if ins.opcode in ("copy", "copy-start"):
-        return True
-    if ins.opcode == "fusion":  # a fusion that only moves data (its root a copy / transpose of a parameter)
-        fused = cost.computations[_called(ins, "calls")[0]]
-        movers = {"parameter", "copy", "bitcast", "transpose", "reshape", "tuple", "get-tuple-element"}
-        return all(i.opcode in movers for i in fused) and any(i.opcode in ("copy", "transpose") for i in fused)
+def _is_hbm_copy(cost: HloCost, ins: Instruction, types: dict[str, str]) -> bool:
+    """A copy from HBM to HBM (a layout change or a defensive copy); moves between HBM and on-chip memory
+    (the compiler's prefetches, `copy-start` into VMEM) are how TPUs compute, not waste."""
+    if ins.opcode == "copy" or (ins.opcode == "fusion" and _moves_only(cost, ins)):
+        return hbm_bytes(ins.type) > 0 and all(hbm_bytes(types.get(o, "")) > 0 for o in ins.operands)
     return False
 
 
-def _cost(hlo: str | HloCost) -> HloCost:
-    return hlo if isinstance(hlo, HloCost) else HloCost(hlo)
+def _moves_only(cost: HloCost, ins: Instruction) -> bool:
+    fused = cost.computations[_called(ins, "calls")[0]]
+    movers = {"parameter", "copy", "bitcast", "transpose", "reshape", "tuple", "get-tuple-element"}
+    return all(i.opcode in movers for i in fused) and any(i.opcode in ("copy", "transpose") for i in fused)
 
 
 def big_copies_in_loops(hlo: str | HloCost, min_bytes: int = 1 << 16) -> list[LoopOp]:
-    """Copies inside a loop body of a buffer the loop carries (a weight, a KV cache) of at least `min_bytes`."""
+    """HBM-to-HBM copies inside a loop of a buffer the loop carries (a weight, a KV cache) of >= `min_bytes`."""
     cost = _cost(hlo)
+    types = {name: {i.name: i.type for i in body} for name, body in cost.computations.items()}
     found = []
-    for loop, body, trips in loops(cost):
-        carried = cost.computations[body][0].type if cost.computations[body] else ""
-        params = [i for i in cost.computations[body] if i.opcode == "parameter"]
-        carried = params[0].type if params else carried
-        sizes = {n for n, (dtype, dims) in zip(_elements(carried), _dims(carried), strict=True)
-                 if type_bytes(f"{dtype}[{','.join(map(str, dims))}]") >= min_bytes}
-        for ins in _walk(cost, body, set()):
-            if _is_copy(cost, ins) and any(n in sizes for n in _elements(ins.type)):
-                found.append(LoopOp(loop.name, trips, ins.opcode, ins.name, ins.type, type_bytes(ins.type)))
+    carried: dict[str, set[int]] = {}
+    for scope, ins, trips, loop, body in _walk(cost, cost.entry, 1, None, None):
+        if loop is None:
+            continue
+        if body not in carried:
+            params = [i for i in cost.computations[body] if i.opcode == "parameter"]
+            carried[body] = {n for n, (dtype, dims) in zip(_elements(params[0].type), _dims(params[0].type),
+                                                           strict=True)
+                             if n * type_bytes(f"{dtype}[1]") >= min_bytes} if params else set()
+        if _is_hbm_copy(cost, ins, types[scope]) and any(n in carried[body] for n in _elements(ins.type)):
+            found.append(LoopOp(loop.name, trips, ins.opcode, ins.name, ins.type, type_bytes(ins.type)))
     return found
 
 
 def collectives_in_loops(hlo: str | HloCost) -> list[LoopOp]:
-    """Collectives inside loop bodies (fusions and nested loops included), with the bytes each one outputs."""
-    cost = _cost(hlo)
-    found = []
-    for loop, body, trips in loops(cost):
-        for ins in _walk(cost, body, set()):
-            base = ins.opcode.removesuffix("-start").removesuffix("-done")
-            if base in COLLECTIVES and not ins.opcode.endswith("-done"):
-                found.append(LoopOp(loop.name, trips, ins.opcode, ins.name, ins.type, type_bytes(ins.type)))
+    """Collectives inside loop bodies (fusions and nested loops included), with the bytes each one outputs
+    and how many times it runs."""
+    cost, found = _cost(hlo), []
+    for _, ins, trips, loop, _ in _walk(cost, cost.entry, 1, None, None):
+        base = ins.opcode.removesuffix("-start").removesuffix("-done")
+        if loop is not None and base in COLLECTIVES and not ins.opcode.endswith("-done"):
+            found.append(LoopOp(loop.name, trips, ins.opcode, ins.name, ins.type, type_bytes(ins.type)))
     return found
+
+
+def collective_bytes(hlo: str | HloCost) -> float:
+    """Bytes each chip sends over the interconnect per program run, loops counted: a collective's output
+    size (an all-reduce moves it twice: reduce-scatter then all-gather)."""
+    cost, total = _cost(hlo), 0.0
+    for _, ins, trips, _, _ in _walk(cost, cost.entry, 1, None, None):
+        base = ins.opcode.removesuffix("-start")
+        if base in COLLECTIVES and not ins.opcode.endswith("-done"):
+            total += trips * type_bytes(ins.type) * (2 if base == "all-reduce" else 1)
+    return total
 
 
 def summary(hlo: str | HloCost) -> dict:
@@ -105,4 +124,5 @@ def summary(hlo: str | HloCost) -> dict:
         "loop_collective_bytes": sum(c.bytes * c.trips for c in collectives),
         "loop_all_gathers": sum(c.opcode.startswith("all-gather") for c in collectives),
         "loop_big_copies": [f"{c.name} {c.type.split('{')[0]} x{c.trips}" for c in copies],
+        "collective_bytes": collective_bytes(cost),
     }

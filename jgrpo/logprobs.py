@@ -16,6 +16,7 @@ one projection serves both.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import jax
@@ -52,6 +53,7 @@ def token_logprobs(
     process_logits: ProcessLogits | None = None,
     untruncated: ProcessLogits | None = None,
     compute_dtype=None,
+    vocab_parallel: tuple | None = None,
 ) -> tuple[jax.Array, ...]:
     """hidden [B, T, D] (after the final norm), unembedding [D, V], targets [B, T] int -> (logprobs, entropy).
 
@@ -61,6 +63,11 @@ def token_logprobs(
     target outside a truncated support gets -inf: mask such positions (e.g. padding) in the loss.
     With `untruncated`, a third [B, T] output: the targets' log-probs under `untruncated(logits)`.
     `compute_dtype` (default: hidden's dtype) is the dtype of the projection's operands.
+    `vocab_parallel` = (unembedding sharding, logits sharding): shard the vocabulary over the model axes
+    (Megatron's vocab-parallel cross-entropy): each chip projects every row onto its slice of the vocabulary
+    and the softmax reductions exchange [B, chunk] partial sums. Without it, an unembedding sharded along D
+    (FSDP) makes XLA all-reduce whole [B, chunk, V] logits per chunk (measured on a v5e-8 for Qwen2.5-0.5B:
+    17.5 GB per chip per log-prob pass).
     """
     if hidden.ndim != 3:
         raise ValueError(f"hidden must be [B, T, D], got shape {hidden.shape}")
@@ -75,6 +82,10 @@ def token_logprobs(
         raise ValueError(f"chunk must be a positive integer, got {chunk!r}")
     process = _log_softmax if process_logits is None else process_logits
     compute_dtype = hidden.dtype if compute_dtype is None else compute_dtype
+    constrain_logits = (lambda x: x)
+    if vocab_parallel is not None:  # resharded once, outside the chunk loop
+        unembedding = jax.lax.with_sharding_constraint(unembedding, vocab_parallel[0])
+        constrain_logits = functools.partial(jax.lax.with_sharding_constraint, shardings=vocab_parallel[1])
     batch, length, dim = hidden.shape
     chunk = min(chunk, length) if length else 1
     pad = (-length) % chunk
@@ -87,7 +98,7 @@ def token_logprobs(
 
     @jax.checkpoint  # backward recomputes this chunk's logits rather than keeping them from the forward
     def one_chunk(h, t):  # [B, chunk, D], [B, chunk]
-        logits = llm.vocab_logits(h, unembedding, compute_dtype)  # [B, chunk, V] float32
+        logits = constrain_logits(llm.vocab_logits(h, unembedding, compute_dtype))  # [B, chunk, V] float32
         out = logprobs_and_entropy(process(logits), t)
         if untruncated is not None:
             out += (jnp.take_along_axis(untruncated(logits), t[..., None].astype(jnp.int32), axis=-1)[..., 0],)

@@ -1,11 +1,13 @@
 """How fast can an iteration go at best on a TPU chip: a roofline from a plan's per-program costs.
 
 A program cannot run faster than its matmul FLOPs at the chip's peak rate, nor than its HBM traffic at the
-chip's bandwidth: its roofline time is the larger of the two (`hlo_cost` counts both from the compiled TPU
-HLO, loops included). The iteration's lower bound is the sum over its programs, each times it runs per
-iteration. Model FLOPs are the work the model itself needs (2 x matmul params per token forward, 3 forwards'
-worth to train, plus attention, PaLM's convention), independent of remat and of padding; MFU = model FLOPs /
-(peak x roofline time) is therefore the best MFU this plan allows, an upper bound for the real run.
+chip's bandwidth, nor than the bytes its collectives send at the chip's interconnect (ICI) bandwidth: its
+roofline time is the largest of the three (`hlo_cost` and `hlo_inspect` count them from the compiled TPU
+HLO, loops included; the ICI term treats the chip's links as one pipe, a simplification of the torus).
+The iteration's lower bound is the sum over its programs, each times it runs per iteration. Model FLOPs are
+the work the model itself needs (2 x matmul params per token forward, 3 forwards' worth to train, plus
+attention, PaLM's convention), independent of remat and of padding; MFU = model FLOPs / (peak x roofline
+time) is therefore the best MFU this plan allows, an upper bound for the real run.
 """
 
 from __future__ import annotations
@@ -18,20 +20,28 @@ class Chip:
     hbm_gib: float  # HBM per chip
     bf16_tflops: float  # peak dense bf16 TFLOP/s per chip
     hbm_gbps: float  # HBM bandwidth per chip, GB/s
+    ici_gbps: float  # interchip interconnect bandwidth per chip, GB/s
 
 
-# Published per-chip figures (Google Cloud TPU documentation, "TPU versions": the v4, v5e, v5p and v6e pages).
+# Published per-chip figures (Google Cloud TPU documentation, "TPU versions": the v4, v5e, v5p and v6e pages;
+# ICI 2400, 1600, 4800 and 3584 Gbps).
 CHIPS = {
-    "v4": Chip(hbm_gib=32, bf16_tflops=275, hbm_gbps=1228),
-    "v5e": Chip(hbm_gib=16, bf16_tflops=197, hbm_gbps=819),
-    "v5p": Chip(hbm_gib=95, bf16_tflops=459, hbm_gbps=2765),
-    "v6e": Chip(hbm_gib=32, bf16_tflops=918, hbm_gbps=1640),
+    "v4": Chip(hbm_gib=32, bf16_tflops=275, hbm_gbps=1228, ici_gbps=300),
+    "v5e": Chip(hbm_gib=16, bf16_tflops=197, hbm_gbps=819, ici_gbps=200),
+    "v5p": Chip(hbm_gib=95, bf16_tflops=459, hbm_gbps=2765, ici_gbps=600),
+    "v6e": Chip(hbm_gib=32, bf16_tflops=918, hbm_gbps=1640, ici_gbps=448),
 }
 
 
-def program_seconds(flops: float, hbm_bytes: float, chip: Chip) -> float:
-    """Roofline time of one program on one chip: compute-bound or bandwidth-bound, whichever is slower."""
-    return max(flops / (chip.bf16_tflops * 1e12), hbm_bytes / (chip.hbm_gbps * 1e9))
+def bounds(flops: float, hbm_bytes: float, ici_bytes: float, chip: Chip) -> dict[str, float]:
+    """Seconds one program needs at best on one chip for its compute, its HBM traffic and its collectives."""
+    return {"compute": flops / (chip.bf16_tflops * 1e12), "memory": hbm_bytes / (chip.hbm_gbps * 1e9),
+            "interconnect": ici_bytes / (chip.ici_gbps * 1e9)}
+
+
+def program_seconds(flops: float, hbm_bytes: float, chip: Chip, ici_bytes: float = 0.0) -> float:
+    """Roofline time of one program on one chip: the slowest of compute, HBM and interconnect."""
+    return max(bounds(flops, hbm_bytes, ici_bytes, chip).values())
 
 
 def matmul_params(cfg) -> int:
@@ -63,7 +73,9 @@ def iteration_model_flops(cfg, *, prompts: int, samples: int, prompt_len: int, n
 def roofline(plan: dict, chip: Chip) -> dict:
     """Per-program roofline seconds and the iteration's lower bound, tokens/s per chip and best-case MFU."""
     chips = plan["chips"]
-    seconds = {p["name"]: program_seconds(p["flops"], p["hbm_bytes"], chip) for p in plan["programs"]}
+    limits = {p["name"]: bounds(p["flops"], p["hbm_bytes"], p["loops"].get("collective_bytes", 0.0), chip)
+              for p in plan["programs"]}
+    seconds = {name: max(b.values()) for name, b in limits.items()}
     per_iteration = {p["name"]: p["runs"] * seconds[p["name"]] for p in plan["programs"] if p["name"] != "eval"}
     sample_s = per_iteration.get("sample", 0.0)
     train_s = sum(v for k, v in per_iteration.items() if k != "sample")
@@ -78,6 +90,5 @@ def roofline(plan: dict, chip: Chip) -> dict:
         "sample_tokens_per_s_per_chip": tokens["sampled"] / chips / sample_s if sample_s else 0.0,
         "train_tokens_per_s_per_chip": tokens["trained"] / chips / train_s if train_s else 0.0,
         "mfu": (model["sample"] + model["train"]) / chips / (chip.bf16_tflops * 1e12 * iteration_s),
-        "bound": {name: "compute" if p["flops"] / (chip.bf16_tflops * 1e12) >= p["hbm_bytes"] / (chip.hbm_gbps * 1e9)
-                  else "memory" for name, p in ((p["name"], p) for p in plan["programs"])},
+        "bound": {name: max(b, key=b.get) for name, b in limits.items()},
     }

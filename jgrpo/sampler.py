@@ -39,7 +39,8 @@ from jgrpo.models.decode import DecodeCache, decode_cache_from_prefill, decode_s
 from jgrpo.models.llm import init_cache, merge_model, param_logical_axes, position_ids_from_mask
 from jgrpo.sampling_methods import SamplingMethod
 
-__all__ = ["SampleOutput", "SamplingMethod", "generate", "left_pad_prompts", "lower_generate", "stop_ids_for"]
+__all__ = ["SampleOutput", "SamplingMethod", "generate", "left_pad_prompts", "lower_generate", "stop_ids_for",
+           "to_sampling_layout"]
 
 # Tokens that close a turn in the chat templates of the supported families (besides the EOS id).
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<|endoftext|>", "<end_of_turn>")
@@ -92,6 +93,17 @@ def left_pad_prompts(
         tokens[i, width - len(row):] = row
         mask[i, width - len(row):] = True
     return tokens, mask
+
+
+def to_sampling_layout(shardings, weights_dtype: str = "float32"):
+    """A jitted copy of a param pytree into the sampling layout `shardings`, floating leaves cast to
+    `weights_dtype`: new buffers (never the inputs forwarded), so they survive the donated updates."""
+    dtype = jnp.dtype(weights_dtype)
+
+    def leaf(x):
+        return x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dtype else jnp.copy(x)
+
+    return jax.jit(lambda params: jax.tree.map(leaf, params), out_shardings=shardings)
 
 
 def stop_ids_for(tokenizer, extra: Sequence[int] = ()) -> tuple[int, ...]:

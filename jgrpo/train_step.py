@@ -100,6 +100,11 @@ class StepFunctions:
         self.share_prompts, self.skip_empty_steps, self.rules = share_prompts, skip_empty_steps, rules
         self.chunks = grpo.num_minibatches * grpo.micro_batches
         self.lp_k_source = lp_k_source(grpo)
+        # Log-probs shard the vocabulary over the axes that shard the weights (`token_logprobs`): rows over the
+        # data axis only, vocabulary over fsdp and tensor. Constraints where a dimension does not divide are
+        # dropped by logical_to_spec (then XLA chooses, as without them).
+        vocab_rules = {"batch": "data", "length": None, "embed": None, "vocab": ("fsdp", "tensor")}
+        self.vocab_parallel = (("embed", "vocab"), ("batch", "length", "vocab"), vocab_rules)
         self.param_shardings = logical_shardings(param_logical_axes(params), mesh, rules, shapes=params)
         abstract_opt = jax.eval_shape(optimizer.init, params)
         self.opt_shardings = optax.tree_map_params(
@@ -186,8 +191,14 @@ class StepFunctions:
         tempered = self.method.tempered_logprobs
         process = tempered if kind == "kl" else self.method.process_logits
         untruncated = tempered if kind == "sampled" and with_kl and self.method.truncates else None
-        return token_logprobs(hidden, model.unembedding(), targets, chunk=self.chunk, process_logits=process,
-                              untruncated=untruncated, compute_dtype=model.cfg.compute_dtype)
+        unembedding = model.unembedding()
+        table, logits, rules = self.vocab_parallel
+        shapes = (unembedding.shape, (hidden.shape[0], self.chunk, unembedding.shape[1]))
+        vocab_parallel = tuple(NamedSharding(self.mesh, logical_to_spec(names, rules, shape, self.mesh))
+                               for names, shape in zip((table, logits), shapes, strict=True))
+        return token_logprobs(hidden, unembedding, targets, chunk=self.chunk, process_logits=process,
+                              untruncated=untruncated, compute_dtype=model.cfg.compute_dtype,
+                              vocab_parallel=vocab_parallel)
 
     def _all_logprobs(self, params, batch: StepBatch, kind: str):
         """[C, r, N] log-probs of every chunk (one chunk at a time: the memory of one micro-batch)."""

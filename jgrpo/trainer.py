@@ -34,7 +34,7 @@ from jgrpo.models.hf import load_model, load_tokenizer
 from jgrpo.models.llm import param_logical_axes
 from jgrpo.optim import learning_rate_schedule, make_optimizer
 from jgrpo.rewards import RewardScorer
-from jgrpo.sampler import generate, stop_ids_for
+from jgrpo.sampler import generate, stop_ids_for, to_sampling_layout
 from jgrpo.sampling_methods import SamplingMethod
 from jgrpo.train_step import StepFunctions
 from jgrpo.trainer_metrics import iteration_metrics, sample_dump
@@ -88,7 +88,7 @@ class Trainer:
         self.sample_shardings = logical_shardings(param_logical_axes(params), self.mesh, SAMPLE_RULES,
                                                   shapes=params)
         # A real copy (new buffers) even where the two layouts agree: the current params get donated.
-        self._copy_to_sample_layout = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=self.sample_shardings)
+        self._copy_to_sample_layout = to_sampling_layout(self.sample_shardings, config.sampler.weights_dtype)
         self.scorer = RewardScorer(config.reward)
         # The reference is the initial params (a copy: the current params are donated to every update) until a
         # swap replaces it; without beta there is no reference at all.
@@ -144,8 +144,11 @@ class Trainer:
         return True
 
     def sample_layout_abstract(self):
-        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), self.state.params,
-                            self.sample_shardings)
+        """The behaviour copy's shapes, dtypes (`sampler.weights_dtype` for floating leaves) and shardings."""
+        dtype = jnp.dtype(self.config.sampler.weights_dtype)
+        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(
+            x.shape, dtype if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype, sharding=s),
+            self.state.params, self.sample_shardings)
 
     # ---------------------------------------------------------------- loop
 
@@ -230,7 +233,10 @@ class Trainer:
 
         t = time.perf_counter()
         self._refresh_behaviour(k)
-        sample_params = jax.block_until_ready(jax.device_put(self.behaviour, self.sample_shardings))
+        if g.behaviour_refresh == 1 and c.sampler.weights_dtype != c.model.param_dtype:
+            sample_params = jax.block_until_ready(self._copy_to_sample_layout(self.behaviour))
+        else:  # the behaviour copy is in the sampling layout already; v = 1 reshards the current params
+            sample_params = jax.block_until_ready(jax.device_put(self.behaviour, self.sample_shardings))
         timings["weight_sync"] = time.perf_counter() - t
 
         batch = self._next_batch()

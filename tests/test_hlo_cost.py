@@ -94,14 +94,15 @@ def test_trainer_forward_and_update_flops_match_the_analytic_count():
 
 
 def test_decode_loop_copies_no_weight_or_cache_and_the_check_can_fail(mesh):
-    # Positive control: a loop that transposes a carried weight every step is a weight-sized copy in the loop.
+    # Positive control: a loop that transposes a carried weight every step copies it in HBM at every step (a
+    # 128 MiB weight: too big for the compiler to keep on chip, where moving data is how a TPU computes).
     def transposes(w, x):
-        return jax.lax.fori_loop(0, 16, lambda i, c: (c[0].T, c[1] + x @ c[0]), (w, jnp.zeros((64, 512), w.dtype)))
+        return jax.lax.fori_loop(0, 16, lambda i, c: (c[0].T, c[1] + x @ c[0]), (w, jnp.zeros((64, 8192), w.dtype)))
 
-    w = jax.ShapeDtypeStruct((512, 512), jnp.bfloat16, sharding=NamedSharding(mesh, S()))
-    x = jax.ShapeDtypeStruct((64, 512), jnp.bfloat16, sharding=NamedSharding(mesh, S()))
+    w = jax.ShapeDtypeStruct((8192, 8192), jnp.bfloat16, sharding=NamedSharding(mesh, S()))
+    x = jax.ShapeDtypeStruct((64, 8192), jnp.bfloat16, sharding=NamedSharding(mesh, S()))
     found = big_copies_in_loops(_compile(transposes, w, x).as_text())
-    assert found and all(c.type.startswith("bf16[512,512]") and c.trips == 16 for c in found)
+    assert found and all(c.type.startswith("bf16[8192,8192]") and c.trips == 16 for c in found)
 
     # The sampler's generate for a v5e-8: prefill scan and decode loop, no weight- or cache-sized copy inside.
     devices, _ = topology_devices("v5e:2x4")

@@ -43,8 +43,11 @@ def test_per_chip_params_and_optimizer_state_are_the_arithmetic(v5e):
     assert params == 4 * (weights // 8 + norms)
     opt = per_chip_bytes(run.opt_state)
     assert 2 * params <= opt <= 2 * params + 64  # mu, nu and a few scalar counters
-    # The sampling layout keeps weights whole along fsdp: the full model on every chip.
+    # The sampling layout keeps weights whole along fsdp: the full model on every chip; half of it in bf16.
     assert per_chip_bytes(run.sample_params) == 4 * (weights + norms)
+    bf16 = abstract_run(load_config("configs/quickstart.yaml", TINY + ["sampler.weights_dtype=bfloat16"]), v5e)
+    assert per_chip_bytes(bf16.sample_params) == 2 * (weights + norms)
+    assert per_chip_bytes(bf16.params) == params  # the trained (master) weights keep their dtype
 
 
 def test_plan_of_a_small_run_and_a_broken_sharding_rule(v5e):
@@ -67,15 +70,6 @@ def test_plan_of_a_small_run_and_a_broken_sharding_rule(v5e):
     ratio = broken["resident_bytes"]["params"] / resident["params"]
     assert 7 < ratio <= 8
     assert broken["peak_bytes"] > plan["peak_bytes"] + 6 * resident["opt_state"]
-
-
-def test_cli_says_when_a_plan_does_not_fit(capsys):
-    assert main(["configs/tiny.yaml", *TINY, "--topology", "v5e:2x4", "--hbm-gib", "0.001"]) == 0
-    out = capsys.readouterr().out.strip().splitlines()
-    assert any("DOES NOT FIT in 0.001 GiB" in line for line in out)
-    assert any(line.startswith("largest buffers:") for line in out)
-    record = json.loads(out[-1])["plans"][0]
-    assert record["topology"] == "v5e:2x4" and record["fits"] is False and record["mesh"]["fsdp"] == 8
 
 
 def test_bad_input_names_the_problem(v5e):
@@ -112,3 +106,25 @@ def _leaves(tree):
             yield from _leaves(value)
     else:
         yield tuple(tree)
+
+
+def test_fit_finds_the_fastest_plan_that_fits(capsys):
+    # 4 prompts x 8 samples x 64 new tokens on the tiny model: the update holds the peak (31 MiB per chip with
+    # remat none and one micro-batch). In 25 MiB the config as shipped does not fit; 4 micro-batches or remat
+    # "dots" do (2 micro-batches is worse than 1: XLA keeps more of the accumulation alive), and a costlier
+    # remat is only tried with fewer micro-batches than a cheaper one needed.
+    args = ["configs/tiny.yaml", *TINY, "sampler.max_new_tokens=64", "grpo.num_generations=8",
+            "--topology", "v5e:2x4", "--hbm-gib", f"{25 / 1024}", "--fit"]
+    assert main(args) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert any("DOES NOT FIT in 0.0244141 GiB" in line for line in out)
+    assert any(line.startswith("largest buffers:") and "'update' temporaries" in line for line in out)
+    record = json.loads(out[-1])["plans"][0]
+    assert record["topology"] == "v5e:2x4" and record["fits"] is False and record["mesh"]["fsdp"] == 8
+    fit = record["fit"]
+    assert fit is not None and fit["peak_gib"] * 1024 <= 25
+    assert "mesh.fsdp=8" in fit["overrides"]  # the config's own mesh had a plan that fits
+    tried = [line for line in out if line.startswith("  mesh.")]
+    assert len(tried) == fit["tried"] <= 6
+    assert any("model.remat=none grpo.micro_batches=1" in line and "does not fit" in line for line in tried)
+    assert not any("model.remat=full" in line for line in tried)  # dots fitted at one micro-batch already

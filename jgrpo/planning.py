@@ -1,0 +1,195 @@
+"""Plans of one training iteration on a TPU slice: compile, measure, and search for one that fits.
+
+`plan_iteration` compiles the programs `abstract_run.lower_iteration` lowers and returns, per chip and per
+program, memory (XLA's memory analysis), executed matmul FLOPs and HBM bytes (`hlo_cost`, loops counted),
+collectives and big copies inside loops (`hlo_inspect`), and for the iteration its peak and model FLOPs.
+`fit` searches the knobs that trade memory for time (model.remat, grpo.micro_batches, model.logprob_chunk,
+the mesh) for the fastest plan (by roofline) that fits; compiled programs are shared between the candidates
+that would compile the same program (the sampler depends on the mesh only, the update on all four).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import time
+
+from jgrpo.abstract_run import Iteration, lower_iteration, parameter_count, program_names
+from jgrpo.config import Config, load_config
+from jgrpo.hlo_cost import HloCost
+from jgrpo.hlo_inspect import summary as loop_summary
+from jgrpo.mesh import SAMPLE_RULES, TRAIN_RULES, Rules
+from jgrpo.roofline import Chip, iteration_model_flops, roofline
+
+GIB = 2**30
+
+
+@dataclasses.dataclass
+class ProgramReport:
+    name: str
+    compile_s: float
+    argument_bytes: int
+    output_bytes: int
+    temp_bytes: int
+    alias_bytes: int
+    resident_argument_bytes: int  # arguments that are the iteration's resident buffers (not extra)
+    flops: float = 0.0  # executed matmul FLOPs per chip, loops counted (hlo_cost)
+    hbm_bytes: float = 0.0  # HBM traffic per chip, loops counted (hlo_cost)
+    runs: float = 1.0  # times per iteration (updates per batch; 1/v for the behaviour copy)
+    loops: dict = dataclasses.field(default_factory=dict)  # collectives and big copies inside its loops
+
+    @property
+    def live_bytes(self) -> int:
+        """Bytes this program adds on top of the resident buffers while it runs."""
+        extra_args = self.argument_bytes - self.resident_argument_bytes
+        return extra_args + self.temp_bytes + self.output_bytes - self.alias_bytes
+
+
+def _compile(name: str, lowered, resident_argument_bytes: int = 0, runs: float = 1.0) -> ProgramReport:
+    start = time.perf_counter()
+    compiled = lowered.compile()
+    seconds = time.perf_counter() - start
+    memory = compiled.memory_analysis()
+    text = compiled.as_text()
+    if os.environ.get("JGRPO_PLAN_DUMP"):  # a directory: keep each program's TPU HLO for inspection
+        os.makedirs(os.environ["JGRPO_PLAN_DUMP"], exist_ok=True)
+        with open(os.path.join(os.environ["JGRPO_PLAN_DUMP"], f"{name}.hlo"), "w") as f:
+            f.write(text)
+    cost = HloCost(text)
+    return ProgramReport(name, seconds, int(memory.argument_size_in_bytes), int(memory.output_size_in_bytes),
+                         int(memory.temp_size_in_bytes), int(memory.alias_size_in_bytes),
+                         resident_argument_bytes, cost.flops, cost.bytes, runs, loop_summary(cost))
+
+
+def _program_key(name: str, config: Config) -> tuple:
+    """What a program's compiled form depends on, among the knobs `fit` varies (the rest of the config is
+    fixed during a search)."""
+    m, g = config.model, config.grpo
+    mesh = (config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
+    if name in ("sample", "eval", "behaviour"):
+        return name, mesh
+    if name == "assemble":
+        return name, mesh, g.micro_batches
+    if name in ("ref_logprobs", "lp_k"):
+        return name, mesh, g.micro_batches, m.logprob_chunk
+    return name, mesh, g.micro_batches, m.logprob_chunk, m.remat
+
+
+def plan_iteration(config: Config, devices: list, *, train_rules: Rules = TRAIN_RULES,
+                   sample_rules: Rules = SAMPLE_RULES, cache: dict | None = None) -> dict:
+    """Compile one iteration's programs of `config` for `devices`: per-chip memory and cost of each, and of the
+    iteration. With `cache` (a dict kept across calls of one search), programs compiled before are reused."""
+    cache = {} if cache is None else cache
+    todo = tuple(n for n in program_names(config) if _program_key(n, config) not in cache)
+    iteration = lower_iteration(config, devices, names=todo, train_rules=train_rules, sample_rules=sample_rules)
+    for p in iteration.programs:
+        # Programs of other configs can be the very same (the sampler of two GRPO variants): reuse by content.
+        content = (p.name, hashlib.sha1(p.lowered.as_text().encode()).hexdigest())
+        if content in cache:
+            report = dataclasses.replace(cache[content], resident_argument_bytes=p.resident_argument_bytes,
+                                         runs=p.runs)
+        else:
+            report = cache[content] = _compile(p.name, p.lowered, p.resident_argument_bytes, p.runs)
+        cache[_program_key(p.name, config)] = report
+    reports = [cache[_program_key(n, config)] for n in program_names(config)]
+    return _summarise(config, devices, iteration, reports)
+
+
+def _summarise(config: Config, devices: list, iteration: Iteration, reports: list[ProgramReport]) -> dict:
+    g, run, resident = config.grpo, iteration.run, iteration.resident
+    B, G, P, N = (iteration.shape[k] for k in "BGPN")
+    worst = max(reports, key=lambda r: r.live_bytes)
+    forward_passes = (g.beta > 0) + (run.steps.lp_k_source == "computed")
+    return {
+        "model": config.model.name,
+        "parameters": parameter_count(run.params),
+        "mesh": dict(run.mesh.shape),
+        "chips": len(devices),
+        "hosts": len({d.process_index for d in devices}),
+        "prompts_per_host": B / len({d.process_index for d in devices}),
+        "model_flops": iteration_model_flops(run.cfg, prompts=B, samples=G, prompt_len=P, new_tokens=N,
+                                             train_passes=g.inner_steps, forward_passes=forward_passes),
+        "tokens": {"sampled": B * G * N, "trained": B * G * (P + N) * g.inner_steps},
+        "resident_bytes": resident,
+        "programs": [dataclasses.asdict(r) | {"live_bytes": r.live_bytes} for r in reports],
+        "peak_bytes": sum(resident.values()) + worst.live_bytes,
+        "peak_program": worst.name,
+        "compile_s": sum(r.compile_s for r in reports),
+    }
+
+
+
+
+@dataclasses.dataclass
+class Candidate:
+    overrides: tuple[str, ...]  # what `fit` changed, as section.field=value
+    peak_gib: float
+    fits: bool
+    iteration_s: float  # roofline lower bound
+    plan: dict
+
+
+def _mesh_candidates(config: Config, chips: int) -> list[tuple[int, int, int]]:
+    """The config's mesh, all-FSDP, and FSDP x tensor=2 / data=2 splits where they divide the chips."""
+    from jgrpo.mesh import mesh_shape
+
+    meshes = [mesh_shape(config.mesh, chips), (1, chips, 1)]
+    if chips % 2 == 0 and chips > 2:
+        meshes += [(1, chips // 2, 2), (2, chips // 2, 1)]
+    return list(dict.fromkeys(meshes))
+
+
+def fit(path: str, overrides: list[str], devices: list, chip: Chip, hbm_gib: float, *,
+        meshes: list[tuple[int, int, int]] | None = None, cache: dict | None = None,
+        log=print) -> tuple[Candidate | None, list[Candidate]]:
+    """The fastest plan (by roofline iteration time) that fits in `hbm_gib` per chip, over model.remat,
+    grpo.micro_batches, model.logprob_chunk and the mesh; and every candidate tried. The config's own mesh
+    comes first; other meshes (`meshes`, default `_mesh_candidates`) are searched only when no plan fits on
+    it (per chip the roofline barely depends on the mesh; memory does).
+
+    Per mesh, remat policies go from none to full and, for each, micro-batches grow (and then the log-prob
+    chunk shrinks) only until the plan fits: more micro-batches read the weights more often and smaller chunks
+    loop more, so the first plan that fits is that policy's fastest, and a costlier policy is only worth trying
+    with fewer micro-batches than a cheaper one needed. Growing stops when the peak is the sampler's (which
+    neither knob changes). Candidates the config rejects (rows that do not split) are skipped."""
+    base = load_config(path, overrides)
+    rows = base.data.batch_size * base.grpo.num_generations // base.grpo.num_minibatches
+    micro_batches = [u for u in (1, 2, 4, 8, 16, 32, 64) if rows % u == 0]
+    chunks = sorted({c for c in (base.model.logprob_chunk, 128, 64, 32) if c <= base.model.logprob_chunk},
+                    reverse=True)
+    cache = {} if cache is None else cache
+    tried: list[Candidate] = []
+    for data, fsdp, tensor in meshes or _mesh_candidates(base, len(devices)):
+        if any(c.fits for c in tried):
+            break
+        limit = len(micro_batches)
+        for remat in ("none", "dots", "full"):
+            for index, u in enumerate(micro_batches[:limit]):
+                candidate = None
+                for chunk in chunks:
+                    knobs = (f"mesh.data={data}", f"mesh.fsdp={fsdp}", f"mesh.tensor={tensor}",
+                             f"model.remat={remat}", f"grpo.micro_batches={u}", f"model.logprob_chunk={chunk}")
+                    try:
+                        config = load_config(path, [*overrides, *knobs])
+                        plan = plan_iteration(config, devices, cache=cache)
+                    except ValueError as e:  # e.g. rows that do not split, heads the tensor axis cannot divide
+                        log(f"  skip {' '.join(knobs)}: {e}")
+                        break
+                    plan["roofline"] = roofline(plan, chip)
+                    peak = plan["peak_bytes"] / GIB
+                    candidate = Candidate(knobs, peak, peak <= hbm_gib, plan["roofline"]["iteration_s"], plan)
+                    tried.append(candidate)
+                    log(f"  {' '.join(knobs)}: peak {peak:.2f} GiB in '{plan['peak_program']}', "
+                        f"{'fits' if candidate.fits else 'does not fit'}, >= {candidate.iteration_s:.3f} s/iteration")
+                    if candidate.fits or plan["peak_program"] not in ("ref_logprobs", "lp_k", "update"):
+                        break  # fits, or the chunk is not what holds the peak
+                if candidate is None:
+                    continue
+                if candidate.fits:
+                    limit = index
+                    break
+                if candidate.plan["peak_program"] in ("sample", "eval", "behaviour"):
+                    break  # the sampler holds the peak: training knobs cannot bring it down
+    fitting = [c for c in tried if c.fits]
+    return (min(fitting, key=lambda c: c.iteration_s) if fitting else None), tried
