@@ -180,7 +180,8 @@ def lower_iteration(config: Config, devices: list, *, names: tuple[str, ...] | N
     wanted = (lambda name: name in runs) if names is None else (lambda name: name in runs and name in names)
     key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype, sharding=replicated(mesh))
     prompts = _rows(mesh, sample_rules, (B, P), jnp.int32), _rows(mesh, sample_rules, (B, P), jnp.bool_)
-    sample_kwargs = dict(cfg=cfg, max_new_tokens=N, stop_ids=(0,), mesh=mesh, rules=sample_rules)
+    sample_kwargs = dict(cfg=cfg, max_new_tokens=N, stop_ids=(0,), mesh=mesh, rules=sample_rules,
+                         decode_chunk=c.sampler.decode_chunk or None)
 
     resident = {"params": per_chip_bytes(params), "opt_state": per_chip_bytes(opt_state)}
     if g.beta > 0:

@@ -76,6 +76,9 @@ class SamplerConfig:
     # the matmuls see the same bf16 weights either way (only norms and the embedding row are rounded), so the
     # behaviour policy barely moves. float32 keeps the sampler's log-probs exactly those of the trained weights.
     weights_dtype: Literal["float32", "bfloat16"] = "float32"
+    # Length of the cache chunks the decode attends to one at a time (one compiled decode loop per chunk);
+    # 0 = the sampler's choice: at most 8 chunks, none shorter than 64 slots (`sampler.decode_chunking`).
+    decode_chunk: int = 0
 
     def __post_init__(self):
         _check(self.temperature >= 0, "sampler.temperature", self.temperature, ">= 0 (0 = greedy)")
@@ -84,6 +87,7 @@ class SamplerConfig:
         _check(0 <= self.min_p < 1, "sampler.min_p", self.min_p, "in [0, 1) (0 = off)")
         _check(self.max_new_tokens > 0, "sampler.max_new_tokens", self.max_new_tokens, "a positive integer")
         _check(self.prompt_bucket > 0, "sampler.prompt_bucket", self.prompt_bucket, "a positive integer")
+        _check(self.decode_chunk >= 0, "sampler.decode_chunk", self.decode_chunk, ">= 0 (0 = the sampler's choice)")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

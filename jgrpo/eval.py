@@ -87,7 +87,8 @@ class Evaluator:
                            to_global_rows(mask, self.mesh, SAMPLE_RULES, self.batch_size), num_samples=samples,
                            max_new_tokens=self.config.sampler.max_new_tokens, method=method,
                            stop_ids=self.stop_ids, key=jax.random.fold_in(key, index), mesh=self.mesh,
-                           rules=SAMPLE_RULES, pad_id=self.pad_id)
+                           rules=SAMPLE_RULES, pad_id=self.pad_id,
+                           decode_chunk=self.config.sampler.decode_chunk or None)
             rows = real * samples
             out_tokens, lengths = local_rows(out.tokens)[:rows], local_rows(out.lengths)[:rows]
             texts = self.tokenizer.batch_decode([t[:n] for t, n in zip(out_tokens, lengths, strict=True)],

@@ -16,7 +16,7 @@ import os
 import time
 
 from jgrpo.abstract_run import Iteration, lower_iteration, parameter_count, program_names
-from jgrpo.config import Config, load_config
+from jgrpo.config import Config, MeshConfig, load_config
 from jgrpo.hlo_cost import HloCost
 from jgrpo.hlo_inspect import summary as loop_summary
 from jgrpo.mesh import SAMPLE_RULES, TRAIN_RULES, Rules
@@ -66,14 +66,18 @@ def _program_key(name: str, config: Config) -> tuple:
     """What a program's compiled form depends on, among the knobs `fit` varies (the rest of the config is
     fixed during a search)."""
     m, g = config.model, config.grpo
+    # Everything else of the config, so a cache shared across configs never mixes two runs' programs.
+    rest = repr(dataclasses.replace(config, mesh=MeshConfig(),
+                                    model=dataclasses.replace(m, remat="none", logprob_chunk=1),
+                                    grpo=dataclasses.replace(g, micro_batches=1)))
     mesh = (config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
     if name in ("sample", "eval", "behaviour"):
-        return name, mesh
+        return rest, name, mesh
     if name == "assemble":
-        return name, mesh, g.micro_batches
+        return rest, name, mesh, g.micro_batches
     if name in ("ref_logprobs", "lp_k"):
-        return name, mesh, g.micro_batches, m.logprob_chunk
-    return name, mesh, g.micro_batches, m.logprob_chunk, m.remat
+        return rest, name, mesh, g.micro_batches, m.logprob_chunk
+    return rest, name, mesh, g.micro_batches, m.logprob_chunk, m.remat
 
 
 def plan_iteration(config: Config, devices: list, *, train_rules: Rules = TRAIN_RULES,

@@ -248,7 +248,8 @@ class Trainer:
         t = time.perf_counter()
         out = generate(self.graphdef, sample_params, prompt_tokens, prompt_mask, num_samples=g.num_generations,
                        max_new_tokens=c.sampler.max_new_tokens, method=self.method, stop_ids=self.stop_ids,
-                       key=sample_key, mesh=self.mesh, rules=SAMPLE_RULES, pad_id=self.pad_id)
+                       key=sample_key, mesh=self.mesh, rules=SAMPLE_RULES, pad_id=self.pad_id,
+                       decode_chunk=c.sampler.decode_chunk or None)
         tokens, lengths = local_rows(out.tokens), local_rows(out.lengths)
         timings["sample"] = time.perf_counter() - t
         del sample_params

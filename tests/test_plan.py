@@ -128,3 +128,40 @@ def test_fit_finds_the_fastest_plan_that_fits(capsys):
     assert len(tried) == fit["tried"] <= 6
     assert any("model.remat=none grpo.micro_batches=1" in line and "does not fit" in line for line in tried)
     assert not any("model.remat=full" in line for line in tried)  # dots fitted at one micro-batch already
+
+
+def test_tensor_parallel_sampling_layout_halves_the_sampler_weights(v5e):
+    # Heads and MLP over `tensor` (SAMPLE_RULES keeps them there; the tiny model's 4 query / 2 KV heads and
+    # 128-wide MLP split in two, and so does its vocabulary): every projection of the sampling copy is halved,
+    # the decode loop all-reduces activations per layer (Megatron style) and still copies no weight.
+    from jgrpo.abstract_run import lower_iteration
+    from jgrpo.hlo_cost import HloCost
+    from jgrpo.hlo_inspect import big_copies_in_loops, collectives_in_loops
+
+    base = load_config("configs/tiny.yaml", TINY)
+    tp = load_config("configs/tiny.yaml", TINY + ["mesh.fsdp=4", "mesh.tensor=2"])
+    whole, split = abstract_run(base, v5e), abstract_run(tp, v5e)
+    cfg = whole.cfg
+    D, L = cfg.hidden_size, cfg.num_layers
+    projections = L * (2 * D * cfg.num_heads * cfg.head_dim + 2 * D * cfg.num_kv_heads * cfg.head_dim
+                       + 3 * D * cfg.intermediate_size) + cfg.vocab_size * D
+    norms = (2 * L + 1) * D
+    assert per_chip_bytes(whole.sample_params) == 4 * (projections + norms)
+    assert per_chip_bytes(split.sample_params) == 4 * (projections // 2 + norms)
+    sample = lower_iteration(tp, v5e, names=("sample",)).programs[0].lowered.compile()
+    cost = HloCost(sample.as_text())
+    assert big_copies_in_loops(cost, min_bytes=1024) == []
+    decode = [c for c in collectives_in_loops(cost)
+              if c.opcode.startswith("all-reduce") and c.trips == tp.sampler.max_new_tokens - 1]
+    assert len(decode) >= 2 * L  # attention and MLP outputs, per layer, per decoded token
+
+
+def test_a_shared_compile_cache_never_mixes_two_configs():
+    # fit's cache keys programs by the knobs it varies; another config's sampler must not be a cache hit.
+    from jgrpo.planning import _program_key
+
+    tiny, quick = load_config("configs/tiny.yaml", TINY), load_config("configs/quickstart.yaml", TINY)
+    assert _program_key("sample", tiny) != _program_key("sample", quick)
+    fewer = load_config("configs/tiny.yaml", TINY + ["grpo.micro_batches=2", "model.remat=full"])
+    assert _program_key("sample", tiny) == _program_key("sample", fewer)  # the sampler ignores those knobs
+    assert _program_key("update", tiny) != _program_key("update", fewer)
