@@ -20,8 +20,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from jgrpo.plan import GIB, plan_iteration, topology_devices  # noqa: E402 - settles JAX_PLATFORMS first
 from jgrpo.config import load_config  # noqa: E402
+from jgrpo.plan import GIB, plan_iteration, topology_devices  # noqa: E402 - settles JAX_PLATFORMS first
 from jgrpo.roofline import roofline  # noqa: E402
 
 PAGE = "docs/tpu_plans.md"
@@ -50,17 +50,18 @@ HEADER = ("| config | topology | peak GiB per chip / HBM | fits | peak during | 
           "| trained tok/s/chip | MFU at best |\n|---|---|---|---|---|---|---|---|---|---|---|")
 
 
-def write(rows: list[str], stamp: str) -> None:
-    text = open(PAGE).read()
+def write(rows: list[str], stamp: str, page: str = PAGE) -> None:
+    text = open(page).read()
     start, end = text.index(BEGIN) + len(BEGIN), text.index(END)
     body = f"\n{stamp}\n\n{HEADER}\n" + "\n".join(rows) + "\n"
-    open(PAGE, "w").write(text[:start] + body + text[end:])
+    open(page, "w").write(text[:start] + body + text[end:])
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--configs", nargs="*", default=None)
     parser.add_argument("--topologies", nargs="*", default=list(TOPOLOGIES))
+    parser.add_argument("--page", default=PAGE, help="the page whose table is rewritten (default %(default)s)")
     args = parser.parse_args()
     configs = args.configs or sorted(glob.glob("configs/*.yaml"),
                                      key=lambda p: (next(i for i, k in enumerate(ORDER)
@@ -80,7 +81,7 @@ def main() -> int:
             plan["roofline"] = roofline(plan, chip)
             rows.append(row(path, topology, plan, chip.hbm_gib))
             records.append({"config": path, "topology": topology, **plan})
-            write(rows, stamp)
+            write(rows, stamp, args.page)
             print(f"{path} on {topology}: {time.time() - t:.0f} s; {rows[-1]}", flush=True)
     print(json.dumps({"plans": records, "seconds": time.time() - started}))
     return 0
