@@ -110,9 +110,10 @@ def _leaves(tree):
 
 def test_fit_finds_the_fastest_plan_that_fits(capsys):
     # 4 prompts x 8 samples x 64 new tokens on the tiny model (no reference: fewer programs to compile): the
-    # update holds the peak (about 30 MiB per chip with remat none and one micro-batch). In 25 MiB the config as shipped does not fit; 4 micro-batches or remat
-    # "dots" do (2 micro-batches is worse than 1: XLA keeps more of the accumulation alive), and a costlier
-    # remat is only tried with fewer micro-batches than a cheaper one needed.
+    # update holds the peak (about 30 MiB per chip with remat none and one micro-batch). In 25 MiB the config
+    # as shipped does not fit; 4 micro-batches or remat "dots" do (2 micro-batches is worse than 1: XLA keeps
+    # more of the accumulation alive), and a costlier remat is only tried with fewer micro-batches than a
+    # cheaper one needed.
     args = ["configs/tiny.yaml", *TINY, "sampler.max_new_tokens=64", "grpo.num_generations=8", "grpo.beta=0",
             "--topology", "v5e:2x4", "--hbm-gib", f"{25 / 1024}", "--fit"]
     assert main(args) == 0
