@@ -190,7 +190,6 @@ class HloCost:
         self.computations, self.entry = parse_hlo(hlo_text)
         self._types = {name: {i.name: i.type for i in body} for name, body in self.computations.items()}
         self._memo: dict[tuple[str, str], float] = {}
-        self.trip_counts: dict[str, int] = {}  # while instruction -> trip count used
 
     @property
     def flops(self) -> float:
@@ -213,9 +212,7 @@ class HloCost:
                 index = int(re.search(r"index=(\d+)", counter.attributes).group(1))
                 start = self._initial_constant(computation, ins, index)
                 step = self._counter_step(_called(ins, "body")[0], index)
-                trips = max(-(-(int(bound.operands[0]) - start) // step), 0)
-                self.trip_counts[ins.name] = trips
-                return trips
+                return max(-(-(int(bound.operands[0]) - start) // step), 0)
         raise ValueError(f"cannot read the trip count of loop '{ins.name}' (no 'counter < constant' condition)")
 
     def _counter_step(self, body: str, index: int) -> int:

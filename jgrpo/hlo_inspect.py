@@ -106,12 +106,15 @@ def collectives_in_loops(hlo: str | HloCost) -> list[LoopOp]:
 def collective_bytes(hlo: str | HloCost) -> float:
     """Bytes each chip sends over the interconnect per program run, loops counted: a collective's output
     size (an all-reduce moves it twice: reduce-scatter then all-gather)."""
-    cost, total = _cost(hlo), 0.0
-    for _, ins, trips, _, _ in _walk(cost, cost.entry, 1, None, None):
-        base = ins.opcode.removesuffix("-start")
-        if base in COLLECTIVES and not ins.opcode.endswith("-done"):
-            total += trips * type_bytes(ins.type) * (2 if base == "all-reduce" else 1)
-    return total
+    cost = _cost(hlo)
+    return sum(_sent(ins) * trips for _, ins, trips, _, _ in _walk(cost, cost.entry, 1, None, None))
+
+
+def _sent(ins: Instruction) -> int:
+    base = ins.opcode.removesuffix("-start")
+    if base not in COLLECTIVES or ins.opcode.endswith("-done"):
+        return 0
+    return type_bytes(ins.type) * (2 if base == "all-reduce" else 1)
 
 
 def summary(hlo: str | HloCost) -> dict:

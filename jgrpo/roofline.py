@@ -39,11 +39,6 @@ def bounds(flops: float, hbm_bytes: float, ici_bytes: float, chip: Chip) -> dict
             "interconnect": ici_bytes / (chip.ici_gbps * 1e9)}
 
 
-def program_seconds(flops: float, hbm_bytes: float, chip: Chip, ici_bytes: float = 0.0) -> float:
-    """Roofline time of one program on one chip: the slowest of compute, HBM and interconnect."""
-    return max(bounds(flops, hbm_bytes, ici_bytes, chip).values())
-
-
 def matmul_params(cfg) -> int:
     """Parameters that take part in a matmul per token: every layer's projections and the unembedding (the
     embedding lookup is a gather, not a matmul)."""
