@@ -39,12 +39,22 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 
 from jgrpo.config import Config  # noqa: E402
 from jgrpo.data import bucketed_length  # noqa: E402
-from jgrpo.mesh import SAMPLE_RULES, TRAIN_RULES, Rules, logical_shardings, logical_to_spec, make_mesh, replicated  # noqa: E402
+from jgrpo.mesh import (  # noqa: E402
+    SAMPLE_RULES,
+    TRAIN_RULES,
+    Rules,
+    logical_shardings,
+    logical_to_spec,
+    make_mesh,
+    mesh_platform,
+    replicated,
+)
+from jgrpo.models.attention_backends import resolve_attention  # noqa: E402
 from jgrpo.models.llm import abstract_model, param_logical_axes  # noqa: E402
 from jgrpo.models.shapes import model_shapes  # noqa: E402
 from jgrpo.optim import make_optimizer  # noqa: E402
 from jgrpo.roofline import CHIPS, Chip  # noqa: E402
-from jgrpo.sampler import lower_generate, to_sampling_layout  # noqa: E402
+from jgrpo.sampler import decode_options, lower_generate, to_sampling_layout  # noqa: E402
 from jgrpo.sampling_methods import SamplingMethod  # noqa: E402
 from jgrpo.train_step import StepFunctions, lp_k_source  # noqa: E402
 
@@ -110,7 +120,8 @@ def abstract_run(config: Config, devices: list, *, train_rules: Rules = TRAIN_RU
     """The run's mesh over `devices`, its abstract params / optimiser state and its StepFunctions (no weights)."""
     c, g, m = config, config.grpo, config.model
     mesh = make_mesh(c.mesh, devices)
-    cfg = model_shapes(m.name, param_dtype=m.param_dtype, compute_dtype=m.compute_dtype, remat=m.remat)
+    cfg = model_shapes(m.name, param_dtype=m.param_dtype, compute_dtype=m.compute_dtype, remat=m.remat,
+                       attention=resolve_attention(m.attention, mesh_platform(mesh)))
     graphdef, shapes = abstract_model(cfg)
     axes = param_logical_axes(shapes)
     params = _abstract(shapes, logical_shardings(axes, mesh, train_rules, shapes=shapes))
@@ -119,7 +130,8 @@ def abstract_run(config: Config, devices: list, *, train_rules: Rules = TRAIN_RU
                               logical_shardings(axes, mesh, sample_rules, shapes=shapes))
     optimizer = make_optimizer(c.optim, max(c.run.iterations * g.inner_steps * g.num_minibatches, 1))
     steps = StepFunctions(graphdef=graphdef, params=params, mesh=mesh, grpo=g, optimizer=optimizer,
-                          method=SamplingMethod.from_config(c.sampler), logprob_chunk=m.logprob_chunk,
+                          method=SamplingMethod.from_config(c.sampler, mesh_platform(mesh)),
+                          logprob_chunk=m.logprob_chunk,
                           new_tokens=c.sampler.max_new_tokens, share_prompts=m.share_prompts,
                           skip_empty_steps=c.optim.skip_empty_steps, rules=train_rules)
     opt_state = _abstract(jax.eval_shape(optimizer.init, shapes), steps.opt_shardings)
@@ -181,7 +193,7 @@ def lower_iteration(config: Config, devices: list, *, names: tuple[str, ...] | N
     key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype, sharding=replicated(mesh))
     prompts = _rows(mesh, sample_rules, (B, P), jnp.int32), _rows(mesh, sample_rules, (B, P), jnp.bool_)
     sample_kwargs = dict(cfg=cfg, max_new_tokens=N, stop_ids=(0,), mesh=mesh, rules=sample_rules,
-                         decode_chunk=c.sampler.decode_chunk or None)
+                         **decode_options(c.sampler))
 
     resident = {"params": per_chip_bytes(params), "opt_state": per_chip_bytes(opt_state)}
     if g.beta > 0:
@@ -191,7 +203,7 @@ def lower_iteration(config: Config, devices: list, *, names: tuple[str, ...] | N
     programs = []
     if wanted("sample"):
         programs.append(Program("sample", lower_generate(graphdef, sample_params, *prompts, key, num_samples=G,
-                                                         method=SamplingMethod.from_config(c.sampler),
+                                                         method=steps.method,
                                                          **sample_kwargs), resident.get("behaviour", 0)))
     outputs = (_rows(mesh, train_rules, (R, N), jnp.int32), _rows(mesh, train_rules, (R, N), jnp.bool_),
                _rows(mesh, train_rules, (R, N), jnp.float32), _rows(mesh, train_rules, (R,), jnp.float32))

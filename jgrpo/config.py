@@ -32,10 +32,15 @@ def _check(cond: bool, field: str, value: Any, allowed: str) -> None:
 class ModelConfig:
     # A built-in name (smollm2-135m-instruct), a local HF directory or .gguf file, or a hub id.
     name: str = "smollm2-135m-instruct"
+    # Master weights and AdamW state; float32 for training (bfloat16 halves them but rounds away small updates).
     param_dtype: Literal["float32", "bfloat16"] = "float32"
+    # Matmuls, activations and the KV cache; bfloat16 on TPUs and GPUs (logits and log-probs stay float32).
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
     # What the layer scan recomputes in the backward pass: nothing, everything, or all but matmuls.
     remat: Literal["none", "full", "dots"] = "none"
+    # Attention implementation; auto = by the platform of the mesh's devices: custom on CPU, splash (the Pallas
+    # kernel) on TPU, cudnn on NVIDIA GPUs (why: docs/configuration.md).
+    attention: Literal["auto", "custom", "xla", "cudnn", "splash"] = "auto"
     # Tokens per chunk when computing log-probs from hidden states (never materialise [B, T, V]).
     logprob_chunk: int = 256
     # Trainer forward/backward: compute each prompt once for its G completions instead of once per row
@@ -79,6 +84,12 @@ class SamplerConfig:
     # Length of the cache chunks the decode attends to one at a time (one compiled decode loop per chunk);
     # 0 = the sampler's choice: at most 8 chunks, none shorter than 64 slots (`sampler.decode_chunking`).
     decode_chunk: int = 0
+    # The decode step's layer loop: unrolled over per-layer weights and caches (no per-step copies on CPU), or
+    # one lax.scan over the stacked ones (one layer to compile); auto = by platform (docs/configuration.md).
+    decode_layers: Literal["auto", "unrolled", "scanned"] = "auto"
+    # How a token is drawn from the processed distribution (same distribution, different cost per backend):
+    # inverse_cdf, gumbel or categorical; auto = by platform (docs/configuration.md).
+    draw: Literal["auto", "inverse_cdf", "gumbel", "categorical"] = "auto"
 
     def __post_init__(self):
         _check(self.temperature >= 0, "sampler.temperature", self.temperature, ">= 0 (0 = greedy)")

@@ -24,9 +24,10 @@ from jgrpo import distributed
 from jgrpo.config import Config
 from jgrpo.data import bucketed_length, build_prompt_iterator
 from jgrpo.host_arrays import global_max, global_sum, local_rows, to_global_rows
-from jgrpo.mesh import SAMPLE_RULES, replicated
+from jgrpo.mesh import SAMPLE_RULES, mesh_platform, replicated
+from jgrpo.models.attention_backends import resolve_attention
 from jgrpo.rewards import RewardScorer
-from jgrpo.sampler import generate, stop_ids_for
+from jgrpo.sampler import decode_options, generate, stop_ids_for
 from jgrpo.sampling_methods import SamplingMethod
 
 log = logging.getLogger(__name__)
@@ -50,7 +51,7 @@ class Evaluator:
         self.stop_ids = stop_ids_for(tokenizer, config.sampler.stop_token_ids)
         self.scorer = scorer or RewardScorer(config.reward)
         self._own_scorer = scorer is None
-        sampled = SamplingMethod.from_config(config.sampler)
+        sampled = SamplingMethod.from_config(config.sampler, mesh_platform(mesh))
         self.modes = {"greedy": (SamplingMethod(temperature=0.0), 1),
                       "sampled": (sampled, config.run.eval_samples)}
 
@@ -88,7 +89,7 @@ class Evaluator:
                            max_new_tokens=self.config.sampler.max_new_tokens, method=method,
                            stop_ids=self.stop_ids, key=jax.random.fold_in(key, index), mesh=self.mesh,
                            rules=SAMPLE_RULES, pad_id=self.pad_id,
-                           decode_chunk=self.config.sampler.decode_chunk or None)
+                           **decode_options(self.config.sampler))
             rows = real * samples
             out_tokens, lengths = local_rows(out.tokens)[:rows], local_rows(out.lengths)[:rows]
             texts = self.tokenizer.batch_decode([t[:n] for t, n in zip(out_tokens, lengths, strict=True)],
@@ -117,6 +118,7 @@ def load_for_eval(target: str, overrides: list[str], step: int | None = None):
     mesh = make_mesh(config.mesh)
     m = config.model
     graphdef, params, _ = load_model(m.name, param_dtype=m.param_dtype, compute_dtype=m.compute_dtype,
+                                     attention=resolve_attention(m.attention, mesh_platform(mesh)),
                                      mesh=mesh, rules=TRAIN_RULES)
     source = f"untrained {m.name}"
     if run_dir is not None and (run_dir / "checkpoints").is_dir():

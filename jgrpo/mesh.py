@@ -74,6 +74,11 @@ def make_mesh(config: MeshConfig, devices: list | None = None) -> Mesh:
     return Mesh(grid, MESH_AXES)
 
 
+def mesh_platform(mesh: Mesh) -> str:
+    """The platform of the mesh's devices ("cpu", "tpu", "gpu"; a deviceless TPU topology is "tpu")."""
+    return mesh.devices.flat[0].platform
+
+
 def logical_to_spec(
     logical: PartitionSpec | tuple | None, rules: Rules, shape: tuple[int, ...] | None = None, mesh: Mesh | None = None
 ) -> PartitionSpec:

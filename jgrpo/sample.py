@@ -14,8 +14,9 @@ import time
 import jax
 
 from jgrpo.config import SamplerConfig
+from jgrpo.models.attention_backends import resolve_attention
 from jgrpo.models.hf import load_model, load_tokenizer
-from jgrpo.sampler import SamplingMethod, generate, left_pad_prompts, stop_ids_for
+from jgrpo.sampler import SamplingMethod, decode_options, generate, left_pad_prompts, stop_ids_for
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -58,7 +59,9 @@ def main(argv=None) -> int:
         print(f"error: --num-samples={args.num_samples} must be >= 1", file=sys.stderr)
         return 2
     tokenizer = load_tokenizer(args.model)
-    graphdef, params, _ = load_model(args.model, param_dtype=args.dtype, compute_dtype=args.dtype)
+    platform = jax.devices()[0].platform
+    graphdef, params, _ = load_model(args.model, param_dtype=args.dtype, compute_dtype=args.dtype,
+                                     attention=resolve_attention("auto", platform))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     stop_ids = stop_ids_for(tokenizer, config.stop_token_ids)
     prompt_ids = [chat_prompt_ids(tokenizer, text, args.system) for text in args.prompt]
@@ -70,8 +73,9 @@ def main(argv=None) -> int:
         return 2
     start = time.perf_counter()
     out = generate(graphdef, params, tokens, mask, num_samples=args.num_samples,
-                   max_new_tokens=config.max_new_tokens, method=SamplingMethod.from_config(config),
-                   stop_ids=stop_ids, key=jax.random.key(args.seed), pad_id=pad_id)
+                   max_new_tokens=config.max_new_tokens, method=SamplingMethod.from_config(config, platform),
+                   stop_ids=stop_ids, key=jax.random.key(args.seed), pad_id=pad_id,
+                   **decode_options(config))
     out = jax.device_get(out)
     seconds = time.perf_counter() - start
     for row in range(out.tokens.shape[0]):

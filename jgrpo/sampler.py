@@ -32,15 +32,23 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jgrpo.mesh import SAMPLE_RULES, Rules, logical_shardings, logical_to_spec
-from jgrpo.models.decode import DecodeCache, decode_cache_from_prefill, decode_step, unstack_layers
+from jgrpo.mesh import SAMPLE_RULES, Rules, logical_shardings, logical_to_spec, mesh_platform
+from jgrpo.models.attention_backends import mesh_context
+from jgrpo.models.decode import (
+    DecodeCache,
+    decode_cache_from_prefill,
+    decode_step,
+    decode_step_scanned,
+    resolve_decode_layers,
+    unstack_layers,
+)
 from jgrpo.models.llm import init_cache, merge_model, param_logical_axes, position_ids_from_mask
 from jgrpo.sampling_methods import SamplingMethod
 
-__all__ = ["SampleOutput", "SamplingMethod", "generate", "left_pad_prompts", "lower_generate", "stop_ids_for",
-           "to_sampling_layout"]
+__all__ = ["SampleOutput", "SamplingMethod", "decode_options", "generate", "left_pad_prompts", "lower_generate",
+           "stop_ids_for", "to_sampling_layout"]
 
 # Tokens that close a turn in the chat templates of the supported families (besides the EOS id).
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<|endoftext|>", "<end_of_turn>")
@@ -151,11 +159,24 @@ def _constrain_cache(cache: DecodeCache, layout: _Layout | None) -> DecodeCache:
     if layout is None:
         return cache
 
-    def segments(per_layer):  # each layer: (prompt segment, chunk 0, chunk 1, ...)
-        return tuple((_constrain(prompt, layout.prompt_cache), *(_constrain(c, layout.chunk_cache) for c in chunks))
+    def sharding(s, x):  # a stacked segment [L, ...] keeps its layer axis whole
+        return s if x.ndim == 4 else NamedSharding(s.mesh, PartitionSpec(None, *s.spec))
+
+    def segments(per_layer):  # each layer (or the one stacked entry): (prompt segment, chunk 0, chunk 1, ...)
+        return tuple((_constrain(prompt, sharding(layout.prompt_cache, prompt)),
+                      *(_constrain(c, sharding(layout.chunk_cache, c)) for c in chunks))
                      for prompt, *chunks in per_layer)
 
     return DecodeCache(segments(cache.k), segments(cache.v))
+
+
+def _platform(mesh: Mesh | None) -> str:
+    return mesh_platform(mesh) if mesh is not None else jax.devices()[0].platform
+
+
+def decode_options(sampler_config) -> dict:
+    """`generate`'s decode keywords from a `jgrpo.config.SamplerConfig`."""
+    return dict(decode_chunk=sampler_config.decode_chunk or None, decode_layers=sampler_config.decode_layers)
 
 
 def decode_chunking(max_new_tokens: int, chunk_len: int | None = None) -> tuple[int, int]:
@@ -204,6 +225,7 @@ def generate(
     rules: Rules = SAMPLE_RULES,
     pad_id: int = 0,
     decode_chunk: int | None = None,
+    decode_layers: str = "auto",
 ) -> SampleOutput:
     """Sample `num_samples` completions for each left-padded prompt; rows b*G .. b*G+G-1 belong to prompt b.
 
@@ -211,8 +233,9 @@ def generate(
     rows are sharded over the batch axes and heads over tensor (`rules`, SAMPLE_RULES by default);
     params in another layout (e.g. the FSDP training layout, or one device) are resharded first, once per
     call; params already in the sampling layout are used as they are. `decode_chunk` sets the length of
-    the cache chunks the decode attends to one by one (default: `decode_chunking`'s choice); it changes
-    speed and compile time, never the samples.
+    the cache chunks the decode attends to one by one (default: `decode_chunking`'s choice) and
+    `decode_layers` whether the decode step unrolls the layers or scans them (`models.decode`; "auto": by
+    the platform); both change speed and compile time, never the samples.
     """
     if num_samples < 1 or max_new_tokens < 1:
         raise ValueError(f"num_samples={num_samples} and max_new_tokens={max_new_tokens} must be positive")
@@ -233,11 +256,13 @@ def generate(
         params = jax.device_put(params, logical_shardings(param_logical_axes(params), mesh, rules, shapes=params))
         layout = _layout(mesh, rules, cfg, batch, batch * num_samples, prompt_len,
                          decode_chunking(max_new_tokens, decode_chunk)[0])
-    return _generate(
-        graphdef, params, jnp.asarray(prompt_tokens, jnp.int32), jnp.asarray(prompt_mask, bool), key,
-        num_samples=num_samples, max_new_tokens=max_new_tokens, method=method, stop_ids=stop_ids,
-        pad_id=int(pad_id), layout=layout, decode_chunk=decode_chunk,
-    )
+    with mesh_context(cfg.attention, mesh):  # the prefill's attention kernel may need it
+        return _generate(
+            graphdef, params, jnp.asarray(prompt_tokens, jnp.int32), jnp.asarray(prompt_mask, bool), key,
+            num_samples=num_samples, max_new_tokens=max_new_tokens, method=method, stop_ids=stop_ids,
+            pad_id=int(pad_id), layout=layout, decode_chunk=decode_chunk,
+            decode_layers=resolve_decode_layers(decode_layers, _platform(mesh)),
+        )
 
 
 def lower_generate(
@@ -256,6 +281,7 @@ def lower_generate(
     rules: Rules = SAMPLE_RULES,
     pad_id: int = 0,
     decode_chunk: int | None = None,
+    decode_layers: str = "auto",
 ) -> jax.stages.Lowered:
     """The program `generate` runs for these shapes, lowered for `mesh` but not compiled or run.
 
@@ -266,11 +292,13 @@ def lower_generate(
     batch, prompt_len = prompt_tokens.shape
     layout = _layout(mesh, rules, cfg, batch, batch * num_samples, prompt_len,
                      decode_chunking(max_new_tokens, decode_chunk)[0])
-    return _generate.lower(
-        graphdef, params, prompt_tokens, prompt_mask, key, num_samples=num_samples, max_new_tokens=max_new_tokens,
-        method=method, stop_ids=tuple(sorted({int(i) for i in stop_ids})), pad_id=int(pad_id), layout=layout,
-        decode_chunk=decode_chunk,
-    )
+    with mesh_context(cfg.attention, mesh):
+        return _generate.lower(
+            graphdef, params, prompt_tokens, prompt_mask, key, num_samples=num_samples,
+            max_new_tokens=max_new_tokens, method=method, stop_ids=tuple(sorted({int(i) for i in stop_ids})),
+            pad_id=int(pad_id), layout=layout, decode_chunk=decode_chunk,
+            decode_layers=resolve_decode_layers(decode_layers, _platform(mesh)),
+        )
 
 
 class _DecodeState(NamedTuple):
@@ -286,10 +314,10 @@ class _DecodeState(NamedTuple):
 @functools.partial(
     jax.jit,
     static_argnames=("graphdef", "num_samples", "max_new_tokens", "method", "stop_ids", "pad_id", "layout",
-                     "decode_chunk"),
+                     "decode_chunk", "decode_layers"),
 )
 def _generate(graphdef, params, prompt_tokens, prompt_mask, key, *, num_samples, max_new_tokens, method,
-              stop_ids, pad_id, layout, decode_chunk):
+              stop_ids, pad_id, layout, decode_chunk, decode_layers):
     rows_sharding = None if layout is None else layout.rows
     model = merge_model(graphdef, params)
     B, P = prompt_tokens.shape
@@ -313,9 +341,10 @@ def _generate(graphdef, params, prompt_tokens, prompt_mask, key, *, num_samples,
         last_logits = model.logits(hidden[:, -1])  # [B, V]; left padding puts every prompt's end last
         # Each prompt's cache, shared by its G rows, then empty chunks for the generated tokens (per layer).
         chunk_len, chunks = decode_chunking(N, decode_chunk)
-        cache = decode_cache_from_prefill(prefill_cache, G, chunks, chunk_len)
+        scanned = decode_layers == "scanned"
+        cache = decode_cache_from_prefill(prefill_cache, G, chunks, chunk_len, stacked=scanned)
         cache = _constrain_cache(cache, layout)
-    layers = unstack_layers(params["layers"])  # once per call, outside the loop
+    layers = None if scanned else unstack_layers(params["layers"])  # once per call, outside the loop
 
     prompt_lengths = jnp.repeat(jnp.sum(prompt_mask, axis=1, dtype=jnp.int32), G)  # [R]
     row_prompt_mask = _constrain(jnp.repeat(prompt_mask, G, axis=0), rows_sharding)  # [R, P]
@@ -340,8 +369,13 @@ def _generate(graphdef, params, prompt_tokens, prompt_mask, key, *, num_samples,
         def advance(s: _DecodeState) -> _DecodeState:
             # Feed token step-1 (generated slot step-1) and draw token `step`.
             positions = prompt_lengths + s.step - 1  # [R]
-            hidden, cache = decode_step(model.cfg, params, layers, s.last, positions, row_prompt_mask, s.cache,
-                                        chunk, s.step - 1 - chunk * chunk_len)
+            offset = s.step - 1 - chunk * chunk_len
+            if scanned:
+                hidden, cache = decode_step_scanned(model.cfg, params, s.last, positions, row_prompt_mask, s.cache,
+                                                    chunk, offset)
+            else:
+                hidden, cache = decode_step(model.cfg, params, layers, s.last, positions, row_prompt_mask, s.cache,
+                                            chunk, offset)
             return next_state(s, _constrain_cache(cache, layout), model.logits(hidden))
 
         return keep_going, advance

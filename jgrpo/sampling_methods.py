@@ -20,15 +20,32 @@ import math
 import jax
 import jax.numpy as jnp
 
+from jgrpo.platform_defaults import resolve
+
+DRAWS = ("inverse_cdf", "gumbel", "categorical")
+# What `sampler.draw: auto` picks by platform (reasons: docs/configuration.md).
+DRAW_AUTO = {"cpu": "inverse_cdf", "tpu": "categorical", "gpu": "categorical", "other": "inverse_cdf"}
+
+
+def resolve_draw(choice: str, platform: str) -> str:
+    """`sampler.draw` ("auto" or one of DRAWS) on devices of `platform`."""
+    return resolve("sampler.draw", choice, DRAWS, DRAW_AUTO, platform)
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SamplingMethod:
-    """Temperature 0 is greedy (argmax, ties to the lowest id); top_k 0, top_p 1 and min_p 0 are off."""
+    """Temperature 0 is greedy (argmax, ties to the lowest id); top_k 0, top_p 1 and min_p 0 are off.
+
+    `draw` is how one token is drawn from the processed distribution: the same distribution whichever it is
+    (tested), a different cost per backend: `inverse_cdf` (one uniform per row, a two-level CDF walk),
+    `gumbel` (argmax of log-probs plus V Gumbel numbers per row) or `categorical` (jax.random.categorical).
+    """
 
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
     min_p: float = 0.0
+    draw: str = "inverse_cdf"
 
     def __post_init__(self):
         if not (isinstance(self.temperature, int | float) and math.isfinite(self.temperature)
@@ -40,11 +57,14 @@ class SamplingMethod:
             raise ValueError(f"top_p={self.top_p!r}: must be in (0, 1] (1 = off)")
         if not 0 <= self.min_p < 1:
             raise ValueError(f"min_p={self.min_p!r}: must be in [0, 1) (0 = off)")
+        if self.draw not in DRAWS:
+            raise ValueError(f"draw={self.draw!r}: must be one of {DRAWS}")
 
     @classmethod
-    def from_config(cls, config) -> SamplingMethod:
-        """From a `jgrpo.config.SamplerConfig` (or anything with the same four fields)."""
-        return cls(temperature=config.temperature, top_k=config.top_k, top_p=config.top_p, min_p=config.min_p)
+    def from_config(cls, config, platform: str) -> SamplingMethod:
+        """From a `jgrpo.config.SamplerConfig`, its `draw` resolved for devices of `platform`."""
+        return cls(temperature=config.temperature, top_k=config.top_k, top_p=config.top_p, min_p=config.min_p,
+                   draw=resolve_draw(config.draw, platform))
 
     @property
     def is_greedy(self) -> bool:
@@ -100,8 +120,10 @@ class SamplingMethod:
         """Draw from already processed log-probs: ([...] int32 tokens, [...] float32 their log-probs)."""
         if self.is_greedy:
             tokens = _argmax(logprobs)
-        else:
+        elif self.draw == "inverse_cdf":
             tokens = _categorical(key, logprobs)
+        else:
+            tokens = _noise_max(key, logprobs, self.draw)
         chosen = jnp.take_along_axis(logprobs, tokens[..., None], axis=-1)[..., 0]
         return tokens, chosen
 
@@ -130,6 +152,38 @@ def _argmax(x: jax.Array) -> jax.Array:
     return jnp.minimum(first, vocab - 1)  # NaN logits match nothing: return some valid id, not vocab
 
 
+def _flat_row_keys(key: jax.Array, batch_shape: tuple[int, ...]) -> jax.Array | None:
+    """The per-row keys flattened to [R] (None for one key), or a ValueError naming a mismatch."""
+    key_shape = key.shape if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key) else key.shape[:-1]
+    if key_shape == ():
+        return None
+    if key_shape != batch_shape:
+        raise ValueError(f"keys of shape {key_shape} do not match the rows of logits {batch_shape}")
+    return key.reshape((-1,) + key.shape[len(key_shape):])
+
+
+def _noise_max(key: jax.Array, logprobs: jax.Array, draw: str) -> jax.Array:
+    """One draw per row by the Gumbel-max trick: argmax(logprobs + Gumbel noise), V random numbers per row.
+
+    `gumbel` adds the noise itself and takes the first maximum with two plain reductions (`_argmax`);
+    `categorical` is jax.random.categorical (the same trick, XLA's argmax). -inf tokens are never chosen.
+    """
+    batch_shape, vocab = logprobs.shape[:-1], logprobs.shape[-1]
+    flat_keys = _flat_row_keys(key, batch_shape)
+    logprobs = logprobs.astype(jnp.float32).reshape(-1, vocab)
+
+    def one(k, row_shape):
+        if draw == "categorical":
+            return lambda lp: jax.random.categorical(k, lp, axis=-1).astype(jnp.int32)
+        return lambda lp: _argmax(lp + jax.random.gumbel(k, row_shape, jnp.float32))
+
+    if flat_keys is None:
+        tokens = one(key, logprobs.shape)(logprobs)
+    else:
+        tokens = jax.vmap(lambda k, lp: one(k, (vocab,))(lp))(flat_keys, logprobs)
+    return tokens.reshape(batch_shape)
+
+
 _BLOCK = 256  # tokens per block of the two-level inverse CDF
 
 
@@ -142,15 +196,12 @@ def _categorical(key: jax.Array, logprobs: jax.Array) -> jax.Array:
     The CDF is walked in two levels (block sums, then one block) so no length-V cumsum is needed.
     A token of probability 0 (-inf) is never returned: it adds nothing to any cumulative sum.
     """
-    key_shape = key.shape if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key) else key.shape[:-1]
     batch_shape, vocab = logprobs.shape[:-1], logprobs.shape[-1]
-    if key_shape == ():
+    flat_keys = _flat_row_keys(key, batch_shape)
+    if flat_keys is None:
         uniform = jax.random.uniform(key, batch_shape, jnp.float32)
-    elif key_shape == batch_shape:
-        flat_keys = key.reshape((-1,) + key.shape[len(key_shape):])
-        uniform = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(flat_keys).reshape(batch_shape)
     else:
-        raise ValueError(f"keys of shape {key_shape} do not match the rows of logits {batch_shape}")
+        uniform = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(flat_keys).reshape(batch_shape)
     block = min(_BLOCK, vocab)
     num_blocks = -(-vocab // block)
     probs = jnp.exp(logprobs.astype(jnp.float32).reshape(-1, vocab))  # [R, V]

@@ -30,6 +30,7 @@ from jgrpo.config import GRPOConfig
 from jgrpo.diagnostics import finalize_metrics
 from jgrpo.logprobs import token_logprobs
 from jgrpo.mesh import TRAIN_RULES, Rules, logical_shardings, logical_to_spec, replicated
+from jgrpo.models.attention_backends import mesh_context
 from jgrpo.models.llm import merge_model, param_logical_axes, position_ids_from_mask
 from jgrpo.models.shared_prompt import forward_shared_prompts
 from jgrpo.objectives import grpo_loss, step_has_signal, step_normaliser
@@ -85,6 +86,21 @@ def _stack_sum(metrics: dict[str, jax.Array]) -> dict[str, jax.Array]:
     return out
 
 
+class _InContext:
+    """A jitted function called and lowered inside `context()` (where its tracing must happen)."""
+
+    def __init__(self, jitted, context):
+        self.jitted, self.context = jitted, context
+
+    def __call__(self, *args, **kwargs):
+        with self.context():
+            return self.jitted(*args, **kwargs)
+
+    def lower(self, *args, **kwargs):
+        with self.context():
+            return self.jitted.lower(*args, **kwargs)
+
+
 class StepFunctions:
     """The jitted functions of one run, closed over its static configuration and shardings.
 
@@ -111,18 +127,20 @@ class StepFunctions:
             optimizer, lambda _, sharding: sharding, abstract_opt, self.param_shardings,
             transform_non_params=lambda _: replicated(mesh),
         )
+        # Programs that run the model are traced in the mesh context where the attention kernel needs it.
+        context = functools.partial(mesh_context, merge_model(graphdef, params).cfg.attention, mesh)
         self.init_opt_state = jax.jit(optimizer.init, out_shardings=self.opt_shardings)
         # A real copy (new buffers) even where layouts agree: the original is donated to the next update.
         self.copy_params = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=self.param_shardings)
         self.assemble = jax.jit(self._assemble)
-        self.logprobs = jax.jit(functools.partial(self._all_logprobs, kind="sampled"))
-        self.reference_logprobs = jax.jit(functools.partial(self._all_logprobs, kind="kl"))
+        self.logprobs = _InContext(jax.jit(functools.partial(self._all_logprobs, kind="sampled")), context)
+        self.reference_logprobs = _InContext(jax.jit(functools.partial(self._all_logprobs, kind="kl")), context)
         self.shuffle_groups = jax.jit(self._shuffle_groups)
-        self.train_step = jax.jit(
+        self.train_step = _InContext(jax.jit(
             self._train_step,
             out_shardings=(self.param_shardings, self.opt_shardings, None),
             donate_argnums=(0, 1),
-        )
+        ), context)
 
     def check_rows(self, rows: int) -> None:
         if rows % self.chunks:

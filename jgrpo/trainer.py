@@ -28,13 +28,14 @@ from jgrpo.checkpoint import Checkpointer, PreemptionFlag, TrainState
 from jgrpo.config import Config, to_dict
 from jgrpo.data import bucketed_length, build_prompt_iterator
 from jgrpo.host_arrays import global_max, local_rows, to_global_rows
-from jgrpo.mesh import SAMPLE_RULES, TRAIN_RULES, logical_shardings, make_mesh, replicated
+from jgrpo.mesh import SAMPLE_RULES, TRAIN_RULES, logical_shardings, make_mesh, mesh_platform, replicated
 from jgrpo.metrics import MetricsLogger
+from jgrpo.models.attention_backends import resolve_attention
 from jgrpo.models.hf import load_model, load_tokenizer
 from jgrpo.models.llm import param_logical_axes
 from jgrpo.optim import learning_rate_schedule, make_optimizer
 from jgrpo.rewards import RewardScorer
-from jgrpo.sampler import generate, stop_ids_for, to_sampling_layout
+from jgrpo.sampler import decode_options, generate, stop_ids_for, to_sampling_layout
 from jgrpo.sampling_methods import SamplingMethod
 from jgrpo.train_step import StepFunctions
 from jgrpo.trainer_metrics import iteration_metrics, sample_dump
@@ -64,12 +65,12 @@ class Trainer:
         m = config.model
         self.graphdef, params, self.model_config = load_model(
             m.name, param_dtype=m.param_dtype, compute_dtype=m.compute_dtype, remat=m.remat, mesh=self.mesh,
-            rules=TRAIN_RULES,
+            rules=TRAIN_RULES, attention=resolve_attention(m.attention, mesh_platform(self.mesh)),
         )
         self.tokenizer = load_tokenizer(m.name)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.stop_ids = stop_ids_for(self.tokenizer, config.sampler.stop_token_ids)
-        self.method = SamplingMethod.from_config(config.sampler)
+        self.method = SamplingMethod.from_config(config.sampler, mesh_platform(self.mesh))
         self.data = build_prompt_iterator(config, self.tokenizer)
         self.total_iterations = min(config.run.iterations, len(self.data))
         if self.total_iterations < config.run.iterations:
@@ -249,7 +250,7 @@ class Trainer:
         out = generate(self.graphdef, sample_params, prompt_tokens, prompt_mask, num_samples=g.num_generations,
                        max_new_tokens=c.sampler.max_new_tokens, method=self.method, stop_ids=self.stop_ids,
                        key=sample_key, mesh=self.mesh, rules=SAMPLE_RULES, pad_id=self.pad_id,
-                       decode_chunk=c.sampler.decode_chunk or None)
+                       **decode_options(c.sampler))
         tokens, lengths = local_rows(out.tokens), local_rows(out.lengths)
         timings["sample"] = time.perf_counter() - t
         del sample_params

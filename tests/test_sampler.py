@@ -250,3 +250,24 @@ def test_decode_chunks_change_nothing_but_the_cache_read(llama):
         np.testing.assert_allclose(many.logprobs, one.logprobs, atol=1e-5, rtol=0)
     recomputed = _recomputed_logprobs(graphdef, params, tokens, mask, many, method)
     np.testing.assert_allclose(many.logprobs, recomputed, atol=1e-4, rtol=0)
+
+
+def test_scanned_decode_layers_equal_the_unrolled_ones(llama):
+    """`decode_layers=scanned` (one lax.scan over stacked weights and caches) samples what the unrolled loop
+    does, over several chunks and on the 8-device mesh; `auto` keeps the unrolled loop on CPU."""
+    from jgrpo.models.decode import resolve_decode_layers
+
+    graphdef, params = llama
+    tokens, mask = _prompts()
+    kwargs = dict(num_samples=2, max_new_tokens=9, method=SamplingMethod(temperature=1.0), stop_ids=(2,),
+                  key=jax.random.key(7), decode_chunk=3)
+    unrolled = generate(graphdef, params, tokens, mask, **kwargs)
+    mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+    for placement in ({}, {"mesh": mesh}):
+        scanned = generate(graphdef, params, tokens, mask, decode_layers="scanned", **placement, **kwargs)
+        np.testing.assert_array_equal(scanned.tokens, unrolled.tokens)
+        np.testing.assert_array_equal(scanned.lengths, unrolled.lengths)
+        np.testing.assert_allclose(scanned.logprobs, unrolled.logprobs, atol=1e-5, rtol=0)
+    assert resolve_decode_layers("auto", "cpu") == "unrolled" and resolve_decode_layers("auto", "tpu") == "scanned"
+    with pytest.raises(ValueError, match="decode_layers must be auto or one of"):
+        generate(graphdef, params, tokens, mask, decode_layers="diagonal", **kwargs)

@@ -1,5 +1,7 @@
 """Sampling methods: hand-derived distributions, parity with transformers' warpers, chi-square tests."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -147,10 +149,11 @@ def _draw_counts(method, per_row_keys):
     return np.bincount(tokens, minlength=CHI_LOGITS.size)
 
 
+@pytest.mark.parametrize("draw", ["inverse_cdf", "gumbel", "categorical"])
 @pytest.mark.parametrize("per_row_keys", [True, False], ids=["row-keys", "one-key"])
 @pytest.mark.parametrize("method,expected", CHI_CASES, ids=str)
-def test_sample_frequencies_chi_square(method, expected, per_row_keys):
-    counts = _draw_counts(method, per_row_keys)
+def test_sample_frequencies_chi_square(method, expected, per_row_keys, draw):
+    counts = _draw_counts(dataclasses.replace(method, draw=draw), per_row_keys)
     support = expected > 0
     assert counts[~support].sum() == 0, f"tokens outside the support were drawn: {counts}"
     result = stats.chisquare(counts[support], DRAWS * expected[support])
@@ -161,14 +164,16 @@ def test_sample_frequencies_chi_square(method, expected, per_row_keys):
         assert stats.chisquare(counts, DRAWS * naive).pvalue < 1e-6
 
 
-def test_multi_block_vocab_chi_square():
+@pytest.mark.parametrize("draw", ["inverse_cdf", "gumbel", "categorical"])
+def test_multi_block_vocab_chi_square(draw):
     """Vocab of 1000 (several 256-token blocks, a ragged last one): mass on block edges and the last ids."""
     support = np.array([3, 255, 256, 257, 511, 600, 998, 999])
     weights = np.array([0.05, 0.2, 0.1, 0.15, 0.05, 0.25, 0.1, 0.1])
     logits = np.full(1000, -np.inf, np.float32)
     logits[support] = np.log(weights)
     keys = jax.random.split(jax.random.key(9), DRAWS)
-    tokens = np.asarray(jax.jit(SamplingMethod().next_tokens)(jnp.broadcast_to(logits, (DRAWS, 1000)), keys))
+    method = SamplingMethod(draw=draw)
+    tokens = np.asarray(jax.jit(method.next_tokens)(jnp.broadcast_to(logits, (DRAWS, 1000)), keys))
     assert np.isin(tokens, support).all()
     counts = np.array([(tokens == t).sum() for t in support])
     assert stats.chisquare(counts, DRAWS * weights).pvalue > 1e-3
@@ -197,9 +202,10 @@ def test_choose_returns_the_logprob_of_the_chosen_token():
     assert np.all(np.isfinite(chosen))
 
 
-def test_mismatched_row_keys_are_an_error():
+@pytest.mark.parametrize("draw", ["inverse_cdf", "gumbel"])
+def test_mismatched_row_keys_are_an_error(draw):
     with pytest.raises(ValueError, match="do not match the rows"):
-        SamplingMethod().next_tokens(jnp.zeros((4, 8)), jax.random.split(jax.random.key(0), 3))
+        SamplingMethod(draw=draw).next_tokens(jnp.zeros((4, 8)), jax.random.split(jax.random.key(0), 3))
 
 
 @pytest.mark.parametrize(
@@ -221,4 +227,8 @@ def test_bad_settings_are_named(kwargs, match):
 
 def test_from_config():
     config = SamplerConfig(temperature=0.7, top_k=50, top_p=0.9, min_p=0.05)
-    assert SamplingMethod.from_config(config) == SamplingMethod(temperature=0.7, top_k=50, top_p=0.9, min_p=0.05)
+    assert SamplingMethod.from_config(config, "cpu") == SamplingMethod(temperature=0.7, top_k=50, top_p=0.9,
+                                                                       min_p=0.05, draw="inverse_cdf")
+    assert SamplingMethod.from_config(dataclasses.replace(config, draw="gumbel"), "tpu").draw == "gumbel"
+    with pytest.raises(ValueError, match="draw"):
+        SamplingMethod(draw="alias")

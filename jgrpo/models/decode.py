@@ -11,6 +11,9 @@ slots ([B, KVH, S, Dh]), updated in place in the `while_loop` carry: every matmu
 they lie. The cache is split into segments (the prompt, then chunks of generated slots) so that a step
 reads only the segments filled so far.
 
+`sampler.decode_layers` chooses between this and `decode_step_scanned` (one `lax.scan` over the stacked
+weights and a stacked cache), which a TPU compiles faster and reads in place (docs/configuration.md).
+
 The arithmetic is the same as `LLM.__call__` (`layer_qkv`, `layer_output` are shared; the attention is
 the same softmax over the same allowed slots), so the two paths agree to float rounding (tested).
 """
@@ -24,6 +27,16 @@ import jax
 import jax.numpy as jnp
 
 from jgrpo.models.llm import KVCache, LLMConfig, layer_output, layer_qkv, rms_norm, rope_cos_sin
+from jgrpo.platform_defaults import resolve
+
+DECODE_LAYERS = ("unrolled", "scanned")
+# What `sampler.decode_layers: auto` picks by platform (reasons: docs/configuration.md).
+DECODE_LAYERS_AUTO = {"cpu": "unrolled", "tpu": "scanned", "gpu": "scanned", "other": "scanned"}
+
+
+def resolve_decode_layers(choice: str, platform: str) -> str:
+    """`sampler.decode_layers` ("auto", "unrolled" or "scanned") on devices of `platform`."""
+    return resolve("sampler.decode_layers", choice, DECODE_LAYERS, DECODE_LAYERS_AUTO, platform)
 
 
 class DecodeCache(NamedTuple):
@@ -43,14 +56,18 @@ def unstack_layers(layers: dict[str, jax.Array]) -> tuple[dict[str, jax.Array], 
     return tuple({name: w[i] for name, w in layers.items()} for i in range(num_layers))
 
 
-def decode_cache_from_prefill(cache: KVCache, repeats: int, chunks: int, chunk_len: int) -> DecodeCache:
+def decode_cache_from_prefill(cache: KVCache, repeats: int, chunks: int, chunk_len: int,
+                              stacked: bool = False) -> DecodeCache:
     """A prefill cache [L, B, P, KVH, Dh] -> a DecodeCache of B * repeats rows with `chunks` empty chunks.
 
     Prompt b's keys and values are shared by rows b*repeats .. b*repeats + repeats - 1 (its G samples).
+    `stacked` (for `decode_step_scanned`): one entry whose segments keep the layer axis, [L, R, KVH, S_i, Dh].
     """
 
-    def segments(stacked):
-        prompt = jnp.repeat(jnp.swapaxes(stacked, 2, 3), repeats, axis=1)  # [L, R, KVH, P, Dh]
+    def segments(stacked_cache):
+        prompt = jnp.repeat(jnp.swapaxes(stacked_cache, 2, 3), repeats, axis=1)  # [L, R, KVH, P, Dh]
+        if stacked:
+            return ((prompt,) + (jnp.zeros(prompt.shape[:3] + (chunk_len, prompt.shape[-1]), prompt.dtype),) * chunks,)
         empty = jnp.zeros(prompt.shape[1:3] + (chunk_len, prompt.shape[-1]), prompt.dtype)
         return tuple((prompt[i],) + (empty,) * chunks for i in range(prompt.shape[0]))
 
@@ -76,6 +93,34 @@ def _attend_one(q: jax.Array, ks: tuple[jax.Array, ...], vs: tuple[jax.Array, ..
     return out.reshape(B, 1, H, Dh)
 
 
+def _visible_slots(prompt_mask, chunk_len: int, chunk: int, offset) -> jax.Array:
+    """[B, P + (chunk + 1) * C] bool: the real prompt slots, every earlier chunk, slots <= offset of `chunk`."""
+    B = prompt_mask.shape[0]
+    return jnp.concatenate([prompt_mask.astype(bool), jnp.ones((B, chunk * chunk_len), bool),
+                            jnp.broadcast_to(jnp.arange(chunk_len) <= offset, (B, chunk_len))], axis=1)
+
+
+def _layer_step(cfg, p, x, cos, sin, allowed, k_segments, v_segments, chunk, offset, layer=None):
+    """One layer for one new token: write its keys/values into generated chunk `chunk` at slot `offset` and
+    attend to the visible segments. Segments are one layer's [B, KVH, S_i, Dh], or with `layer` (a traced
+    index) the stacked [L, B, KVH, S_i, Dh], written and read at that layer."""
+    q, k, v = layer_qkv(cfg, p, x, cos, sin)  # q [B, 1, H, Dh]; k, v [B, 1, KVH, Dh]
+    k_segments, v_segments = list(k_segments), list(v_segments)
+    for segments, new in ((k_segments, k), (v_segments, v)):
+        target = segments[1 + chunk]
+        new = jnp.swapaxes(new, 1, 2).astype(target.dtype)
+        start = (0, 0, offset, 0) if layer is None else (layer, 0, 0, offset, 0)
+        segments[1 + chunk] = jax.lax.dynamic_update_slice(target, new if layer is None else new[None], start)
+    visible = slice(0, chunk + 2)
+    cdt = jnp.dtype(cfg.compute_dtype)
+
+    def read(c):
+        return (c if layer is None else c[layer]).astype(cdt)
+
+    attended = _attend_one(q, tuple(map(read, k_segments[visible])), tuple(map(read, v_segments[visible])), allowed)
+    return layer_output(cfg, p, x, attended), tuple(k_segments), tuple(v_segments)
+
+
 def decode_step(
     cfg: LLMConfig,
     params: dict,  # the full params pytree (embed, final_norm, ...); its "layers" entry is not read
@@ -94,27 +139,41 @@ def decode_step(
     not touched, so a step's attention reads only the filled part of the cache.
     """
     cdt = jnp.dtype(cfg.compute_dtype)
-    B = tokens.shape[0]
-    chunk_len = cache.k[0][1].shape[2]
-    allowed = jnp.concatenate(  # [B, P + (chunk + 1) * C]
-        [prompt_mask.astype(bool), jnp.ones((B, chunk * chunk_len), bool),
-         jnp.broadcast_to(jnp.arange(chunk_len) <= offset, (B, chunk_len))], axis=1)
+    allowed = _visible_slots(prompt_mask, cache.k[0][1].shape[2], chunk, offset)
     cos, sin = rope_cos_sin(cfg, positions[:, None])  # [B, 1, Dh/2]
     x = jnp.take(params["embed"], tokens, axis=0).astype(cdt)[:, None, :]  # [B, 1, D]
     new_k, new_v = [], []
     for p, k_segments, v_segments in zip(layers, cache.k, cache.v, strict=True):  # unrolled over layers
         p = {name: w.astype(cdt) for name, w in p.items()}
-        q, k, v = layer_qkv(cfg, p, x, cos, sin)  # q [B, 1, H, Dh]; k, v [B, 1, KVH, Dh]
-        k_segments, v_segments = list(k_segments), list(v_segments)
-        for segments, new in ((k_segments, k), (v_segments, v)):
-            target = segments[1 + chunk]
-            segments[1 + chunk] = jax.lax.dynamic_update_slice(
-                target, jnp.swapaxes(new, 1, 2).astype(target.dtype), (0, 0, offset, 0))
-        visible = slice(0, chunk + 2)
-        attended = _attend_one(q, tuple(c.astype(cdt) for c in k_segments[visible]),
-                               tuple(c.astype(cdt) for c in v_segments[visible]), allowed)
-        x = layer_output(cfg, p, x, attended)
-        new_k.append(tuple(k_segments))
-        new_v.append(tuple(v_segments))
+        x, k_segments, v_segments = _layer_step(cfg, p, x, cos, sin, allowed, k_segments, v_segments, chunk, offset)
+        new_k.append(k_segments)
+        new_v.append(v_segments)
     hidden = rms_norm(x[:, 0], params["final_norm"], cfg.rms_norm_eps)
     return hidden, DecodeCache(tuple(new_k), tuple(new_v))
+
+
+def decode_step_scanned(cfg: LLMConfig, params: dict, tokens, positions, prompt_mask, cache: DecodeCache,
+                        chunk: int, offset) -> tuple[jax.Array, DecodeCache]:
+    """`decode_step` with the layers under one `lax.scan` over the stacked weights `params["layers"]` and a
+    stacked cache (`decode_cache_from_prefill(..., stacked=True)`), written in place in the scan's carry.
+
+    The program holds one layer instead of L (compile time flat in depth); whether reading a layer's weights and
+    cache out of the stacked arrays costs a copy per layer and token depends on the backend (it does on CPU,
+    see the module docstring; `sampler.decode_layers` picks per backend).
+    """
+    cdt = jnp.dtype(cfg.compute_dtype)
+    (k_segments,), (v_segments,) = cache.k, cache.v
+    allowed = _visible_slots(prompt_mask, k_segments[1].shape[3], chunk, offset)
+    cos, sin = rope_cos_sin(cfg, positions[:, None])
+    x = jnp.take(params["embed"], tokens, axis=0).astype(cdt)[:, None, :]
+
+    def layer(carry, xs):
+        x, k_segments, v_segments = carry
+        p, index = xs
+        p = {name: w.astype(cdt) for name, w in p.items()}
+        return _layer_step(cfg, p, x, cos, sin, allowed, k_segments, v_segments, chunk, offset, layer=index), None
+
+    xs = (params["layers"], jnp.arange(cfg.num_layers))
+    (x, k_segments, v_segments), _ = jax.lax.scan(layer, (x, k_segments, v_segments), xs)
+    hidden = rms_norm(x[:, 0], params["final_norm"], cfg.rms_norm_eps)
+    return hidden, DecodeCache((k_segments,), (v_segments,))

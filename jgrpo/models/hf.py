@@ -51,7 +51,8 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def llm_config_from_hf(
-    hf: dict[str, Any], *, param_dtype: str = "float32", compute_dtype: str = "float32", remat: str = "none"
+    hf: dict[str, Any], *, param_dtype: str = "float32", compute_dtype: str = "float32", remat: str = "none",
+    attention: str = "custom",
 ) -> LLMConfig:
     """LLMConfig from a config.json dict, honouring every field that changes the computation."""
     arch = hf.get("model_type")
@@ -102,6 +103,7 @@ def llm_config_from_hf(
         param_dtype=param_dtype,
         compute_dtype=compute_dtype,
         remat=remat,
+        attention=attention,
         architecture=arch,
     )
 
@@ -295,6 +297,7 @@ def load_model(
     param_dtype: str = "float32",
     compute_dtype: str = "float32",
     remat: str = "none",
+    attention: str = "custom",
     mesh=None,
     rules: Rules | None = None,
 ):
@@ -304,7 +307,8 @@ def load_model(
     if not config_file.exists():
         raise FileNotFoundError(f"{model_dir} has no config.json")
     cfg = llm_config_from_hf(
-        json.loads(config_file.read_text()), param_dtype=param_dtype, compute_dtype=compute_dtype, remat=remat
+        json.loads(config_file.read_text()), param_dtype=param_dtype, compute_dtype=compute_dtype, remat=remat,
+        attention=attention,
     )
     graphdef, _ = abstract_model(cfg)
     return graphdef, load_params(model_dir, cfg, mesh=mesh, rules=rules), cfg

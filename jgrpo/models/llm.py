@@ -22,7 +22,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from jgrpo.models.attention import attention
+from jgrpo.models.attention_backends import IMPLEMENTATIONS as ATTENTION_IMPLEMENTATIONS
+from jgrpo.models.attention_backends import causal_attention, dense_attention
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -74,6 +75,8 @@ class LLMConfig:
     param_dtype: str = "float32"
     compute_dtype: str = "float32"
     remat: str = "none"
+    # The attention implementation (jgrpo.models.attention_backends; `model.attention` resolved for the platform).
+    attention: str = "custom"
     # HF model_type this config came from (decides config.json and tensor names on export).
     architecture: str = "llama"
 
@@ -89,6 +92,8 @@ class LLMConfig:
             raise ValueError(f"unsupported architecture '{self.architecture}'; supported: {SUPPORTED_ARCHITECTURES}")
         if self.rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(f"unsupported rope type '{self.rope_type}'; supported: {SUPPORTED_ROPE_TYPES}")
+        if self.attention not in ATTENTION_IMPLEMENTATIONS:
+            raise ValueError(f"attention must be one of {ATTENTION_IMPLEMENTATIONS}, got '{self.attention}'")
         if self.remat not in REMAT_POLICIES:
             raise ValueError(f"remat must be one of {REMAT_POLICIES}, got '{self.remat}'")
         for name in ("param_dtype", "compute_dtype"):
@@ -329,8 +334,15 @@ class LLM(nnx.Module):
                 raise ValueError(f"with a cache kv_mask must be [B, S] = {cache.k.shape[1:3]}, got {kv_mask.shape}")
             query_slots = cache_index + jnp.arange(T)
         S = kv_mask.shape[1]
-        # Causal over slots and restricted to real tokens. [B, T, S]
-        allowed = (jnp.arange(S)[None, :] <= query_slots[:, None])[None] & kv_mask[:, None, :].astype(bool)
+        # Causal over slots and restricted to real tokens. Without a cache (and for a prefill from slot 0) the
+        # queries are the last T of the S slots: the mask every attention implementation takes.
+        causal = cache is None or (isinstance(cache_index, int) and cache_index == 0 and S == T)
+
+        def attend(q, k, v):
+            if causal:
+                return causal_attention(cfg.attention, q, k, v, kv_mask.astype(bool))
+            allowed = (jnp.arange(S)[None, :] <= query_slots[:, None])[None] & kv_mask[:, None, :].astype(bool)
+            return dense_attention(cfg.attention, q, k, v, allowed)  # [B, T, S]
 
         cos, sin = rope_cos_sin(cfg, positions)
         x = jnp.take(self.embed[...], tokens, axis=0).astype(cdt)  # [B, T, D]
@@ -348,7 +360,7 @@ class LLM(nnx.Module):
                     jax.lax.dynamic_update_slice(cache.v, v[None].astype(cache.v.dtype), start),
                 )
                 k, v = cache.k[index].astype(cdt), cache.v[index].astype(cdt)  # [B, S, KVH, Dh]
-            x = layer_output(cfg, p, x, attention(q, k, v, allowed))
+            x = layer_output(cfg, p, x, attend(q, k, v))
             return (x, cache), None
 
         layer = with_remat(layer, cfg.remat)

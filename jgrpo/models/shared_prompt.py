@@ -18,12 +18,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jgrpo.models.attention import attention
+from jgrpo.models.attention_backends import causal_attention
 from jgrpo.models.llm import LLM, layer_output, layer_qkv, position_ids_from_mask, rms_norm, rope_cos_sin, with_remat
-
-
-def _causal(length: int) -> jax.Array:
-    return jnp.arange(length)[None, :] <= jnp.arange(length)[:, None]  # [T, T]: key slot <= query slot
 
 
 def forward_shared_prompts(
@@ -40,17 +36,13 @@ def forward_shared_prompts(
     """
     cfg = model.cfg
     cdt = jnp.dtype(cfg.compute_dtype)
-    (Bp, P), (R, N) = prompt_tokens.shape, completion_tokens.shape
+    Bp, R = prompt_tokens.shape[0], completion_tokens.shape[0]
     if R % Bp:
         raise ValueError(f"{R} completion rows are not a whole number of groups of the {Bp} prompts")
     G = R // Bp
     prompt_mask = prompt_mask.astype(bool)
-    prompt_allowed = _causal(P)[None] & prompt_mask[:, None, :]  # [Bp, P, P]
-    completion_allowed = jnp.concatenate(  # [R, N, P + N]: the whole real prompt, then causal completion
-        [jnp.broadcast_to(jnp.repeat(prompt_mask, G, axis=0)[:, None, :], (R, N, P)),
-         _causal(N)[None] & completion_mask.astype(bool)[:, None, :]],
-        axis=-1,
-    )
+    # Completion queries are the last N of their P + N key slots: the whole real prompt, then causal.
+    completion_valid = jnp.concatenate([jnp.repeat(prompt_mask, G, axis=0), completion_mask.astype(bool)], axis=1)
     prompt_rope = rope_cos_sin(cfg, position_ids_from_mask(prompt_mask))
     completion_rope = rope_cos_sin(cfg, completion_positions)
     embed = model.embed[...]
@@ -62,8 +54,8 @@ def forward_shared_prompts(
         qc, kc, vc = layer_qkv(cfg, p, xc, *completion_rope)
         keys = jnp.concatenate([jnp.repeat(kp, G, axis=0), kc], axis=1)  # [R, P + N, KVH, Dh]
         values = jnp.concatenate([jnp.repeat(vp, G, axis=0), vc], axis=1)
-        xp = layer_output(cfg, p, xp, attention(qp, kp, vp, prompt_allowed))
-        xc = layer_output(cfg, p, xc, attention(qc, keys, values, completion_allowed))
+        xp = layer_output(cfg, p, xp, causal_attention(cfg.attention, qp, kp, vp, prompt_mask))
+        xc = layer_output(cfg, p, xc, causal_attention(cfg.attention, qc, keys, values, completion_valid))
         return (xp, xc), None
 
     carry = (jnp.take(embed, prompt_tokens, axis=0).astype(cdt), jnp.take(embed, completion_tokens, axis=0).astype(cdt))

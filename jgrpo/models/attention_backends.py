@@ -1,0 +1,135 @@
+"""Which attention implementation the model runs (`model.attention`), chosen per backend.
+
+Every implementation computes the same thing: softmax(q k^T / sqrt(Dh)) v over the allowed key slots, with
+grouped-query heads. The model's forwards (training, scoring, prefill) only ever need one mask shape: the T
+queries are the last T of the S key slots, each sees the slots up to its own and only real (unpadded) ones.
+`causal_attention` takes exactly that, so the Pallas kernel can express it as a static causal mask plus
+per-row segment ids, and `dense_attention` serves the rare caller with an arbitrary mask (a cache filled at a
+traced offset).
+
+- `custom`: `jgrpo.models.attention`, plain XLA ops with a hand-written backward that keeps O(T) residuals.
+  Fastest on CPU (measured: docs/configuration.md).
+- `xla`: `jax.nn.dot_product_attention(implementation="xla")`: XLA's own formula and autodiff.
+- `cudnn`: the same call with cuDNN's fused flash attention (NVIDIA GPUs only).
+- `splash`: the Pallas TPU splash-attention kernel (block-sparse flash attention, never materialises the
+  [T, S] scores), under `shard_map` over the context mesh. On a CPU it runs in Pallas interpret mode
+  (for tests only: slow).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+from jgrpo.models.attention import attention as custom_attention
+from jgrpo.platform_defaults import resolve
+
+IMPLEMENTATIONS = ("custom", "xla", "cudnn", "splash")
+# What `auto` picks by the platform of the mesh's devices (reasons: docs/configuration.md, model.attention).
+AUTO = {"cpu": "custom", "tpu": "splash", "gpu": "cudnn", "cuda": "cudnn", "other": "xla"}
+_SPLASH_BLOCK = 128  # query and key block of the kernel (the TPU lane width); sequences are padded to it
+
+
+def resolve_attention(choice: str, platform: str) -> str:
+    """The implementation `choice` ("auto" or one of IMPLEMENTATIONS) means on devices of `platform`."""
+    return resolve("model.attention", choice, IMPLEMENTATIONS, AUTO, platform)
+
+
+def mesh_context(implementation: str, mesh):
+    """The context to trace (call or lower) programs of a model using `implementation` in: `jax.set_mesh(mesh)`
+    for the kernel that is placed per device with `shard_map` (splash), nothing otherwise."""
+    if implementation == "splash" and mesh is not None:
+        return jax.set_mesh(mesh)
+    return contextlib.nullcontext()
+
+
+def causal_attention(implementation: str, q: jax.Array, k: jax.Array, v: jax.Array, kv_valid: jax.Array):
+    """Queries q [B, T, H, Dh] are the last T of the S key slots of k, v [B, S, KVH, Dh]; query t sees slot s
+    when s <= t + S - T and kv_valid[b, s] (bool [B, S]). -> [B, T, H, Dh].
+
+    Queries at invalid slots get some finite output (they attend to invalid slots only): callers mask them.
+    """
+    T, S = q.shape[1], k.shape[1]
+    if implementation == "splash":
+        return _splash(q, k, v, kv_valid)
+    allowed = (jnp.arange(S)[None, :] <= jnp.arange(T)[:, None] + (S - T))[None] & kv_valid[:, None, :].astype(bool)
+    return dense_attention(implementation, q, k, v, allowed)
+
+
+def dense_attention(implementation: str, q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array):
+    """Attention under any mask allowed [B, T, S]; `splash` (a static mask only) falls back to `xla`."""
+    if implementation == "custom":
+        return custom_attention(q, k, v, allowed)
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"unknown attention implementation '{implementation}'; one of {IMPLEMENTATIONS}")
+    return jax.nn.dot_product_attention(q, k, v, mask=allowed[:, None], implementation=(
+        "cudnn" if implementation == "cudnn" else "xla"))
+
+
+def _splash(q, k, v, kv_valid):
+    B, T, H, Dh = q.shape
+    S, KVH = k.shape[1], k.shape[2]
+    # Pad both sequences at the front to whole blocks; the front keys are padding (segment 0), so the mask's
+    # relation "queries are the last T of the S slots" survives as a causal mask with offset Sp - Tp. At least
+    # one padding key when queries are padded: every padded query then sees key 0 (no empty softmax).
+    pad_q = -T % _SPLASH_BLOCK
+    pad_kv = -S % _SPLASH_BLOCK or (_SPLASH_BLOCK if pad_q else 0)
+    valid = jnp.pad(kv_valid.astype(jnp.int32), ((0, 0), (pad_kv, 0)))  # [B, Sp]
+    q_segments = valid[:, valid.shape[1] - T - pad_q:]  # a query's segment is its own slot's
+    q = jnp.pad(q * jnp.asarray(Dh**-0.5, q.dtype), ((0, 0), (pad_q, 0), (0, 0), (0, 0)))
+    k, v = (jnp.pad(x, ((0, 0), (pad_kv, 0), (0, 0), (0, 0))) for x in (k, v))
+    # Kernel layouts: q [B, KVH, G, Tp, Dh] (one multi-query kernel per kv head), k, v [B, KVH, Sp, Dh].
+    q = q.reshape(B, T + pad_q, KVH, H // KVH, Dh).transpose(0, 2, 3, 1, 4)
+    k, v = (x.transpose(0, 2, 1, 3) for x in (k, v))
+    mesh = jax.sharding.get_abstract_mesh()
+    platform = jax.devices()[0].platform if mesh.empty else mesh.abstract_device.platform
+    interpret = platform != "tpu"  # Pallas TPU kernels run elsewhere only in the (slow) interpreter
+    kernel = _splash_kernel(H // KVH, T + pad_q, S + pad_kv, interpret)
+
+    def per_device(q, k, v, q_segments, valid):
+        from jax.experimental.pallas.ops.tpu.splash_attention.splash_attention_kernel import SegmentIds
+
+        def one_row(q, k, v, qs, ks):
+            return jax.vmap(lambda q, k, v: kernel(q, k, v, segment_ids=SegmentIds(q=qs, kv=ks)))(q, k, v)
+
+        return jax.vmap(one_row)(q, k, v, q_segments, valid)
+
+    if not mesh.empty:  # rows over the batch axes, kv heads over tensor (as the projections shard them)
+        rows = _dividing_axes(mesh, ("data", "fsdp"), B)
+        heads = _dividing_axes(mesh, ("tensor",), KVH)
+        qkv, seg = PartitionSpec(rows, heads), PartitionSpec(rows)
+        per_device = jax.shard_map(per_device, mesh=mesh, in_specs=(qkv, qkv, qkv, seg, seg), out_specs=qkv,
+                                   check_vma=False)
+    out = per_device(q, k, v, q_segments, valid)  # [B, KVH, G, Tp, Dh]
+    return out[:, :, :, pad_q:].transpose(0, 3, 1, 2, 4).reshape(B, T, H, Dh)
+
+
+def _dividing_axes(mesh, names: tuple[str, ...], size: int) -> tuple[str, ...] | None:
+    """The longest prefix of the mesh axes `names` whose product divides `size` (None: replicated)."""
+    chosen, product = [], 1
+    for name in names:
+        if name in mesh.axis_names and size % (product * mesh.shape[name]) == 0:
+            chosen.append(name)
+            product *= mesh.shape[name]
+        else:
+            break
+    return tuple(chosen) or None
+
+
+def _splash_kernel(group: int, q_len: int, kv_len: int, interpret: bool):
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+
+    mask = sm.MultiHeadMask([sm.CausalMask((q_len, kv_len), offset=kv_len - q_len)] * group)
+    b = _SPLASH_BLOCK
+    blocks = sk.BlockSizes(block_q=b, block_kv=b, block_kv_compute=b, block_q_dkv=b, block_kv_dkv=b,
+                           block_kv_dkv_compute=b, block_q_dq=b, block_kv_dq=b)
+    # Made inside the caller's trace (its mask tables become that program's constants), never cached across traces.
+    return sk.make_splash_mqa_single_device(mask, block_sizes=blocks, interpret=interpret)
+
+
+__all__ = ["AUTO", "IMPLEMENTATIONS", "causal_attention", "dense_attention", "mesh_context",
+           "resolve_attention"]
