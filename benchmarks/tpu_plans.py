@@ -42,12 +42,13 @@ def row(config_path: str, topology: str, plan: dict, hbm_gib: float) -> str:
             f"| {plan['peak_program']} | {plan['compile_s']:.0f} ({sample['compile_s']:.0f}) "
             f"| {speed['iteration_s']:.3g} ({speed['sample_s']:.3g} + {speed['train_s']:.3g}) | {bound} "
             f"| {speed['sample_tokens_per_s_per_chip']:,.0f} | {speed['train_tokens_per_s_per_chip']:,.0f} "
-            f"| {speed['mfu']:.1%} |")
+            f"| {speed['mfu']:.1%} | {speed['update_mfu']:.1%} | {sample['step_bytes'] / 1e9:.3f} |")
 
 
 HEADER = ("| config | topology | peak GiB per chip / HBM | fits | peak during | compile s (sampler) "
           "| roofline s per iteration (sample + train) | slowest program bound by | sampled tok/s/chip "
-          "| trained tok/s/chip | MFU at best |\n|---|---|---|---|---|---|---|---|---|---|---|")
+          "| trained tok/s/chip | MFU at best | training step MFU at best | last decode step GB |"
+          "\n|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def write(rows: list[str], stamp: str, page: str = PAGE) -> None:

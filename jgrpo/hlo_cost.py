@@ -199,6 +199,10 @@ class HloCost:
     def bytes(self) -> float:
         return self._cost(self.entry, "bytes")
 
+    def bytes_of(self, computation: str) -> float:
+        """HBM bytes of one run of `computation` (a loop body: one trip), its own loops counted."""
+        return self._cost(computation, "bytes")
+
     def trip_count(self, computation: str, ins: Instruction) -> int:
         """Iterations of a loop whose condition is `counter < N` (and perhaps more): (N - start) / step, the step
         read from the body (a bidirectional windowed matmul steps by 2)."""

@@ -71,7 +71,11 @@ def report_lines(topology: str, chip: Chip, plan: dict, hbm_gib: float) -> list[
                  f"{chip.ici_gbps:g} GB/s): "
                  f"{speed['iteration_s']:.2f} s per iteration (sampling {speed['sample_s']:.2f} s, training "
                  f"{speed['train_s']:.2f} s); {speed['sample_tokens_per_s_per_chip']:,.0f} sampled and "
-                 f"{speed['train_tokens_per_s_per_chip']:,.0f} trained tokens/s per chip; MFU <= {speed['mfu']:.1%}")
+                 f"{speed['train_tokens_per_s_per_chip']:,.0f} trained tokens/s per chip; MFU <= {speed['mfu']:.1%} "
+                 f"(training step alone <= {speed['update_mfu']:.1%})")
+    sample = next((p for p in plan["programs"] if p["name"] == "sample"), None)
+    if sample and sample.get("step_bytes"):
+        lines.append(f"sampler: the last decode step reads {sample['step_bytes'] / 1e9:.3f} GB of HBM per chip")
     return lines
 
 

@@ -18,6 +18,7 @@ import time
 from jgrpo.abstract_run import Iteration, lower_iteration, parameter_count, program_names
 from jgrpo.config import Config, MeshConfig, load_config
 from jgrpo.hlo_cost import HloCost
+from jgrpo.hlo_inspect import loops
 from jgrpo.hlo_inspect import summary as loop_summary
 from jgrpo.mesh import SAMPLE_RULES, TRAIN_RULES, Rules
 from jgrpo.roofline import Chip, iteration_model_flops, roofline
@@ -38,6 +39,8 @@ class ProgramReport:
     hbm_bytes: float = 0.0  # HBM traffic per chip, loops counted (hlo_cost)
     runs: float = 1.0  # times per iteration (updates per batch; 1/v for the behaviour copy)
     loops: dict = dataclasses.field(default_factory=dict)  # collectives and big copies inside its loops
+    # HBM bytes of the costliest single trip of a top-level loop (the sampler: its last decode step)
+    step_bytes: float = 0.0
 
     @property
     def live_bytes(self) -> int:
@@ -46,7 +49,8 @@ class ProgramReport:
         return extra_args + self.temp_bytes + self.output_bytes - self.alias_bytes
 
 
-def _compile(name: str, lowered, resident_argument_bytes: int = 0, runs: float = 1.0) -> ProgramReport:
+def compile_program(name: str, lowered, resident_argument_bytes: int = 0, runs: float = 1.0) -> ProgramReport:
+    """Compile `lowered` (one of `lower_iteration`'s programs) and measure it (per chip)."""
     start = time.perf_counter()
     compiled = lowered.compile()
     seconds = time.perf_counter() - start
@@ -57,9 +61,11 @@ def _compile(name: str, lowered, resident_argument_bytes: int = 0, runs: float =
         with open(os.path.join(os.environ["JGRPO_PLAN_DUMP"], f"{name}.hlo"), "w") as f:
             f.write(text)
     cost = HloCost(text)
+    top_level = {ins.name for ins in cost.computations[cost.entry]}
+    step_bytes = max((cost.bytes_of(body) for ins, body, _ in loops(cost) if ins.name in top_level), default=0.0)
     return ProgramReport(name, seconds, int(memory.argument_size_in_bytes), int(memory.output_size_in_bytes),
                          int(memory.temp_size_in_bytes), int(memory.alias_size_in_bytes),
-                         resident_argument_bytes, cost.flops, cost.bytes, runs, loop_summary(cost))
+                         resident_argument_bytes, cost.flops, cost.bytes, runs, loop_summary(cost), step_bytes)
 
 
 def _program_key(name: str, config: Config) -> tuple:
@@ -94,7 +100,7 @@ def plan_iteration(config: Config, devices: list, *, train_rules: Rules = TRAIN_
             report = dataclasses.replace(cache[content], resident_argument_bytes=p.resident_argument_bytes,
                                          runs=p.runs)
         else:
-            report = cache[content] = _compile(p.name, p.lowered, p.resident_argument_bytes, p.runs)
+            report = cache[content] = compile_program(p.name, p.lowered, p.resident_argument_bytes, p.runs)
         cache[_program_key(p.name, config)] = report
     reports = [cache[_program_key(n, config)] for n in program_names(config)]
     return _summarise(config, devices, iteration, reports)

@@ -62,7 +62,8 @@ def iteration_model_flops(cfg, *, prompts: int, samples: int, prompt_len: int, n
     sample = (forward_flops(cfg, prompts * prompt_len, prompt_len)
               + forward_flops(cfg, rows * new_tokens, prompt_len + new_tokens / 2))
     one_pass = forward_flops(cfg, prompts * prompt_len + rows * new_tokens, prompt_len + new_tokens)
-    return {"sample": sample, "train": (3 * train_passes + forward_passes) * one_pass}
+    return {"sample": sample, "train": (3 * train_passes + forward_passes) * one_pass,
+            "update": 3 * train_passes * one_pass}
 
 
 def roofline(plan: dict, chip: Chip) -> dict:
@@ -85,5 +86,8 @@ def roofline(plan: dict, chip: Chip) -> dict:
         "sample_tokens_per_s_per_chip": tokens["sampled"] / chips / sample_s if sample_s else 0.0,
         "train_tokens_per_s_per_chip": tokens["trained"] / chips / train_s if train_s else 0.0,
         "mfu": (model["sample"] + model["train"]) / chips / (chip.bf16_tflops * 1e12 * iteration_s),
+        # The training step alone: the updates' model FLOPs over their roofline time.
+        "update_mfu": (model["update"] / chips / (chip.bf16_tflops * 1e12 * per_iteration["update"])
+                       if per_iteration.get("update") else 0.0),
         "bound": {name: max(b, key=b.get) for name, b in limits.items()},
     }

@@ -56,6 +56,8 @@ def test_plan_of_a_small_run_and_a_broken_sharding_rule(v5e):
     names = [p["name"] for p in plan["programs"]]
     assert names == ["sample", "assemble", "ref_logprobs", "update", "behaviour"]
     assert all(p["compile_s"] > 0 and p["argument_bytes"] > 0 for p in plan["programs"])
+    sample = plan["programs"][0]
+    assert 0 < sample["step_bytes"] < sample["hbm_bytes"] / 4  # one decode step of the 7 the tiny config takes
     update = next(p for p in plan["programs"] if p["name"] == "update")
     resident = plan["resident_bytes"]
     # The update reads params, optimiser state and the step batch (plus TPU tiling padding of small dims, ~6% on
@@ -166,3 +168,19 @@ def test_a_shared_compile_cache_never_mixes_two_configs():
     fewer = load_config("configs/tiny.yaml", TINY + ["grpo.micro_batches=2", "model.remat=full"])
     assert _program_key("sample", tiny) == _program_key("sample", fewer)  # the sampler ignores those knobs
     assert _program_key("update", tiny) != _program_key("update", fewer)
+
+
+def test_splash_attention_is_the_tpu_choice_and_compiles_for_v5e(v5e):
+    """`model.attention: auto` on a TPU slice is the Pallas kernel, inside the trainer's update as compiled for
+    v5e:2x4 (a Mosaic custom call per layer direction), with less update memory than `xla` at the same shapes."""
+    from jgrpo.abstract_run import lower_iteration
+
+    def update(attention):
+        config = load_config("configs/tiny.yaml", TINY + [f"model.attention={attention}"])
+        iteration = lower_iteration(config, v5e, names=("update",))
+        assert iteration.run.cfg.attention == ("splash" if attention == "auto" else attention)
+        return iteration.programs[0].lowered.compile()
+
+    splash, xla = update("auto"), update("xla")
+    assert "tpu_custom_call" in splash.as_text() and "tpu_custom_call" not in xla.as_text()
+    assert splash.memory_analysis().temp_size_in_bytes <= xla.memory_analysis().temp_size_in_bytes
