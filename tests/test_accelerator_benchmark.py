@@ -1,0 +1,27 @@
+"""benchmarks/accelerator.py's CPU smoke run: every part runs end to end and its JSON holds every figure."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "accelerator.py"
+
+
+def test_dry_run_writes_every_figure(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device, as on one accelerator
+    subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path), "--dry-run"], check=True, env=env,
+                   capture_output=True, text=True, timeout=900)
+    results = json.loads((tmp_path / "accelerator.json").read_text())
+    assert results["dry_run"] and not results["skipped"]
+    assert results["hardware"]["platform"] == "cpu" and results["hardware"]["measured_hbm_bytes_per_s"] > 0
+    figures = {**results["train"], **results["sampler"], **results["iteration"]}
+    assert set(figures) == {"qwen2.5-0.5b-shapes", "smollm2", "rows_16", "rows_32", "v1", "v4"}
+    errors = {name: f["error"] for name, f in figures.items() if "error" in f}
+    assert not errors, errors
+    for name in ("qwen2.5-0.5b-shapes", "smollm2"):
+        assert 0 < results["train"][name]["mfu"] and results["train"][name]["model_flops"] > 0
+    for figure in results["sampler"].values():
+        assert figure["tokens_per_s"] > 0 and 0 < figure["fraction_of_roofline"]
+    assert results["iteration"]["v4"]["v"] == 4 and results["iteration"]["v1"]["phases_s"]["iteration"] > 0
