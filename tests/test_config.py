@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 import yaml
 
@@ -92,3 +94,14 @@ def test_shipped_configs_load():
     assert files, "configs/ has no YAML files"
     for f in files:
         load_config(f)
+
+
+def test_configuration_page_lists_every_field_as_the_source_says():
+    """docs/configuration.md's field reference is `python -m jgrpo.config_docs`'s output: regenerate it."""
+    from jgrpo.config_docs import PAGE, page_with_fields
+
+    page = PAGE.read_text()
+    assert page == page_with_fields(page), "docs/configuration.md is stale: run python -m jgrpo.config_docs"
+    for section in dataclasses.fields(Config):
+        for field in dataclasses.fields(section.default_factory):
+            assert f"`{section.name}.{field.name}`" in page
