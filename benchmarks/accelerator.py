@@ -32,6 +32,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(1, str(Path(__file__).parent.parent))  # jgrpo from this checkout, installed or not
 from iteration import bench_jgrpo as bench_iteration  # noqa: E402 - benchmarks/ modules import nothing heavy
 from train_step import jgrpo_step_setup, synthetic_batch  # noqa: E402
 

@@ -54,7 +54,9 @@ def causal_attention(implementation: str, q: jax.Array, k: jax.Array, v: jax.Arr
     """
     T, S = q.shape[1], k.shape[1]
     if implementation == "splash":
-        return _splash(q, k, v, kv_valid)
+        if _splits_evenly(q.shape[0], k.shape[2]):
+            return _splash(q, k, v, kv_valid)
+        implementation = "xla"  # the kernel would run whole on every device: let the partitioner split xla's
     allowed = (jnp.arange(S)[None, :] <= jnp.arange(T)[:, None] + (S - T))[None] & kv_valid[:, None, :].astype(bool)
     return dense_attention(implementation, q, k, v, allowed)
 
@@ -103,8 +105,22 @@ def _splash(q, k, v, kv_valid):
         qkv, seg = PartitionSpec(rows, heads), PartitionSpec(rows)
         per_device = jax.shard_map(per_device, mesh=mesh, in_specs=(qkv, qkv, qkv, seg, seg), out_specs=qkv,
                                    check_vma=False)
-    out = per_device(q, k, v, q_segments, valid)  # [B, KVH, G, Tp, Dh]
+    # Mosaic rejects bf16 matmuls at "highest" precision (a global setting some users and our tests choose); for
+    # bf16 operands the MXU's products are exact at any precision, so the kernel keeps the default.
+    exact = jax.default_matmul_precision("default") if q.dtype == jnp.bfloat16 else contextlib.nullcontext()
+    with exact:
+        out = per_device(q, k, v, q_segments, valid)  # [B, KVH, G, Tp, Dh]
     return out[:, :, :, pad_q:].transpose(0, 3, 1, 2, 4).reshape(B, T, H, Dh)
+
+
+def _splits_evenly(rows: int, kv_heads: int) -> bool:
+    """Whether the context mesh (if any) splits the rows over all its batch axes and the kv heads over tensor."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return True
+    wanted = [(("data", "fsdp"), rows), (("tensor",), kv_heads)]
+    return all(_dividing_axes(mesh, names, size) == (tuple(n for n in names if n in mesh.axis_names) or None)
+               for names, size in wanted)
 
 
 def _dividing_axes(mesh, names: tuple[str, ...], size: int) -> tuple[str, ...] | None:
