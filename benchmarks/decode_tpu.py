@@ -24,7 +24,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from jgrpo.abstract_run import lower_iteration, per_chip_bytes  # noqa: E402 - settles JAX_PLATFORMS first
-from jgrpo.config import load_config  # noqa: E402
+from jgrpo.config_loading import load_config  # noqa: E402
 from jgrpo.data import bucketed_length  # noqa: E402
 from jgrpo.plan import GIB, topology_devices  # noqa: E402
 from jgrpo.planning import compile_program  # noqa: E402

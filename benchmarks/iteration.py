@@ -37,7 +37,7 @@ PHASES = ("sample", "reward", "logprobs", "update", "weight_sync", "checkpoint")
 
 
 def bench_jgrpo(args, refresh: int, iterations: int, run_dir: Path) -> dict:
-    from jgrpo.config import load_config
+    from jgrpo.config_loading import load_config
     from jgrpo.trainer import Trainer
 
     overrides = [

@@ -20,7 +20,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from jgrpo.config import load_config  # noqa: E402
+from jgrpo.config_loading import load_config  # noqa: E402
 from jgrpo.plan import GIB, plan_iteration, topology_devices  # noqa: E402 - settles JAX_PLATFORMS first
 from jgrpo.roofline import roofline  # noqa: E402
 

@@ -106,7 +106,7 @@ class Evaluator:
 def load_for_eval(target: str, overrides: list[str], step: int | None = None):
     """(config, graphdef, params, tokenizer, mesh, source description) for a run directory or a config file."""
     from jgrpo.checkpoint import Checkpointer
-    from jgrpo.config import load_config
+    from jgrpo.config_loading import load_config
     from jgrpo.mesh import TRAIN_RULES, make_mesh
     from jgrpo.models.hf import load_model, load_tokenizer
 

@@ -17,7 +17,7 @@ from pathlib import Path
 def export_run(run_dir: str | Path, out_dir: str | Path, step: int | None = None) -> tuple[Path, int]:
     """Write the checkpointed params of `run_dir` to `out_dir` as an HF directory; returns (out_dir, iteration)."""
     from jgrpo.checkpoint import Checkpointer
-    from jgrpo.config import load_config
+    from jgrpo.config_loading import load_config
     from jgrpo.models.builtin import resolve_model_dir
     from jgrpo.models.hf import export_hf, llm_config_from_hf, load_tokenizer
     from jgrpo.models.llm import abstract_model

@@ -27,7 +27,7 @@ from jgrpo.abstract_run import (  # noqa: F401 - re-exported for callers of the 
     per_chip_bytes,
     topology_devices,
 )
-from jgrpo.config import load_config
+from jgrpo.config_loading import load_config
 from jgrpo.planning import GIB, fit, plan_iteration  # noqa: F401 - plan_iteration re-exported
 from jgrpo.roofline import Chip, roofline
 

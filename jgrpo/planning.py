@@ -16,7 +16,8 @@ import os
 import time
 
 from jgrpo.abstract_run import Iteration, lower_iteration, parameter_count, program_names
-from jgrpo.config import Config, MeshConfig, load_config
+from jgrpo.config import Config, MeshConfig
+from jgrpo.config_loading import load_config
 from jgrpo.hlo_cost import HloCost
 from jgrpo.hlo_inspect import loops
 from jgrpo.hlo_inspect import summary as loop_summary

@@ -63,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     from etils import epath
 
     from jgrpo import distributed
-    from jgrpo.config import ConfigError, load_config, save_config, to_dict
+    from jgrpo.config import ConfigError
+    from jgrpo.config_loading import load_config, save_config, to_dict
     from jgrpo.trainer import Trainer, TrainingDiverged
 
     try:

@@ -25,7 +25,8 @@ import numpy as np
 from etils import epath
 
 from jgrpo.checkpoint import Checkpointer, PreemptionFlag, TrainState
-from jgrpo.config import Config, to_dict
+from jgrpo.config import Config
+from jgrpo.config_loading import to_dict
 from jgrpo.data import bucketed_length, build_prompt_iterator
 from jgrpo.host_arrays import global_max, local_rows, to_global_rows
 from jgrpo.mesh import SAMPLE_RULES, TRAIN_RULES, logical_shardings, make_mesh, mesh_platform, replicated

@@ -3,7 +3,8 @@ import dataclasses
 import pytest
 import yaml
 
-from jgrpo.config import Config, ConfigError, load_config, save_config
+from jgrpo.config import Config, ConfigError
+from jgrpo.config_loading import load_config, save_config
 
 
 def write(tmp_path, text):

@@ -136,7 +136,7 @@ def test_export_loads_in_transformers_with_the_same_logits(straight_run, tmp_pat
     from transformers import AutoModelForCausalLM
 
     from jgrpo.checkpoint import Checkpointer
-    from jgrpo.config import load_config
+    from jgrpo.config_loading import load_config
     from jgrpo.export import main as export_main
     from jgrpo.models.hf import load_model
     from jgrpo.models.llm import forward, position_ids_from_mask

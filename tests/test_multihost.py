@@ -20,7 +20,8 @@ from etils import epath
 from etils.epath.testing import mock_epath
 
 from jgrpo import distributed
-from jgrpo.config import LoggingConfig, load_config, save_config
+from jgrpo.config import LoggingConfig
+from jgrpo.config_loading import load_config, save_config
 from jgrpo.metrics import MetricsLogger, read_jsonl, read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -12,7 +12,8 @@ import pytest
 
 pytest.importorskip("libtpu", reason="the TPU compiler comes with jax[tpu] (bash .ci/install installs it)")
 
-from jgrpo.config import ConfigError, load_config  # noqa: E402
+from jgrpo.config import ConfigError  # noqa: E402
+from jgrpo.config_loading import load_config  # noqa: E402
 from jgrpo.mesh import TRAIN_RULES  # noqa: E402
 from jgrpo.models.shapes import KNOWN_SHAPES, model_shapes  # noqa: E402
 from jgrpo.plan import abstract_run, main, per_chip_bytes, plan_iteration, topology_devices  # noqa: E402

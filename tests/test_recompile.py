@@ -15,7 +15,7 @@ import jax
 import pytest
 from test_trainer import SPACE_REWARD, CompileCounter
 
-from jgrpo.config import load_config
+from jgrpo.config_loading import load_config
 from jgrpo.trainer import Trainer
 
 

@@ -4,7 +4,7 @@ import jax
 import numpy as np
 import pytest
 
-from jgrpo.config import load_config
+from jgrpo.config_loading import load_config
 from jgrpo.metrics import read_metrics
 from jgrpo.trainer import Trainer, TrainingDiverged
 

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jgrpo.config import load_config
+from jgrpo.config_loading import load_config
 from jgrpo.metrics import progress_summary
 from jgrpo.models.llm import init_cache
 from jgrpo.trainer import Trainer

@@ -10,7 +10,7 @@ the default `behaviour` clip at v=4 is covered by tests/test_trainer_off_policy.
 import numpy as np
 import pytest
 
-from jgrpo.config import load_config
+from jgrpo.config_loading import load_config
 from jgrpo.trainer import Trainer
 
 

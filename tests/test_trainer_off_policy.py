@@ -19,7 +19,7 @@ import pytest
 from test_trainer_rewards import space_fraction
 
 import jgrpo.trainer as trainer_module
-from jgrpo.config import load_config
+from jgrpo.config_loading import load_config
 from jgrpo.models.llm import merge_model
 from jgrpo.objectives import step_normaliser
 

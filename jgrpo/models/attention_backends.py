@@ -29,7 +29,7 @@ from jgrpo.platform_defaults import resolve
 
 IMPLEMENTATIONS = ("custom", "xla", "cudnn", "splash")
 # What `auto` picks by the platform of the mesh's devices (reasons: docs/configuration.md, model.attention).
-AUTO = {"cpu": "custom", "tpu": "splash", "gpu": "cudnn", "cuda": "cudnn", "other": "xla"}
+AUTO = {"cpu": "custom", "tpu": "splash", "gpu": "cudnn", "other": "xla"}
 _SPLASH_BLOCK = 128  # query and key block of the kernel (the TPU lane width); sequences are padded to it
 
 
@@ -57,8 +57,12 @@ def causal_attention(implementation: str, q: jax.Array, k: jax.Array, v: jax.Arr
         if _splits_evenly(q.shape[0], k.shape[2]):
             return _splash(q, k, v, kv_valid)
         implementation = "xla"  # the kernel would run whole on every device: let the partitioner split xla's
-    allowed = (jnp.arange(S)[None, :] <= jnp.arange(T)[:, None] + (S - T))[None] & kv_valid[:, None, :].astype(bool)
-    return dense_attention(implementation, q, k, v, allowed)
+    return dense_attention(implementation, q, k, v, slot_mask(jnp.arange(T) + (S - T), kv_valid))
+
+
+def slot_mask(query_slots: jax.Array, kv_valid: jax.Array) -> jax.Array:
+    """[B, T, S] bool: query t (at slot query_slots[t]) sees slot s <= its own where kv_valid[b, s]."""
+    return (jnp.arange(kv_valid.shape[1])[None, :] <= query_slots[:, None])[None] & kv_valid[:, None, :].astype(bool)
 
 
 def dense_attention(implementation: str, q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array):
@@ -148,4 +152,4 @@ def _splash_kernel(group: int, q_len: int, kv_len: int, interpret: bool):
 
 
 __all__ = ["AUTO", "IMPLEMENTATIONS", "causal_attention", "dense_attention", "mesh_context",
-           "resolve_attention"]
+           "resolve_attention", "slot_mask"]

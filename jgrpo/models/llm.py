@@ -23,7 +23,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from jgrpo.models.attention_backends import IMPLEMENTATIONS as ATTENTION_IMPLEMENTATIONS
-from jgrpo.models.attention_backends import causal_attention, dense_attention
+from jgrpo.models.attention_backends import causal_attention, dense_attention, slot_mask
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -341,8 +341,7 @@ class LLM(nnx.Module):
         def attend(q, k, v):
             if causal:
                 return causal_attention(cfg.attention, q, k, v, kv_mask.astype(bool))
-            allowed = (jnp.arange(S)[None, :] <= query_slots[:, None])[None] & kv_mask[:, None, :].astype(bool)
-            return dense_attention(cfg.attention, q, k, v, allowed)  # [B, T, S]
+            return dense_attention(cfg.attention, q, k, v, slot_mask(query_slots, kv_mask))
 
         cos, sin = rope_cos_sin(cfg, positions)
         x = jnp.take(self.embed[...], tokens, axis=0).astype(cdt)  # [B, T, D]
