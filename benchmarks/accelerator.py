@@ -128,13 +128,14 @@ def sampler(rows: int, hbm_bytes_per_s: float, dry: bool) -> dict:
     import jax.numpy as jnp
 
     from jgrpo.config import SamplerConfig
+    from jgrpo.mesh import param_copier
     from jgrpo.models.decode import resolve_decode_layers
-    from jgrpo.sampler import decode_options, generate, to_sampling_layout
+    from jgrpo.sampler import decode_options, generate
     from jgrpo.sampling_methods import SamplingMethod
 
     platform = jax.devices()[0].platform
     graphdef, params, cfg = random_model(QWEN, dry)
-    params = to_sampling_layout(None, "bfloat16")(params)
+    params = param_copier(None, "bfloat16")(params)
     G, P, N = 16, (16 if dry else 128), (8 if dry else 200)
     B = max(rows // G, 1)
     tokens = jax.random.randint(jax.random.key(0), (B, P), 3, cfg.vocab_size, jnp.int32)

@@ -48,7 +48,7 @@ TUNIX_VERSION = "0.1.7"
 
 
 def prompts(tokenizer, rows: int) -> list[list[int]]:
-    from jgrpo.sample import chat_prompt_ids
+    from jgrpo.data.prompts import chat_prompt_ids
 
     return [chat_prompt_ids(tokenizer, MESSAGES[i % len(MESSAGES)]) for i in range(rows)]
 
@@ -76,10 +76,11 @@ def _jgrpo_model():
 def bench_jgrpo(rows: int, new: int, seed: int = 0) -> float:
     import jax
 
-    from jgrpo.sampler import SamplingMethod, generate, left_pad_prompts
+    from jgrpo.data.prompts import left_pad, pad_id_for
+    from jgrpo.sampler import SamplingMethod, generate
 
     tokenizer, graphdef, params, _ = _jgrpo_model()
-    tokens, mask = left_pad_prompts(prompts(tokenizer, rows), pad_id=tokenizer.pad_token_id, bucket=PROMPT_WIDTH)
+    tokens, mask = left_pad(prompts(tokenizer, rows), pad_id=pad_id_for(tokenizer), bucket=PROMPT_WIDTH)
     run = functools.partial(generate, graphdef, params, tokens, mask, num_samples=1, max_new_tokens=new,
                             method=SamplingMethod(), stop_ids=(), pad_id=tokenizer.pad_token_id)
     jax.block_until_ready(run(key=jax.random.key(seed)))  # compile
@@ -104,10 +105,10 @@ def _transformers_model():
 def bench_transformers(rows: int, new: int, seed: int = 0) -> float:
     import torch
 
-    from jgrpo.sampler import left_pad_prompts
+    from jgrpo.data.prompts import left_pad, pad_id_for
 
     tokenizer, model = _transformers_model()
-    tokens, mask = left_pad_prompts(prompts(tokenizer, rows), pad_id=tokenizer.pad_token_id, bucket=PROMPT_WIDTH)
+    tokens, mask = left_pad(prompts(tokenizer, rows), pad_id=pad_id_for(tokenizer), bucket=PROMPT_WIDTH)
     input_ids, attention_mask = torch.tensor(tokens, dtype=torch.long), torch.tensor(mask, dtype=torch.long)
     # top_k=0 / top_p=1: plain temperature-1 sampling; min_new_tokens: no early stop.
     run = functools.partial(model.generate, input_ids, attention_mask=attention_mask, do_sample=True,

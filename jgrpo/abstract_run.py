@@ -35,7 +35,7 @@ if not tpu_attached():
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import Mesh  # noqa: E402
 
 from jgrpo.config import Config  # noqa: E402
 from jgrpo.data import bucketed_length  # noqa: E402
@@ -44,17 +44,18 @@ from jgrpo.mesh import (  # noqa: E402
     TRAIN_RULES,
     Rules,
     logical_shardings,
-    logical_to_spec,
     make_mesh,
     mesh_platform,
+    param_copier,
     replicated,
+    row_sharding,
 )
 from jgrpo.models.attention_backends import resolve_attention  # noqa: E402
 from jgrpo.models.llm import abstract_model, param_logical_axes  # noqa: E402
 from jgrpo.models.shapes import model_shapes  # noqa: E402
 from jgrpo.optim import make_optimizer  # noqa: E402
 from jgrpo.roofline import CHIPS, Chip  # noqa: E402
-from jgrpo.sampler import decode_options, lower_generate, to_sampling_layout  # noqa: E402
+from jgrpo.sampler import decode_options, lower_generate  # noqa: E402
 from jgrpo.sampling_methods import SamplingMethod  # noqa: E402
 from jgrpo.train_step import StepFunctions, lp_k_source  # noqa: E402
 
@@ -97,8 +98,7 @@ def _abstract(tree, shardings):
 
 
 def _rows(mesh: Mesh, rules: Rules, shape, dtype) -> jax.ShapeDtypeStruct:
-    spec = logical_to_spec(("batch",) + (None,) * (len(shape) - 1), rules, shape, mesh)
-    return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=row_sharding(mesh, rules, shape))
 
 
 
@@ -190,7 +190,7 @@ def lower_iteration(config: Config, devices: list, *, names: tuple[str, ...] | N
     R, P = B * G, bucketed_length(c.data.max_prompt_length, c.sampler.prompt_bucket)
     runs = program_names(config)
     wanted = (lambda name: name in runs) if names is None else (lambda name: name in runs and name in names)
-    key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype, sharding=replicated(mesh))
+    key = jax.ShapeDtypeStruct((), jax.eval_shape(jax.random.key, 0).dtype, sharding=replicated(mesh))
     prompts = _rows(mesh, sample_rules, (B, P), jnp.int32), _rows(mesh, sample_rules, (B, P), jnp.bool_)
     sample_kwargs = dict(cfg=cfg, max_new_tokens=N, stop_ids=(0,), mesh=mesh, rules=sample_rules,
                          **decode_options(c.sampler))
@@ -227,7 +227,7 @@ def lower_iteration(config: Config, devices: list, *, names: tuple[str, ...] | N
         programs.append(Program("update", update, read_only + resident["opt_state"],
                                 runs=g.inner_steps * g.num_minibatches))
     if wanted("behaviour"):
-        copy = to_sampling_layout(jax.tree.map(lambda x: x.sharding, sample_params), c.sampler.weights_dtype)
+        copy = param_copier(jax.tree.map(lambda x: x.sharding, sample_params), c.sampler.weights_dtype)
         programs.append(Program("behaviour", copy.lower(params), resident["params"], runs=1 / g.behaviour_refresh))
     if wanted("eval"):
         eval_batch = c.run.eval_batch_size or B

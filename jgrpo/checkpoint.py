@@ -43,6 +43,29 @@ _ARRAY_ITEMS = ("params", "opt_state", "behaviour", "reference")
 
 
 @dataclasses.dataclass
+class RunCounters:
+    """The run's counters, checkpointed as JSON in `meta`. A checkpoint written before a counter existed resumes
+    it from 0; one written with a counter this version does not know is refused by name (never dropped)."""
+
+    prompt_width: int = 0  # the padded prompt width compiled so far (it only grows)
+    optimizer_steps: int = 0  # applied optimiser steps (the lr schedule counts these)
+    nonfinite_in_a_row: int = 0
+    nonfinite_total: int = 0
+    empty_steps: int = 0  # steps with nothing in the loss (skipped with optim.skip_empty_steps)
+
+    @classmethod
+    def from_json(cls, saved: dict) -> RunCounters:
+        unknown = sorted(set(saved) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise IncompatibleCheckpoint(f"the checkpoint has run counters this version of jgrpo does not know: "
+                                         f"{unknown}; resume it with the jgrpo version that wrote it")
+        return cls(**{name: int(value) for name, value in saved.items()})
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
 class TrainState:
     """What a run needs to continue exactly where it stopped."""
 
@@ -55,16 +78,28 @@ class TrainState:
     epoch: int  # epochs completed
     behaviour_version: int  # the iteration whose current params the behaviour copy holds
     data_state: dict  # the prompt iterator's get_state()
-    counters: dict = dataclasses.field(default_factory=dict)  # JSON counters (non-finite steps, tokens...)
+    counters: RunCounters = dataclasses.field(default_factory=RunCounters)
 
 
 class CheckpointError(RuntimeError):
     """No checkpoint in the run directory could be restored."""
 
 
+class IncompatibleCheckpoint(CheckpointError):
+    """A readable checkpoint this version cannot continue (never quarantined as corrupt: it is not)."""
+
+
 def _abstract(tree):
     """Arrays -> ShapeDtypeStructs that keep the sharding, so restore places each leaf where it belongs."""
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), tree)
+
+
+class _ArrayHandler(ocp.StandardCheckpointHandler):
+    """Orbax's standard handler with compression as a choice (`checkpoint.compress`); reads either kind."""
+
+    def __init__(self, use_compression: bool):
+        super().__init__()
+        self._impl = ocp.PyTreeCheckpointHandler(use_compression=use_compression)
 
 
 class Checkpointer:
@@ -90,7 +125,12 @@ class Checkpointer:
         )
         # Orbax wants an absolute path; a bucket path is one already (and absolute() would mangle its "//").
         directory = self.directory if "://" in str(self.directory) else self.directory.absolute()
-        self.manager = ocp.CheckpointManager(directory, options=options)
+        registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+        for name in _ARRAY_ITEMS + ("rng",):
+            handler = _ArrayHandler(use_compression=config.compress)
+            registry.add(name, ocp.args.StandardSave, handler)
+            registry.add(name, ocp.args.StandardRestore, handler)
+        self.manager = ocp.CheckpointManager(directory, options=options, handler_registry=registry)
 
     # ------------------------------------------------------------------ save
 
@@ -123,7 +163,7 @@ class Checkpointer:
                     "has_behaviour": state.behaviour is not None,
                     "has_reference": state.reference is not None,
                     "rng_impl": str(jax.random.key_impl(state.rng)),
-                    "counters": state.counters,
+                    "counters": state.counters.to_json(),
                     "fingerprints": {name: fingerprint(tree) for name, tree in arrays.items()},
                     "saved_at": time.time(),
                 }
@@ -186,6 +226,8 @@ class Checkpointer:
         for candidate in steps:
             try:
                 return read(candidate)
+            except IncompatibleCheckpoint:
+                raise
             except Exception as e:  # noqa: BLE001 - any failure to read a checkpoint means: use an older one
                 reason = f"{type(e).__name__}: {e}".splitlines()[0][:300]
                 log.warning("checkpoint step %d in %s is unusable (%s); falling back to the previous one",
@@ -236,7 +278,7 @@ class Checkpointer:
             epoch=int(meta["epoch"]),
             behaviour_version=int(meta["behaviour_version"]),
             data_state=data_state,
-            counters=dict(meta.get("counters", {})),
+            counters=RunCounters.from_json(meta.get("counters", {})),
         )
 
     # ------------------------------------------------------------- internals

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
+from etils import epath
 
 from jgrpo.config import Config, ConfigError
 
@@ -145,7 +146,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     """Defaults <- YAML file <- dotted overrides, validated and typed."""
     tree: dict = {}
     if path is not None:
-        path = Path(path)
+        path = epath.Path(path)  # a local file or one in a bucket (a run directory's config.yaml)
         if not path.is_file():
             raise ConfigError(f"config file not found: {path}")
         loaded = yaml.safe_load(path.read_text()) or {}
@@ -162,8 +163,6 @@ def to_dict(config: Any) -> dict:
 
 def save_config(config: Config, run_dir: str | Path) -> Path:
     """Write the resolved config as YAML into the run directory (and return the path)."""
-    from etils import epath  # the run directory may be a bucket (gs://...)
-
     run_dir = epath.Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     out = run_dir / "config.yaml"

@@ -107,19 +107,24 @@ def theorem1_accumulators(lp, lp_alpha, lp_k, adv, valid) -> dict[str, jax.Array
     }
 
 
+def extreme_kind(key: str) -> str | None:
+    """"min" or "max" for a metric that is an extreme (its name ends in `_min` / `_max`), else None.
+
+    The one rule for reducing metrics: extremes combine by min / max (over micro-batches here, over an
+    iteration's updates in `trainer_metrics`), everything else by sum or mean.
+    """
+    for kind in ("min", "max"):
+        if key.endswith("_" + kind):
+            return kind
+    return None
+
+
 def combine_metrics(a: dict[str, jax.Array], b: dict[str, jax.Array]) -> dict[str, jax.Array]:
-    """Merge the accumulators of two micro-batches (same keys): min for `_min`, max for `_max`, else add."""
+    """Merge the accumulators of two micro-batches (same keys): min / max for extremes, else add."""
     if a.keys() != b.keys():
         raise ValueError(f"metric keys differ: {sorted(a.keys() ^ b.keys())}")
-
-    def merge(key):
-        if key.endswith("_min"):
-            return jnp.minimum(a[key], b[key])
-        if key.endswith("_max"):
-            return jnp.maximum(a[key], b[key])
-        return a[key] + b[key]
-
-    return {key: merge(key) for key in a}
+    merge = {"min": jnp.minimum, "max": jnp.maximum, None: jnp.add}
+    return {key: merge[extreme_kind(key)](a[key], b[key]) for key in a}
 
 
 # Each finalised mean (or min / max) and the count of the set it is taken over. With a count of 0 the value

@@ -13,6 +13,10 @@ import json
 import sys
 from pathlib import Path
 
+from etils import epath
+
+from jgrpo.process_setup import setup_logging
+
 
 def export_run(run_dir: str | Path, out_dir: str | Path, step: int | None = None) -> tuple[Path, int]:
     """Write the checkpointed params of `run_dir` to `out_dir` as an HF directory; returns (out_dir, iteration)."""
@@ -22,7 +26,7 @@ def export_run(run_dir: str | Path, out_dir: str | Path, step: int | None = None
     from jgrpo.models.hf import export_hf, llm_config_from_hf, load_tokenizer
     from jgrpo.models.llm import abstract_model
 
-    run_dir = Path(run_dir)
+    run_dir = epath.Path(run_dir)  # a local run directory or a bucket (gs://...), as train writes it
     if not (run_dir / "config.yaml").is_file():
         raise FileNotFoundError(f"{run_dir} is not a run directory (no config.yaml)")
     config = load_config(run_dir / "config.yaml")
@@ -50,8 +54,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out_dir", help="where to write the HF model directory")
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
     args = parser.parse_args(argv)
-    from jgrpo.train import setup_logging
-
     setup_logging()
     try:
         out, iteration = export_run(args.run_dir, args.out_dir, args.step)

@@ -116,14 +116,14 @@ def parse_hlo(text: str) -> tuple[dict[str, list[Instruction]], str]:
     return computations, entry
 
 
-def _dims(type_: str) -> list[tuple[str, tuple[int, ...]]]:
+def array_dims(type_: str) -> list[tuple[str, tuple[int, ...]]]:
     return [(dtype, tuple(int(d) for d in dims.split(",") if d)) for dtype, dims, _ in _ARRAY.findall(type_)
             if dtype in _DTYPE_BYTES]
 
 
 def type_bytes(type_: str) -> int:
     """Bytes of an HLO type (a tuple's elements summed; layouts and tiling ignored)."""
-    return int(sum(math.prod(dims) * _DTYPE_BYTES[dtype] for dtype, dims in _dims(type_)))
+    return int(sum(math.prod(dims) * _DTYPE_BYTES[dtype] for dtype, dims in array_dims(type_)))
 
 
 def hbm_bytes(type_: str) -> int:
@@ -134,10 +134,10 @@ def hbm_bytes(type_: str) -> int:
 
 
 def _shape(type_: str) -> tuple[int, ...]:
-    return _dims(type_)[0][1]
+    return array_dims(type_)[0][1]
 
 
-def _called(instruction: Instruction, key: str) -> list[str]:
+def called_computations(instruction: Instruction, key: str) -> list[str]:
     match = re.search(rf"\b{key}=\{{?([^}},]+(?:,\s*%[\w.\-]+)*)\}}?", instruction.attributes)
     return [] if not match else [name.strip().lstrip("%") for name in match.group(1).split(",")]
 
@@ -206,7 +206,7 @@ class HloCost:
     def trip_count(self, computation: str, ins: Instruction) -> int:
         """Iterations of a loop whose condition is `counter < N` (and perhaps more): (N - start) / step, the step
         read from the body (a bidirectional windowed matmul steps by 2)."""
-        condition = self.computations[_called(ins, "condition")[0]]
+        condition = self.computations[called_computations(ins, "condition")[0]]
         by_name = {i.name: i for i in condition}
         for c in condition:
             if c.opcode != "compare" or "direction=LT" not in c.attributes:
@@ -215,7 +215,7 @@ class HloCost:
             if counter and bound and counter.opcode == "get-tuple-element" and bound.opcode == "constant":
                 index = int(re.search(r"index=(\d+)", counter.attributes).group(1))
                 start = self._initial_constant(computation, ins, index)
-                step = self._counter_step(_called(ins, "body")[0], index)
+                step = self._counter_step(called_computations(ins, "body")[0], index)
                 return max(-(-(int(bound.operands[0]) - start) // step), 0)
         raise ValueError(f"cannot read the trip count of loop '{ins.name}' (no 'counter < constant' condition)")
 
@@ -262,7 +262,7 @@ class HloCost:
         return None
 
     def _bound(self, loop: Instruction, index: int) -> int | None:
-        condition = self.computations[_called(loop, "condition")[0]]
+        condition = self.computations[called_computations(loop, "condition")[0]]
         by_name = {i.name: i for i in condition}
         for c in condition:
             if c.opcode == "compare" and "direction=LT" in c.attributes:
@@ -282,21 +282,21 @@ class HloCost:
     def _instruction_cost(self, computation: str, ins: Instruction, kind: str) -> float:
         types = self._types[computation]
         if ins.opcode == "while":
-            body = _called(ins, "body")[0]
+            body = called_computations(ins, "body")[0]
             return self.trip_count(computation, ins) * self._cost(body, kind)
         if ins.opcode == "conditional":
-            branches = (_called(ins, "branch_computations") or
-                        _called(ins, "true_computation") + _called(ins, "false_computation"))
+            branches = (called_computations(ins, "branch_computations") or
+                        called_computations(ins, "true_computation") + called_computations(ins, "false_computation"))
             return max((self._cost(b, kind) for b in branches), default=0.0)
         if ins.opcode == "call":
-            return sum(self._cost(c, kind) for c in _called(ins, "to_apply"))
+            return sum(self._cost(c, kind) for c in called_computations(ins, "to_apply"))
         if kind == "flops":
             if ins.opcode == "dot":
                 return _dot_flops(ins, types)
             if ins.opcode == "convolution":
                 return _convolution_flops(ins, types)
             if ins.opcode == "fusion":
-                return sum(self._cost(c, "flops") for c in _called(ins, "calls"))
+                return sum(self._cost(c, "flops") for c in called_computations(ins, "calls"))
             return 0.0
         if ins.opcode in _FREE or ins.opcode.endswith("-start"):  # an async op counts at its "-done"
             return 0.0
@@ -326,7 +326,7 @@ class HloCost:
             elif user.opcode == "dynamic-update-slice" and position == 0:
                 continue
             elif user.opcode == "fusion":
-                inner = _called(user, "calls")[0]
+                inner = called_computations(user, "calls")[0]
                 params = [p for p in self.computations[inner]
                           if p.opcode == "parameter" and p.operands == (str(position),)]
                 total += self._parameter_reads(inner, params[0]) if params else type_bytes(parameter.type)
@@ -337,7 +337,7 @@ class HloCost:
     def _fusion_bytes(self, ins: Instruction, types: dict[str, str]) -> int:
         """A fusion reads each HBM operand once (only the slices it takes of a sliced one) and writes its HBM
         output; a dynamic-update-slice at its root writes the update into the buffer in place."""
-        fused_name = _called(ins, "calls")[0]
+        fused_name = called_computations(ins, "calls")[0]
         fused = self.computations[fused_name]
         by_name = {i.name: i for i in fused}
         total = 0

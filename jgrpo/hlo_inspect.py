@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from jgrpo.hlo_cost import HloCost, Instruction, _called, _dims, hbm_bytes, type_bytes
+from jgrpo.hlo_cost import HloCost, Instruction, array_dims, called_computations, hbm_bytes, type_bytes
 
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 
@@ -27,7 +27,7 @@ class LoopOp:
 
 
 def _elements(type_: str) -> list[int]:
-    return [math.prod(dims) for _, dims in _dims(type_)]
+    return [math.prod(dims) for _, dims in array_dims(type_)]
 
 
 def _cost(hlo: str | HloCost) -> HloCost:
@@ -39,11 +39,11 @@ def _walk(cost: HloCost, computation: str, trips: int, loop: Instruction | None,
     for ins in cost.computations[computation]:
         yield computation, ins, trips, loop, body
         if ins.opcode == "while":
-            inner = _called(ins, "body")[0]
+            inner = called_computations(ins, "body")[0]
             yield from _walk(cost, inner, trips * cost.trip_count(computation, ins), ins, inner)
             continue
         for key in ("calls", "to_apply", "branch_computations", "true_computation", "false_computation"):
-            for called in _called(ins, key):
+            for called in called_computations(ins, key):
                 if called in cost.computations and ins.opcode not in ("reduce", "sort", "scatter", "map",
                                                                       "reduce-window", "select-and-scatter"):
                     yield from _walk(cost, called, trips, loop, body)
@@ -55,7 +55,7 @@ def loops(cost: HloCost) -> list[tuple[Instruction, str, int]]:
     for computation, body in cost.computations.items():
         for ins in body:
             if ins.opcode == "while":
-                found.append((ins, _called(ins, "body")[0], cost.trip_count(computation, ins)))
+                found.append((ins, called_computations(ins, "body")[0], cost.trip_count(computation, ins)))
     return found
 
 
@@ -68,7 +68,7 @@ def _is_hbm_copy(cost: HloCost, ins: Instruction, types: dict[str, str]) -> bool
 
 
 def _moves_only(cost: HloCost, ins: Instruction) -> bool:
-    fused = cost.computations[_called(ins, "calls")[0]]
+    fused = cost.computations[called_computations(ins, "calls")[0]]
     movers = {"parameter", "copy", "bitcast", "transpose", "reshape", "tuple", "get-tuple-element"}
     return all(i.opcode in movers for i in fused) and any(i.opcode in ("copy", "transpose") for i in fused)
 
@@ -84,7 +84,7 @@ def big_copies_in_loops(hlo: str | HloCost, min_bytes: int = 1 << 16) -> list[Lo
             continue
         if body not in carried:
             params = [i for i in cost.computations[body] if i.opcode == "parameter"]
-            carried[body] = {n for n, (dtype, dims) in zip(_elements(params[0].type), _dims(params[0].type),
+            carried[body] = {n for n, (dtype, dims) in zip(_elements(params[0].type), array_dims(params[0].type),
                                                            strict=True)
                              if n * type_bytes(f"{dtype}[1]") >= min_bytes} if params else set()
         if _is_hbm_copy(cost, ins, types[scope]) and any(n in carried[body] for n in _elements(ins.type)):

@@ -9,14 +9,9 @@ from __future__ import annotations
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 
-from jgrpo.mesh import Rules, logical_to_spec
-
-
-def row_sharding(mesh: Mesh, rules: Rules, shape: tuple[int, ...]) -> NamedSharding:
-    """Rows (axis 0) over the data-parallel axes when they divide the row count; everything else replicated."""
-    return NamedSharding(mesh, logical_to_spec(("batch",) + (None,) * (len(shape) - 1), rules, shape, mesh))
+from jgrpo.mesh import Rules, row_sharding
 
 
 def to_global_rows(local: np.ndarray, mesh: Mesh, rules: Rules, global_rows: int) -> jax.Array:

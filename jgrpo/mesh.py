@@ -131,10 +131,37 @@ def place(tree, logical_tree, mesh: Mesh, rules: Rules):
     return jax.device_put(tree, shardings)
 
 
-def batch_sharding(mesh: Mesh, rules: Rules = TRAIN_RULES, ndim: int = 2) -> NamedSharding:
-    """Sharding for a [batch, ...] array: batch over the data-parallel axes, the rest replicated."""
-    return NamedSharding(mesh, logical_to_spec(("batch",) + (None,) * (ndim - 1), rules))
+def row_sharding(mesh: Mesh, rules: Rules, shape: tuple[int, ...], row_axis: int = 0) -> NamedSharding:
+    """Rows (axis `row_axis`) over the batch axes (data x fsdp) when they divide the row count; the rest replicated.
+
+    The one place that says how a row-batched array (prompts, completions, rewards, chunks of rows) is laid out.
+    """
+    logical = [None] * len(shape)
+    logical[row_axis] = "batch"
+    return NamedSharding(mesh, logical_to_spec(tuple(logical), rules, tuple(shape), mesh))
+
+
+def param_copier(shardings, dtype: str | None = None):
+    """A jitted copy of a param pytree onto `shardings` (None: where it is), floating leaves cast to `dtype`.
+
+    Always new buffers, never the inputs forwarded, so a copy (behaviour, reference, sampling weights)
+    survives the train step's donation of the current params.
+    """
+    target = None if dtype is None else jax.numpy.dtype(dtype)
+
+    def leaf(x):
+        if target is not None and jax.numpy.issubdtype(x.dtype, jax.numpy.floating) and x.dtype != target:
+            return x.astype(target)
+        return jax.numpy.copy(x)
+
+    return jax.jit(lambda params: jax.tree.map(leaf, params), out_shardings=shardings)
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
+
+
+def replicated_key(seed: int, mesh: Mesh) -> jax.Array:
+    """A PRNG key replicated on the mesh, made by a jit: with several processes a key that lives on one
+    local device cannot enter a program that spans the mesh."""
+    return jax.jit(lambda: jax.random.key(seed), out_shardings=replicated(mesh))()

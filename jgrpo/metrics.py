@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -113,8 +114,11 @@ class MetricsLogger:
         if not self.enabled:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self._metrics_file = _JsonlFile(self.run_dir / METRICS_FILE, start_iteration)
-        self._samples_file = _JsonlFile(self.run_dir / SAMPLES_FILE, start_iteration)
+        # A run that starts at iteration 0 has no checkpoint: records of an earlier attempt (the evaluation
+        # before training included) are dropped, as a resumed run drops those written after its checkpoint.
+        keep_through = start_iteration if start_iteration > 0 else -1
+        self._metrics_file = _JsonlFile(self.run_dir / METRICS_FILE, keep_through)
+        self._samples_file = _JsonlFile(self.run_dir / SAMPLES_FILE, keep_through)
         if config.tensorboard:
             from tensorboardX import SummaryWriter
 
@@ -137,7 +141,7 @@ class MetricsLogger:
                 # NaN (e.g. a KL mean over no tokens when every group had equal rewards) stays in the JSONL only.
                 if (key != "iteration" and isinstance(value, (int, float)) and not isinstance(value, bool)
                         and math.isfinite(value)):
-                    self._tb.add_scalar(key, value, iteration)
+                    self._tb.add_scalar(tensorboard_tag(key), value, iteration)
             self._tb.flush()
         if self._bar is not None:
             self._bar.set_postfix_str(progress_summary(record), refresh=False)
@@ -181,6 +185,12 @@ class MetricsLogger:
         self.close()
 
 
+def tensorboard_tag(key: str) -> str:
+    """`key` as a legal TensorBoard tag: characters outside [-/\\w.] become "_" (a custom reward named
+    "pkg.module:fn" is the tag reward/pkg.module_fn); metrics.jsonl keeps the exact name."""
+    return re.sub(r"[^-/\w.]", "_", key)
+
+
 def progress_summary(record: Mapping[str, Any]) -> str:
     """The key numbers of one record as a short line, e.g. 'reward=0.412 acc=0.38 kl=1.2e-03 len=31'."""
     parts = []
@@ -189,3 +199,28 @@ def progress_summary(record: Mapping[str, Any]) -> str:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             parts.append(f"{label}=" + (fmt.format(value) if math.isfinite(value) else str(value)))
     return " ".join(parts)
+
+
+HELD_OUT_KEYS = (("eval/greedy_accuracy", "greedy accuracy"), ("eval/pass_at_1", "pass@1 (sampled)"))
+
+
+def held_out_comparison(records: Sequence[Mapping[str, Any]]) -> str | None:
+    """The first and last held-out evaluations of a run side by side, and a one-line verdict on greedy accuracy.
+
+    None when the run evaluated fewer than twice (see `run.eval_before` and `run.eval_every`).
+    """
+    evaluated = [r for r in records if isinstance(r.get("eval/greedy_accuracy"), (int, float))]
+    if len(evaluated) < 2:
+        return None
+    first, last = evaluated[0], evaluated[-1]
+    prompts = last.get("eval/prompts", "?")
+    lines = [f"held-out test split ({prompts} prompts)   iteration {first['iteration']:>4}   "
+             f"iteration {last['iteration']:>4}"]
+    for key, label in HELD_OUT_KEYS:
+        if key in first and key in last:
+            lines.append(f"  {label:<33} {first[key]:>14.3f}   {last[key]:>14.3f}")
+    rise = 100 * (last["eval/greedy_accuracy"] - first["eval/greedy_accuracy"])
+    verdict = "rose" if rise > 0 else "did not rise"
+    lines.append(f"greedy accuracy {verdict}: {first['eval/greedy_accuracy']:.2f} -> "
+                 f"{last['eval/greedy_accuracy']:.2f} ({rise:+.0f} points)")
+    return "\n".join(lines)

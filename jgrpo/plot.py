@@ -12,10 +12,12 @@ time spent evaluating, so runs that evaluate at different rates stay comparable)
 from __future__ import annotations
 
 import argparse
+import io
 import sys
 from pathlib import Path
 
 import numpy as np
+from etils import epath
 
 from jgrpo.metrics import METRICS_FILE, read_metrics
 
@@ -24,7 +26,7 @@ PANELS = (
     ("accuracy", "accuracy"),
     ("kl/mean", "KL to reference"),
     ("eval/greedy_accuracy", "held-out greedy accuracy"),
-    ("eval/pass@1", "held-out pass@1"),
+    ("eval/pass_at_1", "held-out pass@1"),
     ("time/training", "seconds per iteration (without evaluation)"),
 )
 X_AXES = {"iteration": "iteration", "wallclock": "training time (s)"}
@@ -60,7 +62,8 @@ def _smooth(values: np.ndarray, window: int) -> np.ndarray:
     return out
 
 
-def plot_runs(run_dirs: list[str | Path], out_file: str | Path, smooth: int = 1, x_axis: str = "iteration") -> Path:
+def plot_runs(run_dirs: list[str | Path], out_file: str | Path, smooth: int = 1,
+              x_axis: str = "iteration") -> epath.Path:
     """Draw the panels for `run_dirs` into `out_file` (PNG, or any format matplotlib knows by extension)."""
     if x_axis not in X_AXES:
         raise ValueError(f"x_axis must be one of {tuple(X_AXES)}, got '{x_axis}'")
@@ -73,8 +76,8 @@ def plot_runs(run_dirs: list[str | Path], out_file: str | Path, smooth: int = 1,
     for run_dir in run_dirs:
         records = read_metrics(run_dir)
         if not records:
-            raise FileNotFoundError(f"{Path(run_dir) / METRICS_FILE}: no metrics (is this a jgrpo run directory?)")
-        runs.append((Path(run_dir).name or str(run_dir), [with_training_time(r) for r in records]))
+            raise FileNotFoundError(f"{epath.Path(run_dir) / METRICS_FILE}: no metrics (is it a jgrpo run directory?)")
+        runs.append((epath.Path(run_dir).name or str(run_dir), [with_training_time(r) for r in records]))
 
     columns = 3
     rows = -(-len(PANELS) // columns)
@@ -89,7 +92,7 @@ def plot_runs(run_dirs: list[str | Path], out_file: str | Path, smooth: int = 1,
             if not points:
                 continue
             x, y = np.array(points, dtype=np.float64).T
-            sparse = len(points) < len(records)  # evaluated every few iterations: mark the points
+            sparse = key.startswith("eval/")  # evaluated every few iterations: mark the points
             ax.plot(x, y if sparse else _smooth(y, smooth), label=label, linewidth=1.5, marker="o" if sparse else None,
                     markersize=3)
             drawn = True
@@ -101,10 +104,12 @@ def plot_runs(run_dirs: list[str | Path], out_file: str | Path, smooth: int = 1,
         else:
             ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes, color="gray")
     fig.tight_layout()
-    out_file = Path(out_file)
+    out_file = epath.Path(out_file)  # a local path or a bucket (gs://...), like the run directories
     out_file.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out_file, dpi=110)
+    image = io.BytesIO()
+    fig.savefig(image, dpi=110, format=out_file.suffix.lstrip(".") or "png")
     plt.close(fig)
+    out_file.write_bytes(image.getvalue())
     return out_file
 
 

@@ -14,9 +14,10 @@ import time
 import jax
 
 from jgrpo.config import SamplerConfig
+from jgrpo.data.prompts import chat_prompt_ids, left_pad, pad_id_for
 from jgrpo.models.attention_backends import resolve_attention
 from jgrpo.models.hf import load_model, load_tokenizer
-from jgrpo.sampler import SamplingMethod, decode_options, generate, left_pad_prompts, stop_ids_for
+from jgrpo.sampler import SamplingMethod, decode_options, generate, stop_ids_for
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -38,15 +39,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def chat_prompt_ids(tokenizer, message: str, system: str | None = None) -> list[int]:
-    """Token ids of one user turn in the tokenizer's chat template, ending with the assistant header."""
-    turns = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": message}]
-    if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=False)
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
-    return tokenizer(message)["input_ids"]  # a base model without a template: the raw text
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
@@ -58,16 +50,20 @@ def main(argv=None) -> int:
     if args.num_samples < 1:
         print(f"error: --num-samples={args.num_samples} must be >= 1", file=sys.stderr)
         return 2
-    tokenizer = load_tokenizer(args.model)
     platform = jax.devices()[0].platform
-    graphdef, params, _ = load_model(args.model, param_dtype=args.dtype, compute_dtype=args.dtype,
-                                     attention=resolve_attention("auto", platform))
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    stop_ids = stop_ids_for(tokenizer, config.stop_token_ids)
-    prompt_ids = [chat_prompt_ids(tokenizer, text, args.system) for text in args.prompt]
     try:
-        tokens, mask = left_pad_prompts(prompt_ids, pad_id=pad_id, bucket=config.prompt_bucket,
-                                        max_prompt_length=args.max_prompt_length)
+        tokenizer = load_tokenizer(args.model)
+        graphdef, params, _ = load_model(args.model, param_dtype=args.dtype, compute_dtype=args.dtype,
+                                         attention=resolve_attention("auto", platform))
+    except FileNotFoundError as e:  # an unknown model, an unreachable hub id: its message says what to do
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    pad_id = pad_id_for(tokenizer)
+    stop_ids = stop_ids_for(tokenizer, config.stop_token_ids)
+    try:
+        prompt_ids = [chat_prompt_ids(tokenizer, text, args.system) for text in args.prompt]
+        tokens, mask = left_pad(prompt_ids, pad_id=pad_id, bucket=config.prompt_bucket,
+                                max_length=args.max_prompt_length)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jgrpo.mesh import SAMPLE_RULES, Rules, logical_shardings, logical_to_spec, mesh_platform
+from jgrpo.mesh import SAMPLE_RULES, Rules, logical_shardings, logical_to_spec, mesh_platform, row_sharding
 from jgrpo.models.attention_backends import mesh_context
 from jgrpo.models.decode import (
     DecodeCache,
@@ -47,8 +47,8 @@ from jgrpo.models.decode import (
 from jgrpo.models.llm import init_cache, merge_model, param_logical_axes, position_ids_from_mask
 from jgrpo.sampling_methods import SamplingMethod
 
-__all__ = ["SampleOutput", "SamplingMethod", "decode_options", "generate", "left_pad_prompts", "lower_generate",
-           "stop_ids_for", "to_sampling_layout"]
+__all__ = ["SampleOutput", "SamplingMethod", "decode_options", "generate", "lower_generate",
+           "stop_ids_for"]
 
 # Tokens that close a turn in the chat templates of the supported families (besides the EOS id).
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<|endoftext|>", "<end_of_turn>")
@@ -60,58 +60,6 @@ class SampleOutput(NamedTuple):
     completion_mask: jax.Array  # [B*G, N] bool; True for generated tokens, the stop token included
     lengths: jax.Array  # [B*G] int32 number of generated tokens
     truncated: jax.Array  # [B*G] bool; True when the row hit max_new_tokens without a stop id
-
-
-def left_pad_prompts(
-    prompts: Sequence[Sequence[int]],
-    *,
-    pad_id: int,
-    bucket: int = 1,
-    max_prompt_length: int | None = None,
-    truncate: bool = False,
-) -> tuple[np.ndarray, np.ndarray]:
-    """Token-id lists -> (tokens [B, P] int32, mask [B, P] bool), left-padded to a multiple of `bucket`.
-
-    A prompt longer than `max_prompt_length` is an error naming it, or, with `truncate`, keeps its
-    last `max_prompt_length` tokens (the end of a chat prompt is where the question and the
-    assistant header are).
-    """
-    if not prompts:
-        raise ValueError("no prompts to pad")
-    if bucket < 1:
-        raise ValueError(f"bucket must be a positive integer, got {bucket}")
-    rows = [list(p) for p in prompts]
-    for i, row in enumerate(rows):
-        if not row:
-            raise ValueError(f"prompt {i} is empty")
-        if max_prompt_length is not None and len(row) > max_prompt_length:
-            if not truncate:
-                raise ValueError(
-                    f"prompt {i} has {len(row)} tokens, more than max_prompt_length={max_prompt_length} "
-                    "(shorten it, raise the limit, or enable left truncation)"
-                )
-            rows[i] = row[-max_prompt_length:]
-    longest = max(len(r) for r in rows)
-    width = -(-longest // bucket) * bucket
-    if max_prompt_length is not None:  # the bucket never pushes past the limit the caller sized things for
-        width = min(width, max(max_prompt_length, longest))
-    tokens = np.full((len(rows), width), pad_id, np.int32)
-    mask = np.zeros((len(rows), width), bool)
-    for i, row in enumerate(rows):
-        tokens[i, width - len(row):] = row
-        mask[i, width - len(row):] = True
-    return tokens, mask
-
-
-def to_sampling_layout(shardings, weights_dtype: str = "float32"):
-    """A jitted copy of a param pytree into the sampling layout `shardings`, floating leaves cast to
-    `weights_dtype`: new buffers (never the inputs forwarded), so they survive the donated updates."""
-    dtype = jnp.dtype(weights_dtype)
-
-    def leaf(x):
-        return x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dtype else jnp.copy(x)
-
-    return jax.jit(lambda params: jax.tree.map(leaf, params), out_shardings=shardings)
 
 
 def stop_ids_for(tokenizer, extra: Sequence[int] = ()) -> tuple[int, ...]:
@@ -147,7 +95,7 @@ def _layout(mesh: Mesh, rules: Rules, cfg, batch: int, rows: int, prompt_len: in
                               (rows, cfg.num_kv_heads, prompt_len, cfg.head_dim)),
         chunk_cache=sharding(("batch", "kv_heads", "length", "head_dim"),
                              (rows, cfg.num_kv_heads, chunk_len, cfg.head_dim)),
-        rows=NamedSharding(mesh, logical_to_spec(("batch", None), rules, (rows, 1), mesh)),
+        rows=row_sharding(mesh, rules, (rows, 1)),
     )
 
 

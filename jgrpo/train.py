@@ -2,37 +2,22 @@
 
 Writes the resolved config to RUN_DIR/config.yaml, resumes from the latest complete checkpoint there, shows a
 progress bar and writes metrics. On SIGTERM (preemption) it saves at the next iteration boundary and exits 0;
-run the same command again to continue. Compiled programs are cached on disk ($JAX_COMPILATION_CACHE_DIR, else
-$JGRPO_CACHE/xla or ~/.cache/jgrpo/xla; JGRPO_COMPILATION_CACHE=0 turns it off), so a restart skips compiling.
+run the same command again to continue. Compiled programs are cached on disk (`jgrpo.process_setup`), so a
+restart skips compiling.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 from pathlib import Path
 
 import yaml
 
+from jgrpo.process_setup import enable_compilation_cache, setup_logging
+
 EXIT_DIVERGED = 3
-
-
-def setup_logging() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        datefmt="%H:%M:%S")
-    for noisy in ("absl", "jax", "orbax", "jax._src"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
-
-
-def enable_compilation_cache() -> None:
-    import jax
-
-    if os.environ.get("JGRPO_COMPILATION_CACHE", "1") == "0" or os.environ.get("JAX_COMPILATION_CACHE_DIR"):
-        return
-    root = Path(os.environ.get("JGRPO_CACHE", Path.home() / ".cache" / "jgrpo"))
-    jax.config.update("jax_compilation_cache_dir", str(root / "xla"))
 
 
 def _report_config_change(run_dir: Path, config_dict: dict) -> None:
@@ -65,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     from jgrpo import distributed
     from jgrpo.config import ConfigError
     from jgrpo.config_loading import load_config, save_config, to_dict
+    from jgrpo.models.builtin import ModelNotFound
     from jgrpo.trainer import Trainer, TrainingDiverged
 
     try:
@@ -81,7 +67,11 @@ def main(argv: list[str] | None = None) -> int:
     if jax.process_index() == 0:
         _report_config_change(run_dir, to_dict(config))
         save_config(config, run_dir)
-    trainer = Trainer(config)
+    try:
+        trainer = Trainer(config)
+    except ModelNotFound as e:  # a user error with its own advice: no traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     try:
         status = trainer.run()
     except TrainingDiverged as e:
@@ -91,7 +81,24 @@ def main(argv: list[str] | None = None) -> int:
         trainer.close()
     logging.getLogger("jgrpo.train").info("%s after iteration %d; run directory %s", status,
                                           trainer.state.iteration, run_dir)
+    if jax.process_index() == 0:
+        report_run(run_dir)
     return 0
+
+
+def report_run(run_dir) -> None:
+    """Print the before / after held-out comparison (when the run has one) and draw RUN_DIR/curves.png."""
+    from jgrpo.metrics import held_out_comparison, read_metrics
+    from jgrpo.plot import plot_runs
+
+    log = logging.getLogger("jgrpo.train")
+    comparison = held_out_comparison(read_metrics(run_dir))
+    if comparison:
+        print(comparison, flush=True)
+    try:
+        log.info("curves (reward, held-out accuracy, KL, time): %s", plot_runs([run_dir], run_dir / "curves.png"))
+    except (OSError, ValueError) as e:  # a plot is a convenience: never fail a finished run over it
+        log.warning("could not draw the curves: %s", e)
 
 
 if __name__ == "__main__":

@@ -27,9 +27,9 @@ from jax.sharding import Mesh, NamedSharding
 
 from jgrpo.advantages import GroupAdvantages, group_advantages
 from jgrpo.config import GRPOConfig
-from jgrpo.diagnostics import finalize_metrics
+from jgrpo.diagnostics import extreme_kind, finalize_metrics
 from jgrpo.logprobs import token_logprobs
-from jgrpo.mesh import TRAIN_RULES, Rules, logical_shardings, logical_to_spec, replicated
+from jgrpo.mesh import TRAIN_RULES, Rules, logical_shardings, logical_to_spec, param_copier, replicated, row_sharding
 from jgrpo.models.attention_backends import mesh_context
 from jgrpo.models.llm import merge_model, param_logical_axes, position_ids_from_mask
 from jgrpo.models.shared_prompt import forward_shared_prompts
@@ -74,16 +74,9 @@ class StepBatch(NamedTuple):
 
 
 def _stack_sum(metrics: dict[str, jax.Array]) -> dict[str, jax.Array]:
-    """Reduce micro-batch accumulators stacked on axis 0 (min for `_min`, max for `_max`, else sum)."""
-    out = {}
-    for key, value in metrics.items():
-        if key.endswith("_min"):
-            out[key] = value.min(axis=0)
-        elif key.endswith("_max"):
-            out[key] = value.max(axis=0)
-        else:
-            out[key] = value.sum(axis=0)
-    return out
+    """Reduce micro-batch accumulators stacked on axis 0 (extremes by min / max, everything else by sum)."""
+    reduce = {"min": jnp.min, "max": jnp.max, None: jnp.sum}
+    return {key: reduce[extreme_kind(key)](value, axis=0) for key, value in metrics.items()}
 
 
 class _InContext:
@@ -131,7 +124,7 @@ class StepFunctions:
         context = functools.partial(mesh_context, merge_model(graphdef, params).cfg.attention, mesh)
         self.init_opt_state = jax.jit(optimizer.init, out_shardings=self.opt_shardings)
         # A real copy (new buffers) even where layouts agree: the original is donated to the next update.
-        self.copy_params = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=self.param_shardings)
+        self.copy_params = param_copier(self.param_shardings)
         self.assemble = jax.jit(self._assemble)
         self.logprobs = _InContext(jax.jit(functools.partial(self._all_logprobs, kind="sampled")), context)
         self.reference_logprobs = _InContext(jax.jit(functools.partial(self._all_logprobs, kind="kl")), context)
@@ -151,9 +144,7 @@ class StepFunctions:
 
     def _rows(self, x: jax.Array) -> jax.Array:
         """Constrain a chunked [C, r, ...] array: rows over the data-parallel axes (when they divide r)."""
-        logical = (None, "batch") + (None,) * (x.ndim - 2)
-        spec = logical_to_spec(logical, self.rules, x.shape, self.mesh)
-        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
+        return jax.lax.with_sharding_constraint(x, row_sharding(self.mesh, self.rules, x.shape, row_axis=1))
 
     # ------------------------------------------------------------------ batch
 

@@ -24,29 +24,34 @@ import jax.numpy as jnp
 import numpy as np
 from etils import epath
 
-from jgrpo.checkpoint import Checkpointer, PreemptionFlag, TrainState
+from jgrpo.checkpoint import Checkpointer, PreemptionFlag, RunCounters, TrainState
 from jgrpo.config import Config
 from jgrpo.config_loading import to_dict
-from jgrpo.data import bucketed_length, build_prompt_iterator
-from jgrpo.host_arrays import global_max, local_rows, to_global_rows
-from jgrpo.mesh import SAMPLE_RULES, TRAIN_RULES, logical_shardings, make_mesh, mesh_platform, replicated
+from jgrpo.data import bucketed_length, build_prompt_iterator, pad_id_for
+from jgrpo.evaluator import Evaluator
+from jgrpo.host_arrays import global_max, to_global_rows
+from jgrpo.mesh import (
+    SAMPLE_RULES,
+    TRAIN_RULES,
+    logical_shardings,
+    make_mesh,
+    mesh_platform,
+    param_copier,
+    replicated_key,
+)
 from jgrpo.metrics import MetricsLogger
 from jgrpo.models.attention_backends import resolve_attention
 from jgrpo.models.hf import load_model, load_tokenizer
 from jgrpo.models.llm import param_logical_axes
 from jgrpo.optim import learning_rate_schedule, make_optimizer
 from jgrpo.rewards import RewardScorer
-from jgrpo.sampler import decode_options, generate, stop_ids_for, to_sampling_layout
+from jgrpo.rollout import prompt_arrays, sample_and_score
+from jgrpo.sampler import stop_ids_for
 from jgrpo.sampling_methods import SamplingMethod
 from jgrpo.train_step import StepFunctions
 from jgrpo.trainer_metrics import iteration_metrics, sample_dump
 
 log = logging.getLogger(__name__)
-
-
-# The run's JSON counters (checkpointed); a checkpoint written before a counter existed resumes it from 0.
-NEW_COUNTERS = {"prompt_width": 0, "optimizer_steps": 0, "nonfinite_in_a_row": 0, "nonfinite_total": 0,
-                "empty_steps": 0}
 
 
 class TrainingDiverged(RuntimeError):
@@ -69,7 +74,7 @@ class Trainer:
             rules=TRAIN_RULES, attention=resolve_attention(m.attention, mesh_platform(self.mesh)),
         )
         self.tokenizer = load_tokenizer(m.name)
-        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        self.pad_id = pad_id_for(self.tokenizer)
         self.stop_ids = stop_ids_for(self.tokenizer, config.sampler.stop_token_ids)
         self.method = SamplingMethod.from_config(config.sampler, mesh_platform(self.mesh))
         self.data = build_prompt_iterator(config, self.tokenizer)
@@ -90,7 +95,7 @@ class Trainer:
         self.sample_shardings = logical_shardings(param_logical_axes(params), self.mesh, SAMPLE_RULES,
                                                   shapes=params)
         # A real copy (new buffers) even where the two layouts agree: the current params get donated.
-        self._copy_to_sample_layout = to_sampling_layout(self.sample_shardings, config.sampler.weights_dtype)
+        self._copy_to_sample_layout = param_copier(self.sample_shardings, config.sampler.weights_dtype)
         self.scorer = RewardScorer(config.reward)
         # The reference is the initial params (a copy: the current params are donated to every update) until a
         # swap replaces it; without beta there is no reference at all.
@@ -100,22 +105,18 @@ class Trainer:
             opt_state=self.steps.init_opt_state(params),
             behaviour=None,
             reference=None,  # set only after a swap (then it is checkpointed)
-            # On the whole mesh, replicated: a key committed to one device could not meet mesh-wide params in
-            # a jit, and the checkpoint restores it with this same sharding.
-            # Made by a jit rather than device_put: with several processes the mesh spans other hosts' devices.
-            rng=jax.jit(lambda: jax.random.key(config.run.seed), out_shardings=replicated(self.mesh))(),
+            # On the whole mesh, replicated: the checkpoint restores it with this same sharding.
+            rng=replicated_key(config.run.seed, self.mesh),
             iteration=0,
             epoch=0,
             behaviour_version=0,
             data_state=self.data.get_state(),
-            counters=dict(NEW_COUNTERS),
+            counters=RunCounters(),
         )
         self.checkpointer = Checkpointer(self.run_dir, config.checkpoint, resolved_config=to_dict(config))
         self.preemption = PreemptionFlag()
         self.evaluator = None
-        if config.run.eval_every:
-            from jgrpo.eval import Evaluator
-
+        if config.run.eval_every or config.run.eval_before:
             self.evaluator = Evaluator(config, self.graphdef, self.tokenizer, self.mesh, scorer=self.scorer)
 
     # ---------------------------------------------------------------- state
@@ -138,7 +139,6 @@ class Trainer:
         if restored is None:
             return False
         self.state = restored
-        self.state.counters = {**NEW_COUNTERS, **restored.counters}
         if restored.reference is not None:  # swapped before: the initial params are no longer the reference
             self.initial_reference = None
         self.data.set_state(restored.data_state)
@@ -167,6 +167,12 @@ class Trainer:
                     status = "preempted"
                     logger.write(f"preemption requested: saving at iteration {self.state.iteration} and exiting")
                     break
+                if self.state.iteration == 0 and self.config.run.eval_before and self.evaluator is not None:
+                    logger.write(f"evaluating the untrained model on {self.evaluator.prompt_count()} held-out prompts")
+                    timings = {}
+                    before = self._evaluate(timings)
+                    logger.log(0, {**before, "time/eval": timings["eval"]})
+                    logger.write(f"before training: held-out greedy accuracy {before['eval/greedy_accuracy']:.3f}")
                 record = self.train_iteration(logger)
                 logger.log(self.state.iteration, record)
             self._save(force=True)
@@ -217,14 +223,13 @@ class Trainer:
         c = self.config
         counters = self.state.counters
         longest = max(len(ids) for ids in batch.token_ids)
-        width = global_max(max(counters["prompt_width"], bucketed_length(longest, c.sampler.prompt_bucket)))
-        if counters["prompt_width"] and width > counters["prompt_width"]:
+        width = global_max(max(counters.prompt_width, bucketed_length(longest, c.sampler.prompt_bucket)))
+        if counters.prompt_width and width > counters.prompt_width:
             log.warning("prompt width grows from %d to %d tokens: the step functions compile again",
-                        counters["prompt_width"], width)
-        counters["prompt_width"] = width
-        tokens, mask = batch.padded(pad_id=self.pad_id, length=width)
-        return (to_global_rows(tokens, self.mesh, SAMPLE_RULES, c.data.batch_size),
-                to_global_rows(mask, self.mesh, SAMPLE_RULES, c.data.batch_size))
+                        counters.prompt_width, width)
+        counters.prompt_width = width
+        return prompt_arrays(batch.token_ids, width=width, pad_id=self.pad_id, mesh=self.mesh,
+                             global_prompts=c.data.batch_size)
 
     def train_iteration(self, logger: MetricsLogger | None = None) -> dict:
         """One iteration of the loop; returns its metrics record (without the iteration number)."""
@@ -247,23 +252,19 @@ class Trainer:
             s.rng, sample_key, shuffle_key = jax.random.split(s.rng, 3)
         else:
             s.rng, sample_key = jax.random.split(s.rng)
-        t = time.perf_counter()
-        out = generate(self.graphdef, sample_params, prompt_tokens, prompt_mask, num_samples=g.num_generations,
-                       max_new_tokens=c.sampler.max_new_tokens, method=self.method, stop_ids=self.stop_ids,
-                       key=sample_key, mesh=self.mesh, rules=SAMPLE_RULES, pad_id=self.pad_id,
-                       **decode_options(c.sampler))
-        tokens, lengths = local_rows(out.tokens), local_rows(out.lengths)
-        timings["sample"] = time.perf_counter() - t
+        rollout = sample_and_score(self.graphdef, sample_params, prompt_tokens, prompt_mask, batch,
+                                   num_samples=g.num_generations, method=self.method, key=sample_key,
+                                   sampler=c.sampler, stop_ids=self.stop_ids, pad_id=self.pad_id, mesh=self.mesh,
+                                   tokenizer=self.tokenizer, scorer=self.scorer)
         del sample_params
+        out, completions, result = rollout.output, rollout.completions, rollout.scores
+        timings["sample"] = rollout.sample_seconds
 
         t = time.perf_counter()
-        completions = self.tokenizer.batch_decode([row[:n] for row, n in zip(tokens, lengths, strict=True)],
-                                                  skip_special_tokens=True)
-        result = self.scorer.score(batch.questions, completions, batch.references)
         rows = c.data.batch_size * g.num_generations
         table = np.stack([result.total] + [result.per_function[f] for f in c.reward.functions], axis=1)
         reward_table = to_global_rows(table.astype(np.float32), self.mesh, TRAIN_RULES, rows)  # [R, 1 + F]
-        timings["reward"] = time.perf_counter() - t
+        timings["reward"] = rollout.score_seconds + time.perf_counter() - t
 
         t = time.perf_counter()
         step_batch, _ = self.steps.assemble(prompt_tokens, prompt_mask, out.tokens, out.completion_mask,
@@ -289,11 +290,11 @@ class Trainer:
         update_metrics = jax.device_get(update_metrics)
         timings["update"] = time.perf_counter() - t
 
-        steps_before = s.counters["optimizer_steps"]
+        steps_before = s.counters.optimizer_steps
         skipped, empty = self._count_steps(update_metrics)
         # The rates of this iteration's first and last applied updates (the schedule counts applied steps only).
         lr = float(self.schedule(steps_before))
-        lr_last = float(self.schedule(max(s.counters["optimizer_steps"] - 1, steps_before)))
+        lr_last = float(self.schedule(max(s.counters.optimizer_steps - 1, steps_before)))
         s.iteration = k + 1
         s.data_state = self.data.get_state()
         eval_metrics = self._maybe_eval(timings)
@@ -307,16 +308,16 @@ class Trainer:
         )
         record.update(eval_metrics)
         record.update({"epoch": s.epoch, "behaviour_version": s.behaviour_version, "optim/steps":
-                       s.counters["optimizer_steps"], "nonfinite/skipped": skipped,
-                       "nonfinite/total": s.counters["nonfinite_total"], "loss/empty_steps": empty})
+                       s.counters.optimizer_steps, "nonfinite/skipped": skipped,
+                       "nonfinite/total": s.counters.nonfinite_total, "loss/empty_steps": empty})
         if logger is not None and logger.should_dump_samples(s.iteration):
             logger.log_samples(s.iteration, sample_dump(batch, completions, result, g.num_generations))
-        if s.counters["nonfinite_in_a_row"] >= c.run.max_nonfinite_steps:
+        if s.counters.nonfinite_in_a_row >= c.run.max_nonfinite_steps:
             self._save(force=True)
             if logger is not None:
                 logger.log(s.iteration, record)
             raise TrainingDiverged(
-                f"{s.counters['nonfinite_in_a_row']} optimiser steps in a row had a NaN/inf loss or gradient "
+                f"{s.counters.nonfinite_in_a_row} optimiser steps in a row had a NaN/inf loss or gradient "
                 f"(run.max_nonfinite_steps={c.run.max_nonfinite_steps}); each was skipped. Stopped after "
                 f"saving iteration {s.iteration} to {self.checkpointer.directory}. Lower optim.learning_rate, "
                 "check the rewards, or resume from an earlier checkpoint."
@@ -334,24 +335,27 @@ class Trainer:
         for m in update_metrics:
             if m["nonfinite"] > 0:
                 skipped += 1
-                counters["nonfinite_in_a_row"] += 1
-                counters["nonfinite_total"] += 1
+                counters.nonfinite_in_a_row += 1
+                counters.nonfinite_total += 1
                 log.warning("iteration %d: non-finite loss (%s) or gradient norm (%s): update skipped",
                             self.state.iteration + 1, m["loss"], m["grad_norm"])
                 continue
-            counters["nonfinite_in_a_row"] = 0
+            counters.nonfinite_in_a_row = 0
             if m["empty"] > 0:
                 empty += 1
-                counters["empty_steps"] += 1
+                counters.empty_steps += 1
                 if self.config.optim.skip_empty_steps:
                     continue
-            counters["optimizer_steps"] += 1
+            counters.optimizer_steps += 1
         return skipped, empty
 
     def _maybe_eval(self, timings: dict) -> dict:
-        every = self.config.run.eval_every
-        if self.evaluator is None or self.state.iteration % every:
-            return {}
+        every, it = self.config.run.eval_every, self.state.iteration
+        if self.evaluator is None or (it != self.total_iterations and (not every or it % every)):
+            return {}  # evaluates every `eval_every` iterations and after the last one
+        return self._evaluate(timings)
+
+    def _evaluate(self, timings: dict) -> dict:
         t = time.perf_counter()
         metrics = self.evaluator.evaluate(self.state.params)
         timings["eval"] = time.perf_counter() - t

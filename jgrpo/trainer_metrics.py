@@ -19,9 +19,9 @@ process computes the same numbers; only process 0 writes them. Names group into 
     optim/*                   lr (first update of the iteration), lr_last (last one), steps
     time/*, throughput/*      seconds per phase; generated tokens/s overall and while sampling; trained tokens/s
                               (real prompt tokens once per group + generated tokens, per inner step)
-Loss metrics are means over the iteration's optimiser steps; a mean over an empty set (e.g. the KL when every
-group is masked) is absent, never NaN. TV(pi_k, alpha) is averaged over the updates where lp_k is the real
-pi_k (`lp_k_exact`), and the lower bound uses that value.
+Loss metrics are means over the iteration's optimiser steps (extremes, `*_min` / `*_max`, their min / max); a
+mean over an empty set (e.g. the KL when every group is masked) is absent, never NaN. TV(pi_k, alpha) is
+averaged over the updates where lp_k is the real pi_k (`lp_k_exact`), and the lower bound uses that value.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jgrpo.diagnostics import MEAN_COUNTS
+from jgrpo.diagnostics import MEAN_COUNTS, extreme_kind
 from jgrpo.host_arrays import global_sum
 
 _SECTIONS = {
@@ -87,7 +87,10 @@ def _update_means(update_metrics: list[dict], behaviour_is_current: bool) -> dic
         if not updates:
             continue
         values = np.asarray([float(m[key]) for m in updates])
-        value = float(np.nanmean(values)) if np.isfinite(values).any() else float(values[0])
+        if not np.isfinite(values).any():
+            value = float(values[0])
+        else:  # an extreme stays one over the iteration's updates; anything else is their mean
+            value = float({"min": np.nanmin, "max": np.nanmax, None: np.nanmean}[extreme_kind(key)](values))
         record[_SECTIONS.get(key, f"loss/{key}")] = value
     if "theorem1/tv_k_alpha" in record and "theorem1/lower_bound" in record:
         # Each update's bound used its own lp_k; put the real TV(pi_k, alpha) in: L - 2 M TV - 2 TV_k.

@@ -173,3 +173,26 @@ def test_two_processes_see_disjoint_halves_covering_the_data(tokenizer):
         assert len(seen) == 20 and len(set(seen)) == 20
     with pytest.raises(ValueError, match="divisible by the 3 processes"):
         _iterator(tokenizer, process_index=0, process_count=3)
+
+
+def test_pad_id_owner_falls_back_to_eos_then_zero():
+    from types import SimpleNamespace
+
+    from jgrpo.data import pad_id_for
+
+    assert pad_id_for(SimpleNamespace(pad_token_id=7, eos_token_id=2)) == 7
+    assert pad_id_for(SimpleNamespace(pad_token_id=None, eos_token_id=2)) == 2
+    assert pad_id_for(SimpleNamespace(pad_token_id=None, eos_token_id=[5, 6])) == 5
+    assert pad_id_for(SimpleNamespace(pad_token_id=None, eos_token_id=None)) == 0
+
+
+def test_a_tokenizer_without_a_chat_template_is_an_error_everywhere(tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    from jgrpo.data import chat_prompt_ids
+
+    bare = AutoTokenizer.from_pretrained(tokenizer_dir)
+    bare.chat_template = None
+    for build in (lambda: PromptEncoder(bare, max_length=64), lambda: chat_prompt_ids(bare, "What is 2 + 3?")):
+        with pytest.raises(ValueError, match="has no chat template"):
+            build()

@@ -125,9 +125,9 @@ def test_eval_prints_accuracy_and_pass_at_1(straight_run, env):
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["source"].endswith("at iteration 6")
     assert result["prompts"] == 8  # data.num_test_examples of the tiny config
-    for key in ("greedy_accuracy", "pass@1", "pass@2"):
+    for key in ("greedy_accuracy", "pass_at_1", "pass_at_2"):
         assert 0.0 <= result[key] <= 1.0
-    assert result["pass@1"] <= result["pass@2"]
+    assert result["pass_at_1"] <= result["pass_at_2"]
 
 
 def test_export_loads_in_transformers_with_the_same_logits(straight_run, tmp_path, monkeypatch):
@@ -175,20 +175,33 @@ def test_bad_override_is_a_clear_error(env):
 
 
 @pytest.mark.slow
-def test_quickstart_runs_two_iterations_of_real_smollm2(tmp_path):
+def test_quickstart_evaluates_before_and_after_two_iterations_of_real_smollm2(tmp_path):
     # As a user runs it: one CPU device (no emulated mesh), real weights, the README command.
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env.update(JAX_PLATFORMS="cpu", JGRPO_COMPILATION_CACHE="0")
     proc = subprocess.run([sys.executable, "-m", "jgrpo.train", "configs/quickstart.yaml",
-                           f"run.output_dir={tmp_path}", "run.iterations=2"],
+                           f"run.output_dir={tmp_path}", "run.iterations=2", "data.num_test_examples=25"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "GRPO" in proc.stderr and "reward=" in proc.stderr  # the progress bar with its key numbers
     records = read_metrics(tmp_path)
-    assert [r["iteration"] for r in records] == [1, 2]
-    for record in records:
-        # (loss means such as kl/mean are NaN when every group had equal rewards: no token enters the loss)
+    assert [r["iteration"] for r in records] == [0, 1, 2]  # 0: the held-out evaluation before training
+    assert [r["iteration"] for r in records if "eval/greedy_accuracy" in r] == [0, 2]  # before and after
+    assert "held-out test split (25 prompts)" in proc.stdout and "greedy accuracy" in proc.stdout
+    assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
+    assert "nan" not in (proc.stdout + proc.stderr).lower().replace("nanmean", "")
+    for record in records[1:]:
         for key in ("reward/mean", "loss/loss", "entropy/mean", "completion/length_mean", "time/update"):
             assert np.isfinite(record[key]), (key, record[key])
-        assert 0 < record["mismatch/logprob_max"] < 1e-3  # sampler vs trainer (docs/algorithm.md §6)
+    # v = 4: the first iteration samples and updates at the same params, so the mismatch is measured there
+    assert 0 < records[1]["mismatch/logprob_max"] < 1e-3  # sampler vs trainer (docs/algorithm.md §6)
     assert (tmp_path / "checkpoints" / "2").is_dir() and (tmp_path / "config.yaml").is_file()
+
+
+def test_a_model_that_cannot_be_fetched_is_one_paragraph_without_a_traceback(env, tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "jgrpo.train", "configs/tiny.yaml", "model.name=no-such-org/no-model",
+                           f"run.output_dir={tmp_path}"],
+                          cwd=ROOT, env={**env, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "error: model 'no-such-org/no-model' is not a built-in name" in proc.stderr
+    assert "Traceback" not in proc.stderr

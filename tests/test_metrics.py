@@ -101,3 +101,46 @@ def test_plot_wallclock_axis_sums_iteration_time_without_evaluation():
                {"iteration": 3, "time/iteration": 14.0, "time/eval": 10.0}]
     assert _x_values(records, "wallclock") == {1: 2.0, 2: 5.0, 3: 9.0}
     assert _x_values(records, "iteration") == {2: 2.0, 1: 1.0, 3: 3.0}
+
+
+def test_an_iterations_extremes_are_the_extremes_of_its_updates():
+    from jgrpo.trainer_metrics import _update_means
+
+    def update(ratio_min, ratio_max, ratio_mean):
+        return {"ratio_min": ratio_min, "ratio_max": ratio_max, "ratio_mean": ratio_mean, "token_count": 10.0,
+                "empty": 0.0, "lp_k_exact": 0.0}
+
+    record = _update_means([update(0.9, 1.5, 1.0), update(0.7, 2.0, 1.2)], behaviour_is_current=True)
+    assert record["loss/ratio_min"] == pytest.approx(0.7)  # not the mean of the two minima (0.8)
+    assert record["loss/ratio_max"] == pytest.approx(2.0)  # not 1.75
+    assert record["loss/ratio_mean"] == pytest.approx(1.1)
+    assert record["loss/token_count"] == pytest.approx(10.0)
+
+
+def test_held_out_comparison_sets_the_first_evaluation_beside_the_last():
+    from jgrpo.metrics import held_out_comparison
+
+    records = [{"iteration": 0, "eval/greedy_accuracy": 0.12, "eval/prompts": 100},
+               {"iteration": 1, "reward/mean": 0.2},
+               {"iteration": 10, "eval/greedy_accuracy": 0.3, "eval/pass_at_1": 0.2, "eval/prompts": 100},
+               {"iteration": 20, "eval/greedy_accuracy": 0.61, "eval/pass_at_1": 0.5, "eval/prompts": 100}]
+    text = held_out_comparison(records)
+    assert "iteration    0" in text and "iteration   20" in text
+    assert "0.120" in text and "0.610" in text
+    assert "pass@1" not in text  # the first evaluation had no pass@1: no half-empty row
+    assert text.splitlines()[-1] == "greedy accuracy rose: 0.12 -> 0.61 (+49 points)"
+    assert held_out_comparison(records[:2]) is None  # one evaluation: nothing to compare
+    fell = held_out_comparison([records[2], {**records[0], "iteration": 30}])
+    assert fell.splitlines()[-1] == "greedy accuracy did not rise: 0.30 -> 0.12 (-18 points)"
+
+
+def test_tensorboard_tags_are_legal_without_warnings(tmp_path, caplog):
+    import logging
+
+    caplog.set_level(logging.INFO, logger="tensorboardX")
+    with MetricsLogger(tmp_path, LoggingConfig(progress_bar=False), total_iterations=1, enabled=True) as logger:
+        logger.log(1, {"eval/pass_at_1": 0.5, "reward/my_rewards:digits": 1.0})
+    assert not [r for r in caplog.records if "illegal" in r.getMessage()]
+    tags = {tag for tag, _, _ in _tb_scalars(tmp_path)}
+    assert tags == {"eval/pass_at_1", "reward/my_rewards_digits"}
+    assert read_metrics(tmp_path)[0]["reward/my_rewards:digits"] == 1.0  # the JSONL keeps the exact name

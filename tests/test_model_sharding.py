@@ -8,7 +8,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jgrpo.config import MeshConfig
-from jgrpo.mesh import SAMPLE_RULES, TRAIN_RULES, batch_sharding, make_mesh, place
+from jgrpo.mesh import SAMPLE_RULES, TRAIN_RULES, make_mesh, place, row_sharding
 from jgrpo.models.hf import export_hf, load_model
 from jgrpo.models.llm import LLM, LLMConfig, forward, param_logical_axes, position_ids_from_mask, split_model
 
@@ -60,7 +60,7 @@ def test_sharded_forward_equals_single_device(model, mesh, rules):
     sharded = place(params, param_logical_axes(params), mesh, rules)
     q_spec = sharded["layers"]["q"].sharding.spec
     assert q_spec == P(None, "fsdp" if rules is TRAIN_RULES else None, "tensor", None)
-    data = batch_sharding(mesh, rules)
+    data = row_sharding(mesh, rules, tokens.shape)
     tokens, mask = jax.device_put(tokens, data), jax.device_put(mask, data)
     got, _ = jax.jit(forward, static_argnums=0)(graphdef, sharded, tokens, position_ids_from_mask(mask), mask)
     np.testing.assert_allclose(np.asarray(got), np.asarray(expected), atol=1e-5, rtol=0)

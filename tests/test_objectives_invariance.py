@@ -17,7 +17,7 @@ from jgrpo.advantages import group_advantages
 from jgrpo.config import GRPOConfig, MeshConfig
 from jgrpo.diagnostics import combine_metrics, finalize_metrics
 from jgrpo.logprobs import token_logprobs
-from jgrpo.mesh import batch_sharding, make_mesh
+from jgrpo.mesh import TRAIN_RULES, make_mesh, row_sharding
 from jgrpo.objectives import grpo_loss, step_normaliser
 
 N, T, D, V, G = 16, 6, 8, 11, 4
@@ -104,7 +104,7 @@ def test_sharded_over_the_mesh_equals_unsharded(aggregation):
     (loss, metrics), grad = grad_fn(w, batch, adv, norm)
     mesh = make_mesh(MeshConfig(data=2, fsdp=4, tensor=1))
     assert mesh.devices.size == 8
-    rows_of = lambda x: batch_sharding(mesh, ndim=x.ndim)  # rows over (data, fsdp), the rest replicated
+    rows_of = lambda x: row_sharding(mesh, TRAIN_RULES, x.shape)  # rows over (data, fsdp), the rest replicated
     replicated = NamedSharding(mesh, PartitionSpec())
     shardings = (replicated, jax.tree.map(rows_of, batch), jax.tree.map(rows_of, adv),
                  jax.tree.map(lambda _: replicated, norm))

@@ -8,11 +8,12 @@ import torch
 import transformers
 
 from jgrpo.config import MeshConfig
+from jgrpo.data.prompts import left_pad
 from jgrpo.logprobs import token_logprobs
 from jgrpo.mesh import make_mesh
 from jgrpo.models.hf import load_model
 from jgrpo.models.llm import merge_model, position_ids_from_mask
-from jgrpo.sampler import SamplingMethod, generate, left_pad_prompts
+from jgrpo.sampler import SamplingMethod, generate
 
 VOCAB = 96
 PROMPTS = [[5, 17, 33, 2, 41], [7, 8], [90, 12, 55, 61, 3, 19, 23, 4, 70], [11]]  # different lengths
@@ -53,7 +54,7 @@ def llama(tmp_path_factory):
 
 
 def _prompts(bucket=4):
-    return left_pad_prompts(PROMPTS, pad_id=0, bucket=bucket)
+    return left_pad(PROMPTS, pad_id=0, bucket=bucket)
 
 
 def _first_stop_prefix(row, stop_ids):
@@ -198,17 +199,17 @@ def test_sharded_equals_unsharded(llama):
 
 
 def test_left_pad_prompts_buckets_and_limits():
-    tokens, mask = left_pad_prompts([[1, 2, 3], [4]], pad_id=9, bucket=4)
+    tokens, mask = left_pad([[1, 2, 3], [4]], pad_id=9, bucket=4)
     np.testing.assert_array_equal(tokens, [[9, 1, 2, 3], [9, 9, 9, 4]])
     np.testing.assert_array_equal(mask, [[False, True, True, True], [False, False, False, True]])
-    assert left_pad_prompts([[1] * 5], pad_id=0, bucket=4)[0].shape == (1, 8)
-    assert left_pad_prompts([[1] * 5], pad_id=0, bucket=4, max_prompt_length=6)[0].shape == (1, 6)  # capped
+    assert left_pad([[1] * 5], pad_id=0, bucket=4)[0].shape == (1, 8)
+    assert left_pad([[1] * 5], pad_id=0, bucket=4, max_length=6)[0].shape == (1, 6)  # capped
     with pytest.raises(ValueError, match="prompt 1 has 7 tokens, more than max_prompt_length=6"):
-        left_pad_prompts([[1], list(range(7))], pad_id=0, max_prompt_length=6)
-    tokens, mask = left_pad_prompts([[1], list(range(7))], pad_id=0, max_prompt_length=6, truncate=True)
+        left_pad([[1], list(range(7))], pad_id=0, max_length=6)
+    tokens, mask = left_pad([[1], list(range(7))], pad_id=0, max_length=6, truncate=True)
     np.testing.assert_array_equal(tokens[1], [1, 2, 3, 4, 5, 6])  # keeps the end of the prompt
     with pytest.raises(ValueError, match="prompt 0 is empty"):
-        left_pad_prompts([[]], pad_id=0)
+        left_pad([[]], pad_id=0)
 
 
 def test_bad_inputs_are_named(llama):

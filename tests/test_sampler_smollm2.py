@@ -7,11 +7,11 @@ import pytest
 import torch
 import transformers
 
+from jgrpo.data.prompts import chat_prompt_ids, left_pad, pad_id_for
 from jgrpo.logprobs import token_logprobs
 from jgrpo.models.hf import load_model, load_tokenizer, resolve_model_dir
 from jgrpo.models.llm import merge_model, position_ids_from_mask
-from jgrpo.sample import chat_prompt_ids
-from jgrpo.sampler import SamplingMethod, generate, left_pad_prompts, stop_ids_for
+from jgrpo.sampler import SamplingMethod, generate, stop_ids_for
 
 pytestmark = pytest.mark.slow
 
@@ -30,7 +30,7 @@ def smollm2():
     graphdef, params, _ = load_model(MODEL)
     prompts = [chat_prompt_ids(tokenizer, m) for m in MESSAGES]
     assert len({len(p) for p in prompts}) == len(prompts)  # really different lengths
-    tokens, mask = left_pad_prompts(prompts, pad_id=tokenizer.pad_token_id, bucket=16)
+    tokens, mask = left_pad(prompts, pad_id=pad_id_for(tokenizer), bucket=16)
     return tokenizer, graphdef, params, tokens, mask
 
 

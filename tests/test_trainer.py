@@ -62,19 +62,19 @@ def test_on_policy_run_is_finite_changes_params_and_never_recompiles(tmp_path, c
             assert record["nonfinite/skipped"] == 0
         assert np.isfinite(records[-1]["kl/mean"]) and records[-1]["kl/mean"] > 0  # moved away from the reference
         assert _changed(initial, _copy(trainer.state.params))
-        assert trainer.state.counters["optimizer_steps"] == 3
+        assert trainer.state.counters.optimizer_steps == 3
 
         # A NaN in the behaviour log-probs makes the loss NaN: the update is skipped (params untouched), logged
         # and counted; max_nonfinite_steps in a row stop the run after a checkpoint.
-        import jgrpo.trainer as trainer_module
+        import jgrpo.rollout as rollout_module  # the trainer samples through jgrpo.rollout
 
-        real_generate = trainer_module.generate
+        real_generate = rollout_module.generate
 
         def nan_generate(*args, **kwargs):
             out = real_generate(*args, **kwargs)
             return out._replace(logprobs=out.logprobs * np.float32(np.nan))
 
-        monkeypatch.setattr(trainer_module, "generate", nan_generate)
+        monkeypatch.setattr(rollout_module, "generate", nan_generate)
         before = _copy(trainer.state.params)
         record = trainer.train_iteration()
         assert record["nonfinite/skipped"] == 1 and record["nonfinite/total"] == 1
@@ -83,7 +83,7 @@ def test_on_policy_run_is_finite_changes_params_and_never_recompiles(tmp_path, c
             trainer.train_iteration()
         trainer.checkpointer.wait()
         assert trainer.checkpointer.latest_step() == 5
-        assert trainer.state.counters["optimizer_steps"] == 3
+        assert trainer.state.counters.optimizer_steps == 3
     finally:
         trainer.checkpointer.close()
         trainer.close()

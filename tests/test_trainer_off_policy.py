@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from test_trainer_rewards import space_fraction
 
+import jgrpo.rollout as rollout_module  # the trainer samples through jgrpo.rollout.generate
 import jgrpo.trainer as trainer_module
 from jgrpo.config_loading import load_config
 from jgrpo.models.llm import merge_model
@@ -52,7 +53,7 @@ def stale_iterations(tmp_path_factory):
         "logging.samples_every=0",
     ])
     samples, updates = [], []
-    original_generate = trainer_module.generate
+    original_generate = rollout_module.generate
 
     def spy_generate(graphdef, params, prompt_tokens, prompt_mask, **kwargs):
         out = original_generate(graphdef, params, prompt_tokens, prompt_mask, **kwargs)
@@ -60,7 +61,7 @@ def stale_iterations(tmp_path_factory):
                             prompt_mask=np.asarray(prompt_mask), out=jax.device_get(out)))
         return out
 
-    trainer_module.generate = spy_generate
+    rollout_module.generate = spy_generate
     trainer = trainer_module.Trainer(config)
     original_step = trainer.steps.train_step
 
@@ -76,7 +77,7 @@ def stale_iterations(tmp_path_factory):
             trainer.train_iteration()
         yield trainer, config, samples, updates
     finally:
-        trainer_module.generate = original_generate
+        rollout_module.generate = original_generate
         trainer.checkpointer.close()
         trainer.close()
 

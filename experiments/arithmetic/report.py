@@ -39,7 +39,7 @@ def summarise(records: list[dict]) -> dict:
            "M": _mean([r.get("theorem1/tv_weight_M") for r in records]),
            "staleness": _mean([r.get("theorem1/staleness") for r in records]),
            "skipped_steps": sum(int(r.get("nonfinite/skipped", 0)) for r in records)}
-    for key, name in (("eval/greedy_accuracy", "greedy"), ("eval/pass@1", "pass1")):
+    for key, name in (("eval/greedy_accuracy", "greedy"), ("eval/pass_at_1", "pass1")):
         if evals:
             best = max(evals, key=lambda r: r[key])
             out |= {f"{name}_final": evals[-1][key], f"{name}_best": best[key], f"{name}_best_at": best["iteration"]}
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     untrained = args.out_dir / "untrained_eval.json"
     if untrained.is_file():
         base = json.loads(untrained.read_text())
-        print(f"untrained: greedy {base['greedy_accuracy']:.2f}, pass@1 {base['pass@1']:.3f} "
+        print(f"untrained: greedy {base['greedy_accuracy']:.2f}, pass@1 {base['pass_at_1']:.3f} "
               f"over {base['prompts']} test prompts\n")
     print("| run | iterations | greedy final | greedy best (it) | pass@1 final | pass@1 best (it) | train reward "
           "(last 10) | s/iteration | TV(pi_theta, alpha) | TV(pi_k, alpha) | M | staleness | skipped |")

@@ -88,7 +88,7 @@ def _build_tiny_random_llama(out: Path) -> None:
     from flax import nnx
     from transformers import AutoTokenizer
 
-    from jgrpo.models.hf import export_hf
+    from jgrpo.models.hf_format import export_hf
     from jgrpo.models.llm import LLM, split_model
 
     gguf = smollm2_gguf_path()
@@ -104,6 +104,10 @@ def _gguf_dir(path: Path) -> Path:
     stat = path.stat()
     key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
     return cache_dir() / "gguf" / f"{path.stem}-{key}"
+
+
+class ModelNotFound(FileNotFoundError):
+    """A model name that is no built-in, local directory, .gguf file or reachable hub id (one-paragraph message)."""
 
 
 def resolve_model_dir(name_or_path: str | os.PathLike) -> Path:
@@ -126,7 +130,9 @@ def resolve_model_dir(name_or_path: str | os.PathLike) -> Path:
         patterns = ["*.json", "*.safetensors", "tokenizer*", "*.jinja", "*.model", "*.txt"]
         return Path(snapshot_download(name, allow_patterns=patterns))
     except Exception as e:  # noqa: BLE001 - offline, unknown repo, bad id: all end in the same advice
-        raise FileNotFoundError(
+        reason = (str(e).strip().splitlines() or [""])[0][:200]
+        raise ModelNotFound(
             f"model '{name}' is not a built-in name {BUILTIN_MODELS}, a local directory or .gguf file, "
-            f"and fetching it from the Hugging Face hub failed ({type(e).__name__}: {e})"
+            f"and fetching it from the Hugging Face hub failed ({type(e).__name__}: {reason}). Offline, "
+            "download it elsewhere (huggingface-cli download ID --local-dir DIR) and pass the directory."
         ) from e

@@ -1,8 +1,8 @@
 """Decoder-only transformer in Flax NNX: Llama (incl. Llama 3 rope scaling, SmolLM2), Qwen2/2.5, Qwen3.
 
 The three families differ only by config flags: q/k/v (and o) biases, per-head q/k RMSNorm, and a
-head_dim that need not equal hidden / heads. Every parameter is declared once in `_LOGICAL_AXES`
-(its logical axis names) and `_param_shapes` (its shape), so creation, sharding and checkpoint
+head_dim that need not equal hidden / heads. Every parameter is declared once in `LOGICAL_AXES`
+(its logical axis names) and `param_shapes_by_path` (its shape), so creation, sharding and checkpoint
 layout agree by construction. Layers are stacked along a leading "layers" axis and run under one
 `lax.scan`, so compile time does not grow with depth.
 
@@ -31,7 +31,7 @@ REMAT_POLICIES = ("none", "full", "dots")
 DTYPES = ("float32", "bfloat16", "float16")
 
 # Path in the params pytree -> logical axis names, one per dimension (see jgrpo.mesh rule tables).
-_LOGICAL_AXES: dict[tuple[str, ...], tuple[str, ...]] = {
+LOGICAL_AXES: dict[tuple[str, ...], tuple[str, ...]] = {
     ("embed",): ("vocab", "embed"),
     ("final_norm",): ("norm",),
     ("lm_head",): ("embed", "vocab"),
@@ -126,7 +126,7 @@ def position_ids_from_mask(kv_mask: jax.Array) -> jax.Array:
     return jnp.maximum(jnp.cumsum(kv_mask.astype(jnp.int32), axis=-1) - 1, 0)
 
 
-def _param_shapes(cfg: LLMConfig) -> dict[tuple[str, ...], tuple[int, ...]]:
+def param_shapes_by_path(cfg: LLMConfig) -> dict[tuple[str, ...], tuple[int, ...]]:
     L, D, F, V = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     H, KVH, Dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     shapes = {
@@ -160,7 +160,7 @@ def _param_shapes(cfg: LLMConfig) -> dict[tuple[str, ...], tuple[int, ...]]:
 def param_shapes(cfg: LLMConfig) -> dict[str, Any]:
     """Nested dict (the params pytree's structure) of every parameter's shape."""
     out: dict[str, Any] = {}
-    for path, shape in _param_shapes(cfg).items():
+    for path, shape in param_shapes_by_path(cfg).items():
         node = out
         for key in path[:-1]:
             node = node.setdefault(key, {})
@@ -169,7 +169,7 @@ def param_shapes(cfg: LLMConfig) -> dict[str, Any]:
 
 
 def _new_param(cfg: LLMConfig, path: tuple[str, ...], rngs: nnx.Rngs) -> nnx.Param:
-    shape = _param_shapes(cfg)[path]
+    shape = param_shapes_by_path(cfg)[path]
     dtype = jnp.dtype(cfg.param_dtype)
     name = path[-1]
     if name.endswith("norm"):
@@ -179,14 +179,14 @@ def _new_param(cfg: LLMConfig, path: tuple[str, ...], rngs: nnx.Rngs) -> nnx.Par
     else:  # HF's initializer_range for these families
         value = (0.02 * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
     # eager_sharding=False: placement happens later with a rules table (training and sampling differ).
-    return nnx.Param(value, out_sharding=_LOGICAL_AXES[path], eager_sharding=False)
+    return nnx.Param(value, out_sharding=LOGICAL_AXES[path], eager_sharding=False)
 
 
 class DecoderLayers(nnx.Module):
     """All decoder layers' weights, stacked along a leading [L] axis."""
 
     def __init__(self, cfg: LLMConfig, *, rngs: nnx.Rngs):
-        for path in _param_shapes(cfg):
+        for path in param_shapes_by_path(cfg):
             if path[0] == "layers":
                 setattr(self, path[1], _new_param(cfg, path, rngs))
 
@@ -394,9 +394,9 @@ def param_logical_axes(params) -> dict:
 
     def spec(path, leaf):
         keys = tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
-        if keys not in _LOGICAL_AXES:
+        if keys not in LOGICAL_AXES:
             raise KeyError(f"parameter {'/'.join(keys)} is not a known LLM parameter")
-        axes = _LOGICAL_AXES[keys]
+        axes = LOGICAL_AXES[keys]
         if len(axes) != len(leaf.shape):
             raise ValueError(f"parameter {'/'.join(keys)} has shape {leaf.shape} but logical axes {axes}")
         return PartitionSpec(*axes)

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from jgrpo.models.hf import llm_config_from_hf
+from jgrpo.models.hf_format import llm_config_from_hf
 from jgrpo.models.llm import LLMConfig
 
 _QWEN_VOCAB = 151936

@@ -1,0 +1,61 @@
+"""Prompts -> sampled, decoded and scored completions: the one path the trainer and the evaluator share.
+
+`prompt_arrays` pads this process's prompts to the run's width and makes them global arrays in the sampling
+layout; `sample_and_score` samples G completions per prompt on the mesh, decodes this process's rows on the
+host and scores them with the reward functions (which never raise: see `jgrpo.rewards`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import jax
+import numpy as np
+
+from jgrpo.config import SamplerConfig
+from jgrpo.data.prompts import left_pad
+from jgrpo.host_arrays import local_rows, to_global_rows
+from jgrpo.mesh import SAMPLE_RULES
+from jgrpo.rewards import RewardScorer
+from jgrpo.rewards.scorer import RewardResult
+from jgrpo.sampler import SampleOutput, decode_options, generate
+from jgrpo.sampling_methods import SamplingMethod
+
+
+class Rollout(NamedTuple):
+    output: SampleOutput  # global arrays on the mesh; rows b*G .. b*G+G-1 are prompt b's samples
+    completions: list[str]  # this process's scored rows, decoded
+    scores: RewardResult  # of those rows
+    sample_seconds: float
+    score_seconds: float
+
+
+def prompt_arrays(token_ids: Sequence[Sequence[int]], *, width: int, pad_id: int, mesh,
+                  global_prompts: int) -> tuple[jax.Array, jax.Array]:
+    """This process's prompts, left-padded to `width` -> global (tokens [B, width], mask [B, width])."""
+    tokens, mask = left_pad(token_ids, pad_id=pad_id, length=width)
+    return (to_global_rows(tokens, mesh, SAMPLE_RULES, global_prompts),
+            to_global_rows(mask, mesh, SAMPLE_RULES, global_prompts))
+
+
+def sample_and_score(graphdef, params, prompt_tokens, prompt_mask, batch, *, num_samples: int,
+                     method: SamplingMethod, key: jax.Array, sampler: SamplerConfig, stop_ids: tuple[int, ...],
+                     pad_id: int, mesh, tokenizer, scorer: RewardScorer) -> Rollout:
+    """Sample `num_samples` completions of every prompt and score this process's first len(batch) prompts'.
+
+    `batch` (questions, references) may hold fewer prompts than this process's rows of `prompt_tokens`: the
+    rows past it are padding (a short last evaluation batch) and are neither decoded nor scored.
+    """
+    start = time.perf_counter()
+    out = generate(graphdef, params, prompt_tokens, prompt_mask, num_samples=num_samples,
+                   max_new_tokens=sampler.max_new_tokens, method=method, stop_ids=stop_ids, key=key, mesh=mesh,
+                   rules=SAMPLE_RULES, pad_id=pad_id, **decode_options(sampler))
+    rows = len(batch) * num_samples
+    tokens, lengths = local_rows(out.tokens)[:rows], local_rows(out.lengths)[:rows]
+    sampled = time.perf_counter()
+    completions = tokenizer.batch_decode([row[:n] for row, n in zip(tokens, np.asarray(lengths), strict=True)],
+                                         skip_special_tokens=True)
+    scores = scorer.score(batch.questions, completions, batch.references)
+    return Rollout(out, completions, scores, sampled - start, time.perf_counter() - sampled)
