@@ -115,6 +115,9 @@ class GRPOConfig:
     truncated_is: Literal["none", "token", "sequence"] = "none"
     truncated_is_cap: float = 2.0
     sequence_ratio: bool = False  # GSPO: one length-normalised ratio per sequence
+    # Off-policy sequence masking (DeepSeek-V3.2, arXiv 2512.02556 eq. 9): a completion with a negative
+    # advantage whose mean log(alpha / pi_theta) over its tokens exceeds delta leaves the surrogate. None = off.
+    sequence_mask_delta: float | None = None
     # KL to the reference (beta = 0 removes the reference entirely).
     beta: float = 0.04
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
@@ -135,6 +138,8 @@ class GRPOConfig:
         _check(self.clip_eps_high >= 0, "grpo.clip_eps_high", self.clip_eps_high, ">= 0")
         _check(self.dual_clip is None or self.dual_clip > 1, "grpo.dual_clip", self.dual_clip, "None or > 1")
         _check(self.truncated_is_cap > 0, "grpo.truncated_is_cap", self.truncated_is_cap, "> 0")
+        _check(self.sequence_mask_delta is None or self.sequence_mask_delta >= 0, "grpo.sequence_mask_delta",
+               self.sequence_mask_delta, "None or >= 0")
         _check(self.beta >= 0, "grpo.beta", self.beta, ">= 0")
         _check(
             self.sum_norm_length is None or self.sum_norm_length > 0,

@@ -39,7 +39,8 @@ def _max(x, where) -> jax.Array:
 
 
 def loss_metrics(*, lp, lp_alpha, lp_k, adv, valid, mask, ratio, clipped_low, clipped_high, dual_clipped, kl,
-                 is_weight, pg_loss, kl_loss, entropy, lp_behaviour_trainer, staleness) -> dict[str, jax.Array]:
+                 is_weight, pg_loss, kl_loss, entropy, lp_behaviour_trainer, staleness,
+                 sequence_masked=None) -> dict[str, jax.Array]:
     """Accumulators for one micro-batch (see module doc). Inputs as inside `objectives.grpo_loss`."""
     sg = jax.lax.stop_gradient
     lp, ratio = sg(lp), sg(ratio)
@@ -68,6 +69,9 @@ def loss_metrics(*, lp, lp_alpha, lp_k, adv, valid, mask, ratio, clipped_low, cl
         m["kl_sum"] = _sum(sg(kl), mask)
     if is_weight is not None:
         m["is_weight_sum"] = _sum(is_weight, mask)
+    if sequence_masked is not None:  # rows in the loss that the off-policy sequence masking dropped
+        m["sequence_masked_row_count"] = _sum(1.0, sequence_masked & adv.in_loss.astype(bool))
+        m["loss_row_count"] = _sum(1.0, adv.in_loss.astype(bool))
     if entropy is not None:
         m["entropy_sum"] = _sum(sg(entropy), valid)
     if lp_behaviour_trainer is not None:
@@ -132,6 +136,7 @@ def combine_metrics(a: dict[str, jax.Array], b: dict[str, jax.Array]) -> dict[st
 MEAN_COUNTS = {
     **dict.fromkeys(("clip_frac_low", "clip_frac_high", "clip_frac_dual", "ratio_mean", "ratio_min", "ratio_max",
                      "kl_mean", "is_weight_mean"), "token_count"),
+    "sequence_mask_frac": "loss_row_count",
     "entropy_mean": "completion_token_count",
     "logprob_mismatch_mean": "mismatch_token_count",
     "logprob_mismatch_max": "mismatch_token_count",
@@ -175,6 +180,9 @@ def finalize_metrics(acc: dict[str, jax.Array]) -> dict[str, jax.Array]:
         out["kl_mean"] = mean(acc["kl_sum"], tokens)
     if "is_weight_sum" in acc:
         out["is_weight_mean"] = mean(acc["is_weight_sum"], tokens)
+    if "sequence_masked_row_count" in acc:
+        out["loss_row_count"] = acc["loss_row_count"]
+        out["sequence_mask_frac"] = mean(acc["sequence_masked_row_count"], acc["loss_row_count"])
     if "entropy_sum" in acc:
         out["entropy_mean"] = mean(acc["entropy_sum"], completion_tokens)
     if "logprob_mismatch_sum" in acc:

@@ -164,6 +164,18 @@ def truncated_is_weight(lp_k, lp_alpha, valid, config: GRPOConfig) -> jax.Array 
     return jax.lax.stop_gradient(jnp.exp(jnp.minimum(log_w, math.log(config.truncated_is_cap))))
 
 
+def off_policy_sequence_mask(lp, lp_alpha, valid, advantages, delta: float | None) -> jax.Array | None:
+    """[N] bool, True for the completions DeepSeek-V3.2's off-policy sequence masking drops (arXiv 2512.02556
+    eq. 9): a negative advantage and a mean log(alpha / pi_theta) over the completion's tokens above `delta`
+    (the sampler's policy made it much likelier than the current one does: learning from its failure is
+    the riskiest update). No gradient; None when off. `advantages` is [N, 1]."""
+    if delta is None:
+        return None
+    log_gap = jnp.where(valid, lp_alpha - jax.lax.stop_gradient(lp), 0.0)  # +inf outside pi_theta's support
+    mean_gap = _masked_row_sum(log_gap, valid) / jnp.maximum(valid.sum(axis=1), 1)
+    return (advantages[:, 0] < 0) & (mean_gap > delta)
+
+
 def step_has_signal(adv: GroupAdvantages, norm: StepNorm, config: GRPOConfig) -> jax.Array:
     """[] bool: whether anything in the optimiser step can produce a gradient.
 
@@ -229,6 +241,9 @@ def grpo_loss(
     is_weight = truncated_is_weight(lp_k, lp_alpha, valid, config)
     if is_weight is not None:
         surrogate = surrogate * is_weight
+    sequence_masked = off_policy_sequence_mask(lp, lp_alpha, valid, advantages, config.sequence_mask_delta)
+    if sequence_masked is not None:  # out of the surrogate only: the normaliser and the KL term keep them
+        surrogate = jnp.where(sequence_masked[:, None], 0.0, surrogate)
 
     weights = token_weights(mask, norm, config.aggregation)  # [N, T]
     pg_loss = -jnp.sum(weights * surrogate)
@@ -243,7 +258,7 @@ def grpo_loss(
         lp=lp, lp_alpha=lp_alpha, lp_k=lp_k, adv=adv, valid=valid, mask=mask, ratio=ratio,
         clipped_low=clipped_low, clipped_high=clipped_high, dual_clipped=dual_clipped, kl=kl, is_weight=is_weight,
         pg_loss=pg_loss, kl_loss=kl_loss, entropy=entropy, lp_behaviour_trainer=lp_behaviour_trainer,
-        staleness=staleness,
+        staleness=staleness, sequence_masked=sequence_masked,
     )
     return loss, metrics
 

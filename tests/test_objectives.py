@@ -342,3 +342,23 @@ def test_truncated_is_decoupled_form_at_a_later_update():
     np.testing.assert_allclose(loss, 0.125, rtol=1e-5)
     np.testing.assert_allclose(grad, [[-1.1 * 1.5 / 4, 0.0], [0.0, 1.3 * 1.5 / 4]], rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(m["is_weight_mean"], (1.5 + 0.5 + 1 + 1.5) / 4, rtol=1e-6)
+
+
+def test_off_policy_sequence_masking_drops_stale_negative_rows_from_the_surrogate():
+    # DeepSeek-V3.2 eq. 9 (arXiv 2512.02556). Mean log(alpha / pi) per row: row 0 (A = +1) -(log 1.1 + log 1.5) / 2
+    # = -0.250; row 1 (A = -1) -(log 0.5 + log 1.3) / 2 = (0.6931 - 0.2624) / 2 = 0.2154.
+    # delta = 0.2: row 1 (negative, 0.2154 > 0.2) leaves the surrogate, the normaliser keeps its 2 tokens:
+    # objective = (1.1 + 1.2 [clipped]) / 4 = 0.575 -> loss -0.575; gradient only on row 0's unclipped token.
+    loss, grad, m = _loss_and_grad(_cfg(off_policy_ratio="behaviour", sequence_mask_delta=0.2))
+    np.testing.assert_allclose(loss, -0.575, rtol=1e-5)
+    np.testing.assert_allclose(grad, [[-1.1 / 4, 0.0], [0.0, 0.0]], rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(m["sequence_mask_frac"], 0.5)
+    # delta = 0.25 is above row 1's gap: nothing is dropped and the loss is the unmasked one (-0.05, see above).
+    loss, _, m = _loss_and_grad(_cfg(off_policy_ratio="behaviour", sequence_mask_delta=0.25))
+    np.testing.assert_allclose(loss, -0.05, rtol=1e-5)
+    assert m["sequence_mask_frac"] == 0.0
+    # Only negative advantages are masked: with the signs swapped row 0 (gap -0.25) stays and row 1 (A > 0) too.
+    loss, _, m = _loss_and_grad(_cfg(off_policy_ratio="behaviour", sequence_mask_delta=0.0), adv=_adv([-1.0, 1.0]))
+    assert m["sequence_mask_frac"] == 0.0
+    with pytest.raises(ValueError, match="grpo.sequence_mask_delta"):
+        _cfg(sequence_mask_delta=-0.1)
