@@ -71,7 +71,6 @@ def loss_metrics(*, lp, lp_alpha, lp_k, adv, valid, mask, ratio, clipped_low, cl
         m["is_weight_sum"] = _sum(is_weight, mask)
     if sequence_masked is not None:  # rows in the loss that the off-policy sequence masking dropped
         m["sequence_masked_row_count"] = _sum(1.0, sequence_masked & adv.in_loss.astype(bool))
-        m["loss_row_count"] = _sum(1.0, adv.in_loss.astype(bool))
     if entropy is not None:
         m["entropy_sum"] = _sum(sg(entropy), valid)
     if lp_behaviour_trainer is not None:
@@ -136,7 +135,7 @@ def combine_metrics(a: dict[str, jax.Array], b: dict[str, jax.Array]) -> dict[st
 MEAN_COUNTS = {
     **dict.fromkeys(("clip_frac_low", "clip_frac_high", "clip_frac_dual", "ratio_mean", "ratio_min", "ratio_max",
                      "kl_mean", "is_weight_mean"), "token_count"),
-    "sequence_mask_frac": "loss_row_count",
+    "sequence_mask_frac": "bound_row_count",  # the rows in the loss
     "entropy_mean": "completion_token_count",
     "logprob_mismatch_mean": "mismatch_token_count",
     "logprob_mismatch_max": "mismatch_token_count",
@@ -181,8 +180,7 @@ def finalize_metrics(acc: dict[str, jax.Array]) -> dict[str, jax.Array]:
     if "is_weight_sum" in acc:
         out["is_weight_mean"] = mean(acc["is_weight_sum"], tokens)
     if "sequence_masked_row_count" in acc:
-        out["loss_row_count"] = acc["loss_row_count"]
-        out["sequence_mask_frac"] = mean(acc["sequence_masked_row_count"], acc["loss_row_count"])
+        out["sequence_mask_frac"] = mean(acc["sequence_masked_row_count"], acc["bound_row_count"])
     if "entropy_sum" in acc:
         out["entropy_mean"] = mean(acc["entropy_sum"], completion_tokens)
     if "logprob_mismatch_sum" in acc:

@@ -102,7 +102,7 @@ def test_epochs_shuffle_and_batches(tokenizer):
 
 def test_left_pad_to_bucket(tokenizer):
     batch = next(_iterator(tokenizer))
-    tokens, mask = batch.padded(pad_id=tokenizer.pad_token_id, bucket=64)
+    tokens, mask = left_pad(batch.token_ids, pad_id=tokenizer.pad_token_id, bucket=64)
     lengths = [len(ids) for ids in batch.token_ids]
     assert tokens.dtype == np.int32 and mask.dtype == bool
     assert tokens.shape == (4, 64 * -(-max(lengths) // 64)) and tokens.shape[1] % 64 == 0

@@ -19,7 +19,7 @@ import numpy as np
 
 from jgrpo.config import Config, DataConfig
 from jgrpo.data.formats import Example, rows_to_examples
-from jgrpo.data.prompts import PromptEncoder, left_pad
+from jgrpo.data.prompts import PromptEncoder
 from jgrpo.data.sources import read_rows
 from jgrpo.data.tasks import arithmetic_examples, countdown_examples
 
@@ -41,10 +41,6 @@ class PromptBatch:
 
     def __len__(self) -> int:
         return len(self.token_ids)
-
-    def padded(self, *, pad_id: int, bucket: int = 1, length: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """(tokens [B_local, P] int32 left-padded, mask [B_local, P] bool); P = longest rounded up to `bucket`."""
-        return left_pad(self.token_ids, pad_id=pad_id, bucket=bucket, length=length)
 
 
 class PromptIterator:
