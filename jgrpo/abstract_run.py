@@ -215,7 +215,8 @@ def lower_iteration(config: Config, devices: list, *, names: tuple[str, ...] | N
     batch = _abstract(jax.eval_shape(steps.assemble, *train_prompts, *outputs),
                       assemble.compile().output_shardings)[0]
     batch = batch._replace(lp_ref=batch.lp_alpha if g.beta > 0 else None,
-                           lp_k=batch.lp_alpha if steps.lp_k_source == "computed" else None)
+                           lp_k=batch.lp_alpha if steps.lp_k_source == "computed" else None,
+                           m2po_drop=batch.completion_mask if g.m2po_tau is not None else None)
     resident["step_batch"] = per_chip_bytes(batch)
     read_only = resident["params"] + resident["step_batch"]
     if wanted("ref_logprobs"):

@@ -118,6 +118,21 @@ class GRPOConfig:
     # Off-policy sequence masking (DeepSeek-V3.2, arXiv 2512.02556 eq. 9): a completion with a negative
     # advantage whose mean log(alpha / pi_theta) over its tokens exceeds delta leaves the surrogate. None = off.
     sequence_mask_delta: float | None = None
+    # Masked importance sampling (verl's rollout rejection, IcePop, Geo-RS): tokens ("token") or whole completions
+    # ("sequence", by the geometric mean over its tokens) whose pi_k / alpha lies outside [low, high] leave the
+    # surrogate. pi_k is the trainer's own forward, so at v = 1 this drops exactly the sampler/trainer mismatch.
+    masked_is: Literal["none", "token", "sequence"] = "none"
+    masked_is_low: float = 0.5
+    masked_is_high: float = 2.0
+    # M2PO (arXiv 2510.01161): before the updates, mask the batch's tokens with the largest (log pi_k/alpha)^2
+    # until the mean (log pi_k/alpha)^2 of the rest is <= tau (0.04 in the paper). None = off.
+    m2po_tau: float | None = None
+    # The policy-gradient term: PPO's clipped surrogate, or CISPO (MiniMax-M1, arXiv 2506.13585):
+    # sg(min(r, 1 + cispo_eps_high)) * A * log pi_theta, r the ratio of off_policy_ratio, every token keeps a
+    # gradient; cispo_eps_low (None = no lower bound, as in the paper) bounds the weight below at 1 - eps_low.
+    policy_loss: Literal["clip", "cispo"] = "clip"
+    cispo_eps_high: float = 0.28
+    cispo_eps_low: float | None = None
     # KL to the reference (beta = 0 removes the reference entirely).
     beta: float = 0.04
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
@@ -140,6 +155,16 @@ class GRPOConfig:
         _check(self.truncated_is_cap > 0, "grpo.truncated_is_cap", self.truncated_is_cap, "> 0")
         _check(self.sequence_mask_delta is None or self.sequence_mask_delta >= 0, "grpo.sequence_mask_delta",
                self.sequence_mask_delta, "None or >= 0")
+        _check(0 <= self.masked_is_low < self.masked_is_high, "grpo.masked_is_low", (self.masked_is_low,
+               self.masked_is_high), "0 <= masked_is_low < masked_is_high")
+        _check(self.m2po_tau is None or self.m2po_tau > 0, "grpo.m2po_tau", self.m2po_tau, "None or > 0")
+        _check(self.cispo_eps_high > 0, "grpo.cispo_eps_high", self.cispo_eps_high, "> 0")
+        _check(self.cispo_eps_low is None or 0 <= self.cispo_eps_low < 1, "grpo.cispo_eps_low", self.cispo_eps_low,
+               "None or in [0, 1)")
+        if self.policy_loss == "cispo":  # CISPO has no min with a clipped side, and its weight is per token
+            _check(self.dual_clip is None, "grpo.dual_clip", self.dual_clip, "None with grpo.policy_loss=cispo")
+            _check(not self.sequence_ratio, "grpo.sequence_ratio", self.sequence_ratio,
+                   "false with grpo.policy_loss=cispo")
         _check(self.beta >= 0, "grpo.beta", self.beta, ">= 0")
         _check(
             self.sum_norm_length is None or self.sum_norm_length > 0,

@@ -40,7 +40,7 @@ def _max(x, where) -> jax.Array:
 
 def loss_metrics(*, lp, lp_alpha, lp_k, adv, valid, mask, ratio, clipped_low, clipped_high, dual_clipped, kl,
                  is_weight, pg_loss, kl_loss, entropy, lp_behaviour_trainer, staleness,
-                 sequence_masked=None) -> dict[str, jax.Array]:
+                 sequence_masked=None, mis_dropped=None, m2po_dropped=None) -> dict[str, jax.Array]:
     """Accumulators for one micro-batch (see module doc). Inputs as inside `objectives.grpo_loss`."""
     sg = jax.lax.stop_gradient
     lp, ratio = sg(lp), sg(ratio)
@@ -71,6 +71,10 @@ def loss_metrics(*, lp, lp_alpha, lp_k, adv, valid, mask, ratio, clipped_low, cl
         m["is_weight_sum"] = _sum(is_weight, mask)
     if sequence_masked is not None:  # rows in the loss that the off-policy sequence masking dropped
         m["sequence_masked_row_count"] = _sum(1.0, sequence_masked & adv.in_loss.astype(bool))
+    if mis_dropped is not None:  # loss tokens masked importance sampling dropped
+        m["mis_drop_count"] = _sum(1.0, mis_dropped & mask)
+    if m2po_dropped is not None:
+        m["m2po_drop_count"] = _sum(1.0, m2po_dropped & mask)
     if entropy is not None:
         m["entropy_sum"] = _sum(sg(entropy), valid)
     if lp_behaviour_trainer is not None:
@@ -134,7 +138,7 @@ def combine_metrics(a: dict[str, jax.Array], b: dict[str, jax.Array]) -> dict[st
 # is a placeholder 0: drop it (see `trainer_metrics`).
 MEAN_COUNTS = {
     **dict.fromkeys(("clip_frac_low", "clip_frac_high", "clip_frac_dual", "ratio_mean", "ratio_min", "ratio_max",
-                     "kl_mean", "is_weight_mean"), "token_count"),
+                     "kl_mean", "is_weight_mean", "mis_drop_frac", "m2po_drop_frac"), "token_count"),
     "sequence_mask_frac": "bound_row_count",  # the rows in the loss
     "entropy_mean": "completion_token_count",
     "logprob_mismatch_mean": "mismatch_token_count",
@@ -181,6 +185,9 @@ def finalize_metrics(acc: dict[str, jax.Array]) -> dict[str, jax.Array]:
         out["is_weight_mean"] = mean(acc["is_weight_sum"], tokens)
     if "sequence_masked_row_count" in acc:
         out["sequence_mask_frac"] = mean(acc["sequence_masked_row_count"], acc["bound_row_count"])
+    for name in ("mis", "m2po"):
+        if f"{name}_drop_count" in acc:
+            out[f"{name}_drop_frac"] = mean(acc[f"{name}_drop_count"], tokens)
     if "entropy_sum" in acc:
         out["entropy_mean"] = mean(acc["entropy_sum"], completion_tokens)
     if "logprob_mismatch_sum" in acc:

@@ -13,7 +13,6 @@ value and the gradient, and sharding the rows over devices changes nothing eithe
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import jax
@@ -21,12 +20,15 @@ import jax.numpy as jnp
 
 from jgrpo.advantages import GroupAdvantages
 from jgrpo.config import GRPOConfig
+from jgrpo.corrections import (
+    LOG_RATIO_LIMIT,
+    log_ratio,
+    masked_is_drop,
+    masked_row_sum,
+    off_policy_sequence_mask,
+    truncated_is_weight,
+)
 from jgrpo.diagnostics import loss_metrics
-
-# exp() of a log-ratio beyond this is clamped (as verl does): float32 exp overflows at ~88 and one runaway
-# token must not turn the step into inf/NaN. e^20 ~ 5e8 is far outside any clip range, so within it nothing
-# changes.
-LOG_RATIO_LIMIT = 20.0
 
 
 class StepNorm(NamedTuple):
@@ -92,46 +94,30 @@ def kl_estimate(lp: jax.Array, lp_ref: jax.Array, estimator: str) -> jax.Array:
     raise ValueError(f"unknown kl_estimator {estimator!r}")
 
 
-def _masked_row_sum(x: jax.Array, valid: jax.Array) -> jax.Array:
-    return jnp.sum(jnp.where(valid, x, 0.0), axis=1)  # [N]
-
-
-def _log_ratio(lp_num: jax.Array, lp_den: jax.Array) -> jax.Array:
-    """log(num / den) of truncated policies, at most LOG_RATIO_LIMIT, never NaN.
-
-    A sampled token can lie outside a truncated (top-k/top-p/min-p) support of the numerator's policy
-    (lp_num = -inf): its ratio is 0 and, through the `where`, its gradient exactly 0 (even when lp_den is
-    -inf too, e.g. lp_k = sg(lp) at the first update, where num - den would be NaN). Outside the
-    denominator's support only (lp_den = -inf < lp_num), the ratio is the clamp, like any runaway ratio.
-    """
-    return jnp.where(jnp.isneginf(lp_num), -jnp.inf, jnp.minimum(lp_num - lp_den, LOG_RATIO_LIMIT))
-
-
-def policy_ratio(lp, lp_alpha, lp_k, valid, config: GRPOConfig):
+def policy_ratio(lp, lp_alpha, lp_k, valid, config: GRPOConfig, eps: tuple[float | None, float] | None = None):
     """The ratio in the clip and its clip range for `config.off_policy_ratio` (docs/algorithm.md §3 table).
 
     Returns (ratio [N, T] with gradient, low [N, T], high [N, T]); with `sequence_ratio` (GSPO) every
-    token of a row carries the row's length-normalised ratio exp(mean_t log-ratio).
+    token of a row carries the row's length-normalised ratio exp(mean_t log-ratio). The range is
+    [centre - eps_low, centre + eps_high] (centre 1, or pi_k / alpha when recentred) with `eps` = (eps_low,
+    eps_high), by default the clip's; CISPO passes its own, where eps_low None means no lower bound (low = 0).
     """
+    eps_low, eps_high = (config.clip_eps_low, config.clip_eps_high) if eps is None else eps
     if config.off_policy_ratio == "current":  # pi_theta / pi_k (= pi_theta / sg(pi_theta) at i = 1)
-        log_ratio = _log_ratio(lp, lp_k)
+        log_r = log_ratio(lp, lp_k)
     else:  # "behaviour" and "recentred": pi_theta / alpha
-        log_ratio = _log_ratio(lp, lp_alpha)
+        log_r = log_ratio(lp, lp_alpha)
     recentred = config.off_policy_ratio == "recentred"
-    log_centre = _log_ratio(lp_k, lp_alpha) if recentred else None  # log(pi_k / alpha), no gradient
+    log_centre = log_ratio(lp_k, lp_alpha) if recentred else None  # log(pi_k / alpha), no gradient
     if config.sequence_ratio:
         length = jnp.maximum(valid.sum(axis=1, keepdims=True), 1)  # [N, 1]
-        log_ratio = jnp.broadcast_to(_masked_row_sum(log_ratio, valid)[:, None] / length, lp.shape)
+        log_r = jnp.broadcast_to(masked_row_sum(log_r, valid)[:, None] / length, lp.shape)
         if recentred:
-            log_centre = jnp.broadcast_to(_masked_row_sum(log_centre, valid)[:, None] / length, lp.shape)
-    ratio = jnp.exp(log_ratio)
-    if recentred:
-        centre = jnp.exp(log_centre)
-        low = jnp.maximum(centre - config.clip_eps_low, 0.0)
-        high = centre + config.clip_eps_high
-    else:
-        low = jnp.full_like(ratio, 1.0 - config.clip_eps_low)
-        high = jnp.full_like(ratio, 1.0 + config.clip_eps_high)
+            log_centre = jnp.broadcast_to(masked_row_sum(log_centre, valid)[:, None] / length, lp.shape)
+    ratio = jnp.exp(log_r)
+    centre = jnp.exp(log_centre) if recentred else jnp.ones_like(ratio)
+    low = jnp.zeros_like(ratio) if eps_low is None else jnp.maximum(centre - eps_low, 0.0)
+    high = centre + eps_high
     return ratio, jax.lax.stop_gradient(low), jax.lax.stop_gradient(high)
 
 
@@ -154,26 +140,20 @@ def clipped_surrogate(ratio, advantages, low, high, dual_clip: float | None):
     return objective, clipped_low, clipped_high, dual_clipped
 
 
-def truncated_is_weight(lp_k, lp_alpha, valid, config: GRPOConfig) -> jax.Array | None:
-    """min(pi_k / alpha, C) per token or per sequence (product over its tokens), no gradient; None if off."""
-    if config.truncated_is == "none":
-        return None
-    log_w = _log_ratio(lp_k, lp_alpha)  # [N, T]
-    if config.truncated_is == "sequence":
-        log_w = jnp.broadcast_to(_masked_row_sum(log_w, valid)[:, None], lp_k.shape)
-    return jax.lax.stop_gradient(jnp.exp(jnp.minimum(log_w, math.log(config.truncated_is_cap))))
+def cispo_surrogate(lp, ratio, advantages, low, high):
+    """CISPO's objective (MiniMax-M1, arXiv 2506.13585 eq. 4): sg(clip(ratio, low, high)) * A * log pi_theta.
 
-
-def off_policy_sequence_mask(lp, lp_alpha, valid, advantages, delta: float | None) -> jax.Array | None:
-    """[N] bool, True for the completions DeepSeek-V3.2's off-policy sequence masking drops (arXiv 2512.02556
-    eq. 9): a negative advantage and a mean log(alpha / pi_theta) over the completion's tokens above `delta`
-    (the sampler's policy made it much likelier than the current one does: learning from its failure is
-    the riskiest update). No gradient; None when off. `advantages` is [N, 1]."""
-    if delta is None:
-        return None
-    log_gap = jnp.where(valid, lp_alpha - jax.lax.stop_gradient(lp), 0.0)  # +inf outside pi_theta's support
-    mean_gap = _masked_row_sum(log_gap, valid) / jnp.maximum(valid.sum(axis=1), 1)
-    return (advantages[:, 0] < 0) & (mean_gap > delta)
+    Written as w * A * exp(lp - sg(lp)) with w = sg(clip(ratio)): its gradient is CISPO's, w * A * d lp, for
+    every token (none loses its gradient to the clip, the point of CISPO), and its value is w * A, the
+    truncated-IS surrogate, comparable with the clipped objective's (a plain w * A * lp would make the logged
+    loss a log-likelihood). A token outside pi_theta's truncated support (lp = -inf) has ratio 0 and no gradient.
+    Returns (objective, weight_clipped_low, weight_clipped_high).
+    """
+    weight = jax.lax.stop_gradient(jnp.clip(ratio, low, high))
+    inside = jnp.isfinite(lp)
+    own = jnp.where(inside, lp, 0.0)
+    objective = weight * advantages * jnp.where(inside, jnp.exp(own - jax.lax.stop_gradient(own)), 0.0)
+    return objective, ratio < low, ratio > high
 
 
 def step_has_signal(adv: GroupAdvantages, norm: StepNorm, config: GRPOConfig) -> jax.Array:
@@ -204,6 +184,7 @@ def grpo_loss(
     lp_behaviour_trainer: jax.Array | None = None,
     staleness: jax.Array | int | None = None,
     lp_kl: jax.Array | None = None,
+    m2po_drop: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The loss to minimise, -(sum over tokens of weight * (surrogate - beta * kl)), and additive metrics.
 
@@ -220,6 +201,7 @@ def grpo_loss(
     - `lp_behaviour_trainer`: the trainer's log-probs at the behaviour params (e.g. `lp` itself at
       (v=1, i=1), or `lp_k` when v=1), for the sampler-vs-trainer mismatch metric.
     - `staleness`: k - version(behaviour), reported as is.
+    - `m2po_drop`: [N, T] bool, the tokens M2PO drops (`corrections.m2po_drop` over the whole batch), or None.
     Metrics are sums/counts/min/max over this micro-batch: combine micro-batches with
     `diagnostics.combine_metrics` and turn them into means with `diagnostics.finalize_metrics`.
     """
@@ -234,16 +216,27 @@ def grpo_loss(
     lp_k = jnp.where(valid, jax.lax.stop_gradient(lp if lp_k is None else lp_k), 0.0)
     advantages = adv.advantages.astype(jnp.float32)[:, None]  # [N, 1]
 
-    ratio, low, high = policy_ratio(lp, lp_alpha, lp_k, valid, config)
-    surrogate, clipped_low, clipped_high, dual_clipped = clipped_surrogate(
-        ratio, advantages, low, high, config.dual_clip
-    )
+    if config.policy_loss == "cispo":
+        ratio, low, high = policy_ratio(lp, lp_alpha, lp_k, valid, config,
+                                        eps=(config.cispo_eps_low, config.cispo_eps_high))
+        surrogate, clipped_low, clipped_high = cispo_surrogate(lp, ratio, advantages, low, high)
+        dual_clipped = jnp.zeros_like(clipped_low)
+    else:
+        ratio, low, high = policy_ratio(lp, lp_alpha, lp_k, valid, config)
+        surrogate, clipped_low, clipped_high, dual_clipped = clipped_surrogate(
+            ratio, advantages, low, high, config.dual_clip
+        )
     is_weight = truncated_is_weight(lp_k, lp_alpha, valid, config)
     if is_weight is not None:
         surrogate = surrogate * is_weight
+    # Corrections that drop tokens: out of the surrogate only (the normaliser and the KL term keep them).
     sequence_masked = off_policy_sequence_mask(lp, lp_alpha, valid, advantages, config.sequence_mask_delta)
-    if sequence_masked is not None:  # out of the surrogate only: the normaliser and the KL term keep them
+    if sequence_masked is not None:
         surrogate = jnp.where(sequence_masked[:, None], 0.0, surrogate)
+    mis_dropped = masked_is_drop(lp_k, lp_alpha, valid, config)
+    for dropped in (mis_dropped, m2po_drop):
+        if dropped is not None:
+            surrogate = jnp.where(dropped, 0.0, surrogate)
 
     weights = token_weights(mask, norm, config.aggregation)  # [N, T]
     pg_loss = -jnp.sum(weights * surrogate)
@@ -258,7 +251,7 @@ def grpo_loss(
         lp=lp, lp_alpha=lp_alpha, lp_k=lp_k, adv=adv, valid=valid, mask=mask, ratio=ratio,
         clipped_low=clipped_low, clipped_high=clipped_high, dual_clipped=dual_clipped, kl=kl, is_weight=is_weight,
         pg_loss=pg_loss, kl_loss=kl_loss, entropy=entropy, lp_behaviour_trainer=lp_behaviour_trainer,
-        staleness=staleness, sequence_masked=sequence_masked,
+        staleness=staleness, sequence_masked=sequence_masked, mis_dropped=mis_dropped, m2po_dropped=m2po_drop,
     )
     return loss, metrics
 

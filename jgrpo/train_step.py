@@ -27,6 +27,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from jgrpo.advantages import GroupAdvantages, group_advantages
 from jgrpo.config import GRPOConfig
+from jgrpo.corrections import m2po_drop
 from jgrpo.diagnostics import extreme_kind, finalize_metrics
 from jgrpo.logprobs import token_logprobs
 from jgrpo.mesh import TRAIN_RULES, Rules, logical_shardings, logical_to_spec, param_copier, replicated, row_sharding
@@ -49,11 +50,15 @@ LpKSource = Literal["computed", "behaviour", "self"]
 
 
 def lp_k_source(grpo: GRPOConfig) -> LpKSource:
+    if grpo.m2po_tau is not None:  # M2PO's mask needs pi_k / alpha over the whole batch before the first update
+        return "computed"
     updates_per_batch = grpo.inner_steps * grpo.num_minibatches
     on_policy = grpo.behaviour_refresh == 1
     if updates_per_batch == 1:
         return "behaviour" if on_policy else "self"
-    needs_pi_k = grpo.off_policy_ratio in ("recentred", "current") or grpo.truncated_is != "none"
+    # Masked IS needs the trainer's own pi_k even at v = 1: lp_alpha in its place would never drop anything.
+    needs_pi_k = (grpo.off_policy_ratio in ("recentred", "current") or grpo.truncated_is != "none"
+                  or grpo.masked_is != "none")
     if needs_pi_k or (not on_policy and grpo.num_minibatches > 1):
         return "computed"
     return "behaviour" if on_policy else "self"
@@ -71,6 +76,7 @@ class StepBatch(NamedTuple):
     adv: GroupAdvantages  # fields [C, r]
     lp_k: jax.Array | None = None  # [C, r, N] float32
     lp_ref: jax.Array | None = None  # [C, r, N] float32
+    m2po_drop: jax.Array | None = None  # [C, r, N] bool: the tokens M2PO drops (`corrections.m2po_drop`)
 
 
 def _stack_sum(metrics: dict[str, jax.Array]) -> dict[str, jax.Array]:
@@ -129,6 +135,7 @@ class StepFunctions:
         self.logprobs = _InContext(jax.jit(functools.partial(self._all_logprobs, kind="sampled")), context)
         self.reference_logprobs = _InContext(jax.jit(functools.partial(self._all_logprobs, kind="kl")), context)
         self.shuffle_groups = jax.jit(self._shuffle_groups)
+        self.m2po_mask = jax.jit(self._m2po_mask)
         self.train_step = _InContext(jax.jit(
             self._train_step,
             out_shardings=(self.param_shardings, self.opt_shardings, None),
@@ -218,6 +225,11 @@ class StepFunctions:
 
         return self._rows(jax.lax.map(one, (batch.inputs, batch.input_mask, batch.positions, batch.targets)))
 
+    def _m2po_mask(self, batch: StepBatch) -> jax.Array:
+        """[C, r, N] bool: M2PO's dropped tokens, decided over the whole batch (needs `batch.lp_k`)."""
+        in_loss_tokens = batch.completion_mask & batch.adv.in_loss[..., None].astype(bool)
+        return self._rows(m2po_drop(batch.lp_k, batch.lp_alpha, in_loss_tokens, self.grpo.m2po_tau))
+
     def _shuffle_groups(self, batch: StepBatch, key) -> StepBatch:
         """The batch with its groups dealt to the chunks in a random order (a group's G rows stay together and
         in order, so minibatches hold whole groups and the shared-prompt forward still applies)."""
@@ -247,7 +259,8 @@ class StepFunctions:
         # lp itself stands in for the trainer's behaviour log-probs: the host keeps that mismatch metric only
         # for updates where the current params are the behaviour params (first update after a refresh).
         return grpo_loss(lp, micro.lp_alpha, lp_k, micro.lp_ref, micro.adv, micro.completion_mask, norm, self.grpo,
-                         entropy=entropy, lp_behaviour_trainer=lp, lp_kl=lp_kl[0] if lp_kl else None)
+                         entropy=entropy, lp_behaviour_trainer=lp, lp_kl=lp_kl[0] if lp_kl else None,
+                         m2po_drop=micro.m2po_drop)
 
     def _train_step(self, params, opt_state, batch: StepBatch, minibatch, first_update):
         """One optimiser step on minibatch `minibatch` (traced), accumulating gradients over its micro-batches.

@@ -273,6 +273,8 @@ class Trainer:
             step_batch = step_batch._replace(lp_ref=self.steps.reference_logprobs(self.reference, step_batch))
         if self.steps.lp_k_source == "computed":
             step_batch = step_batch._replace(lp_k=self.steps.logprobs(s.params, step_batch))
+        if g.m2po_tau is not None:
+            step_batch = step_batch._replace(m2po_drop=self.steps.m2po_mask(step_batch))
         jax.block_until_ready(step_batch)
         timings["logprobs"] = time.perf_counter() - t
 

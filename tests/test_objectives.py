@@ -362,3 +362,101 @@ def test_off_policy_sequence_masking_drops_stale_negative_rows_from_the_surrogat
     assert m["sequence_mask_frac"] == 0.0
     with pytest.raises(ValueError, match="grpo.sequence_mask_delta"):
         _cfg(sequence_mask_delta=-0.1)
+
+
+def test_cispo_clips_the_weight_not_the_gradient():
+    # CISPO (arXiv 2506.13585 eq. 4), ratio pi/alpha = RATIOS, eps_high 0.28, no lower bound:
+    # w = min(r, 1.28) = [[1.1, 1.28], [0.5, 1.28]]; objective (1.1 + 1.28 - 0.5 - 1.28) / 4 = 0.15 -> loss -0.15.
+    # Gradient w * A * d lp for EVERY token (the clipped ones too): d loss / d lp = -(1/4) * A * w.
+    loss, grad, m = _loss_and_grad(_cfg(policy_loss="cispo", cispo_eps_high=0.28))
+    np.testing.assert_allclose(loss, -0.15, rtol=1e-5)
+    np.testing.assert_allclose(grad, [[-1.1 / 4, -1.28 / 4], [0.5 / 4, 1.28 / 4]], rtol=1e-5)
+    np.testing.assert_allclose([m["clip_frac_low"], m["clip_frac_high"]], [0.0, 0.5])
+    # With the optional lower bound 1 - 0.2: row 1's 0.5 becomes 0.8: (1.1 + 1.28 - 0.8 - 1.28) / 4 = 0.075.
+    loss, grad, m = _loss_and_grad(_cfg(policy_loss="cispo", cispo_eps_high=0.28, cispo_eps_low=0.2))
+    np.testing.assert_allclose(loss, -0.075, rtol=1e-5)
+    np.testing.assert_allclose(grad, [[-1.1 / 4, -1.28 / 4], [0.8 / 4, 1.28 / 4]], rtol=1e-5)
+    np.testing.assert_allclose(m["clip_frac_low"], 0.25)
+    # A token outside pi_theta's truncated support: ratio 0, finite loss, no gradient.
+    lp = LP.at[1, 0].set(-jnp.inf)
+    loss, grad, _ = _loss_and_grad(_cfg(policy_loss="cispo", cispo_eps_high=0.28), lp=lp)
+    np.testing.assert_allclose(loss, -(1.1 + 1.28 - 0.0 - 1.28) / 4, rtol=1e-5)
+    assert grad[1, 0] == 0.0 and np.isfinite(np.asarray(grad)).all()
+    from jgrpo.config import ConfigError
+
+    with pytest.raises(ConfigError, match="grpo.dual_clip"):
+        _cfg(policy_loss="cispo", dual_clip=3.0)
+    with pytest.raises(ConfigError, match="grpo.sequence_ratio"):
+        _cfg(policy_loss="cispo", sequence_ratio=True)
+
+
+def test_masked_importance_sampling_drops_tokens_or_sequences_outside_the_range():
+    # Behaviour ratio pi/alpha = RATIOS; pi_k/alpha = [[2, 0.5], [1, 3]]. Clipped per-token objective:
+    #   row 0 (A=+1): 1.1, 1.2 (clipped)      row 1 (A=-1): -0.8 (clipped), -1.3
+    # token, range [0.6, 2.5]: drops (0, 1) (0.5) and (1, 1) (3): (1.1 - 0.8) / 4 = 0.075 -> loss -0.075;
+    # the only gradient left is (0, 0)'s -(1/4) * 1.1.
+    pi_k_over_alpha = jnp.array([[2.0, 0.5], [1.0, 3.0]])
+    lp_k = LP_ALPHA + jnp.log(pi_k_over_alpha)
+    cfg = _cfg(off_policy_ratio="behaviour", masked_is="token", masked_is_low=0.6, masked_is_high=2.5)
+    loss, grad, m = _loss_and_grad(cfg, lp_k=lp_k)
+    np.testing.assert_allclose(loss, -0.075, rtol=1e-5)
+    np.testing.assert_allclose(grad, [[-1.1 / 4, 0.0], [0.0, 0.0]], rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(m["mis_drop_frac"], 0.5)
+    # sequence (geometric mean): row 0 sqrt(2 * 0.5) = 1 stays, row 1 sqrt(3) = 1.73 > 1.5 goes:
+    # (1.1 + 1.2) / 4 = 0.575 -> loss -0.575.
+    cfg = _cfg(off_policy_ratio="behaviour", masked_is="sequence", masked_is_low=0.6, masked_is_high=1.5)
+    loss, grad, m = _loss_and_grad(cfg, lp_k=lp_k)
+    np.testing.assert_allclose(loss, -0.575, rtol=1e-5)
+    np.testing.assert_allclose(grad, [[-1.1 / 4, 0.0], [0.0, 0.0]], rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(m["mis_drop_frac"], 0.5)
+    # Nothing outside a wide range: the plain objective (-0.05).
+    loss, _, m = _loss_and_grad(_cfg(masked_is="token", masked_is_low=0.1, masked_is_high=10.0), lp_k=lp_k)
+    np.testing.assert_allclose(loss, -0.05, rtol=1e-5)
+    assert m["mis_drop_frac"] == 0.0
+    from jgrpo.config import ConfigError
+
+    with pytest.raises(ConfigError, match="grpo.masked_is_low"):
+        _cfg(masked_is="token", masked_is_low=2.0, masked_is_high=1.5)
+
+
+def test_masked_is_needs_the_trainers_own_pi_k_even_on_policy():
+    from jgrpo.train_step import lp_k_source
+
+    # v = 1 with two updates: without masked IS lp_k may be the sampler's lp_alpha; with it, never (its ratio
+    # pi_k / alpha would be exactly 1 and nothing would ever be dropped).
+    assert lp_k_source(_cfg(inner_steps=2)) == "behaviour"
+    assert lp_k_source(_cfg(inner_steps=2, masked_is="token")) == "computed"
+    assert lp_k_source(_cfg(m2po_tau=0.04)) == "computed"  # even with one update: the mask precedes it
+
+
+def test_m2po_drops_the_largest_second_moments_until_the_mean_is_below_tau():
+    from jgrpo.corrections import m2po_drop
+
+    # log(pi_k / alpha) of the loss tokens: [0.5, -0.3, 0.1, 0.0, 0.2] -> m = [0.25, 0.09, 0.01, 0, 0.04],
+    # mean 0.078. tau 0.04: dropping 0.25 leaves 0.14 / 4 = 0.035 <= 0.04 -> one token dropped.
+    # tau 0.03: 0.035 > 0.03, dropping 0.09 too leaves 0.05 / 3 = 0.0167 -> two dropped.
+    # A token outside the loss (log ratio 3) is never dropped and never counted.
+    log_r = jnp.array([[0.5, -0.3, 0.1], [0.0, 0.2, 3.0]])
+    lp_alpha = jnp.full((2, 3), -1.0)
+    in_loss = jnp.array([[True, True, True], [True, True, False]])
+    drop = m2po_drop(lp_alpha + log_r, lp_alpha, in_loss, 0.04)
+    np.testing.assert_array_equal(drop, [[True, False, False], [False, False, False]])
+    drop = m2po_drop(lp_alpha + log_r, lp_alpha, in_loss, 0.03)
+    np.testing.assert_array_equal(drop, [[True, True, False], [False, False, False]])
+    drop = m2po_drop(lp_alpha + log_r, lp_alpha, in_loss, 1.0)  # already below: nothing
+    assert not np.asarray(drop).any()
+    # A token outside pi_k's truncated support (log ratio -inf) goes first, and its huge m does not swamp the
+    # small ones in the sums: with it, the same two drops as at tau 0.04 plus that token.
+    lp_k = (lp_alpha + log_r).at[1, 0].set(-jnp.inf)
+    drop = m2po_drop(lp_k, lp_alpha, in_loss, 0.04)
+    # kept after dropping -inf and 0.25: [0.09, 0.01, 0.04] -> 0.0467 > 0.04; dropping 0.09 too: 0.025.
+    np.testing.assert_array_equal(drop, [[True, True, False], [True, False, False]])
+
+
+def test_m2po_mask_leaves_the_surrogate_only():
+    # Dropping token (0, 1) (the clipped 1.2): objective (1.1 - 0.8 - 1.3) / 4 = -0.25 -> loss 0.25.
+    drop = jnp.array([[False, True], [False, False]])
+    loss, grad, m = _loss_and_grad(_cfg(), m2po_drop=drop)
+    np.testing.assert_allclose(loss, 0.25, rtol=1e-5)
+    np.testing.assert_allclose(grad, [[-1.1 / 4, 0.0], [0.0, 1.3 / 4]], rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(m["m2po_drop_frac"], 0.25)

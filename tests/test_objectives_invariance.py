@@ -15,6 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jgrpo.advantages import group_advantages
 from jgrpo.config import GRPOConfig, MeshConfig
+from jgrpo.corrections import m2po_drop
 from jgrpo.diagnostics import combine_metrics, finalize_metrics
 from jgrpo.logprobs import token_logprobs
 from jgrpo.mesh import TRAIN_RULES, make_mesh, row_sharding
@@ -28,6 +29,10 @@ VARIANTS = {
     "current+dual+tis_token": dict(off_policy_ratio="current", dual_clip=1.5, truncated_is="token", beta=0.1),
     "current+gspo+tis_seq": dict(off_policy_ratio="current", sequence_ratio=True, truncated_is="sequence"),
     "current_i1+k1": dict(off_policy_ratio="current", beta=0.02, kl_estimator="k1"),
+    "cispo+mis_token+m2po": dict(policy_loss="cispo", cispo_eps_high=0.1, masked_is="token", masked_is_low=0.8,
+                                 masked_is_high=1.25, m2po_tau=0.02, beta=0.05),
+    "current+mis_seq+tis+seqmask": dict(off_policy_ratio="current", masked_is="sequence", masked_is_low=0.9,
+                                        masked_is_high=1.1, truncated_is="token", sequence_mask_delta=0.0),
 }
 
 
@@ -55,7 +60,7 @@ def _loss_fn(w, batch, adv, norm, cfg, use_lp_k):
     lp, entropy = _logprobs(w, batch)
     return grpo_loss(lp, batch["lp_alpha"], batch["lp_k"] if use_lp_k else None, batch["lp_ref"], adv,
                      batch["mask"], norm, cfg, entropy=entropy, lp_behaviour_trainer=batch["lp_alpha"] + 0.01,
-                     staleness=2)
+                     staleness=2, m2po_drop=batch.get("m2po_drop"))
 
 
 def _setup(variant, aggregation):
@@ -64,6 +69,9 @@ def _setup(variant, aggregation):
                      **VARIANTS[variant])
     adv = group_advantages(rewards, cfg)
     norm = step_normaliser(batch["mask"], adv.in_loss, cfg, max_new_tokens=T + 2)
+    if cfg.m2po_tau is not None:  # decided once over the whole batch, then sliced like every other input
+        batch = {**batch, "m2po_drop": m2po_drop(batch["lp_k"], batch["lp_alpha"],
+                                                 batch["mask"] & adv.in_loss[:, None], cfg.m2po_tau)}
     # current mode without truncated IS runs as inner step 1 (lp_k = sg(lp)); with it, as a later update
     use_lp_k = cfg.off_policy_ratio != "current" or cfg.truncated_is != "none"
     grad_fn = jax.jit(jax.value_and_grad(functools.partial(_loss_fn, cfg=cfg, use_lp_k=use_lp_k), has_aux=True))
@@ -82,6 +90,8 @@ def test_micro_batches_sum_to_the_full_step(variant, aggregation):
     full = finalize_metrics(metrics)
     if not variant.startswith("current_i1"):  # (at i = 1 the current ratio is exactly 1: nothing is clipped)
         assert full["clip_frac_low"] + full["clip_frac_high"] > 0  # the clip is active somewhere: a real test
+    for dropped in ("mis_drop_frac", "m2po_drop_frac", "sequence_mask_frac"):  # so are the masks
+        assert full.get(dropped, 1.0) > 0, dropped
     for micro in (2, 4):
         size = N // micro
         total_loss, total_grad, acc = 0.0, jnp.zeros_like(w), None
@@ -98,8 +108,8 @@ def test_micro_batches_sum_to_the_full_step(variant, aggregation):
 
 
 @pytest.mark.parametrize("aggregation", AGGREGATIONS)
-def test_sharded_over_the_mesh_equals_unsharded(aggregation):
-    variant = "current+dual+tis_token"
+@pytest.mark.parametrize("variant", ["current+dual+tis_token", "cispo+mis_token+m2po"])
+def test_sharded_over_the_mesh_equals_unsharded(aggregation, variant):
     w, batch, adv, norm, grad_fn = _setup(variant, aggregation)
     (loss, metrics), grad = grad_fn(w, batch, adv, norm)
     mesh = make_mesh(MeshConfig(data=2, fsdp=4, tensor=1))
@@ -114,6 +124,11 @@ def test_sharded_over_the_mesh_equals_unsharded(aggregation):
                          in_shardings=shardings)
     args = jax.device_put((w, batch, adv, norm), shardings)
     assert len(args[1]["hidden"].sharding.device_set) == 8
+    if "m2po_drop" in batch:  # M2PO's whole-batch mask, computed on the sharded batch, is the same mask
+        b = args[1]
+        in_loss_tokens = b["mask"] & args[2].in_loss[:, None]
+        sharded_drop = jax.jit(m2po_drop, static_argnums=3)(b["lp_k"], b["lp_alpha"], in_loss_tokens, cfg.m2po_tau)
+        np.testing.assert_array_equal(sharded_drop, batch["m2po_drop"])
     (s_loss, s_metrics), s_grad = sharded_fn(*args)
     _close(s_loss, loss)
     _close(s_grad, grad)

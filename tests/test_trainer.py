@@ -169,3 +169,25 @@ def test_bfloat16_sampling_weights_off_and_on_policy_and_resume(tmp_path):
         assert np.isfinite(record["loss/loss"]) and abs(record["mismatch/logprob_mean"]) < 0.05
     finally:
         on_policy.close()
+
+
+def test_off_policy_corrections_end_to_end(tmp_path):
+    # CISPO with masked IS, M2PO and sequence masking together at v = 2 with two inner steps: every correction's
+    # fraction is logged and finite, and the params move (CISPO keeps a gradient on every token).
+    config = _config(tmp_path, "checkpoint.every=0", "run.iterations=2", "grpo.behaviour_refresh=2",
+                     "grpo.inner_steps=2", "grpo.policy_loss=cispo", "grpo.masked_is=token",
+                     "grpo.masked_is_low=0.9", "grpo.masked_is_high=1.1", "grpo.m2po_tau=0.0001",
+                     "grpo.sequence_mask_delta=0.0", "grpo.beta=0.04")
+    trainer = Trainer(config)
+    try:
+        assert trainer.steps.lp_k_source == "computed"
+        initial = _copy(trainer.state.params)
+        records = [trainer.train_iteration() for _ in range(2)]
+        assert _changed(initial, trainer.state.params)
+        for record in records:
+            for key in ("loss/mis_drop_frac", "loss/m2po_drop_frac", "loss/sequence_mask_frac", "clip/frac_high",
+                        "loss/loss", "kl/mean"):
+                assert np.isfinite(record[key]), (key, record[key])
+        assert records[1]["loss/m2po_drop_frac"] > 0  # tau 1e-4 at a stale iteration: something is dropped
+    finally:
+        trainer.close()
