@@ -133,7 +133,8 @@ def abstract_run(config: Config, devices: list, *, train_rules: Rules = TRAIN_RU
                           method=SamplingMethod.from_config(c.sampler, mesh_platform(mesh)),
                           logprob_chunk=m.logprob_chunk,
                           new_tokens=c.sampler.max_new_tokens, share_prompts=m.share_prompts,
-                          skip_empty_steps=c.optim.skip_empty_steps, rules=train_rules)
+                          skip_empty_steps=c.optim.skip_empty_steps, rules=train_rules,
+                          reward_weights=c.reward.component_weights())
     opt_state = _abstract(jax.eval_shape(optimizer.init, shapes), steps.opt_shardings)
     return AbstractRun(mesh, cfg, graphdef, params, sample_params, opt_state, steps)
 
@@ -206,7 +207,9 @@ def lower_iteration(config: Config, devices: list, *, names: tuple[str, ...] | N
                                                          method=steps.method,
                                                          **sample_kwargs), resident.get("behaviour", 0)))
     outputs = (_rows(mesh, train_rules, (R, N), jnp.int32), _rows(mesh, train_rules, (R, N), jnp.bool_),
-               _rows(mesh, train_rules, (R, N), jnp.float32), _rows(mesh, train_rules, (R,), jnp.float32))
+               _rows(mesh, train_rules, (R, N), jnp.float32),
+               _rows(mesh, train_rules, (R, 1 + len(c.reward.component_names())), jnp.float32),  # reward table
+               _rows(mesh, train_rules, (R,), jnp.bool_))  # truncated
     train_prompts = _rows(mesh, train_rules, (B, P), jnp.int32), _rows(mesh, train_rules, (B, P), jnp.bool_)
     assemble = steps.assemble.lower(*train_prompts, *outputs)
     if wanted("assemble"):

@@ -24,7 +24,8 @@ class GroupAdvantages(NamedTuple):
     tv_weight: jax.Array  # [N] float32: (1 - s) / s of the row's prompt, s = sqrt(var(r) + eps) (docs/algorithm.md §7)
 
 
-def group_advantages(rewards: jax.Array, config: GRPOConfig) -> GroupAdvantages:
+def group_advantages(rewards: jax.Array, config: GRPOConfig, components: jax.Array | None = None,
+                     weights: tuple[float, ...] | None = None) -> GroupAdvantages:
     """A_i = (r_i - mean_group(r)) / scale, with the scale chosen by the config (docs/algorithm.md §2).
 
     - `advantage_scale`: "group" divides by the group's std (paper eq. 2), "batch" by the std of all
@@ -33,6 +34,10 @@ def group_advantages(rewards: jax.Array, config: GRPOConfig) -> GroupAdvantages:
     - `advantage_eps_placement`: "inside_sqrt" gives sqrt(var + eps) (paper), "add_to_std" gives std + eps.
     - Zero-variance groups get A = 0 exactly; with `mask_zero_variance` they also leave the loss
       (`in_loss` False), so they are removed from surrogate, KL and normalisers (paper eq. 8).
+    - `advantage_reward_normalisation: per_reward` (GDPO) needs `components` [B*G, F] (each reward function's
+      reward, `rewards` being their weighted sum) and their `weights`: each column is centred and scaled within
+      its group as above, the weighted sum is standardised over the batch's rows with signal; a group is
+      zero-variance when every column is constant in it.
     """
     rewards = jnp.asarray(rewards, jnp.float32)
     g = config.num_generations
@@ -48,26 +53,27 @@ def group_advantages(rewards: jax.Array, config: GRPOConfig) -> GroupAdvantages:
     eps = jnp.float32(config.advantage_eps)
 
     grouped = rewards.reshape(-1, g)  # [B, G]
-    centred = grouped - grouped.mean(axis=1, keepdims=True)  # [B, G]
-    group_var = grouped.var(axis=1, ddof=ddof, keepdims=True)  # [B, 1]
-    # Equality, not var == 0: the float mean of equal rewards (e.g. three 0.1s) need not equal them exactly.
-    zero_variance = jnp.all(grouped == grouped[:, :1], axis=1, keepdims=True)  # [B, 1]
-
-    if config.advantage_scale == "none":
-        advantages = centred
+    if config.advantage_reward_normalisation == "per_reward":
+        if components is None or weights is None or components.shape != (rewards.shape[0], len(weights)):
+            raise ValueError("advantage_reward_normalisation='per_reward' needs components [B*G, F] and F weights, "
+                             f"got {None if components is None else components.shape} and {weights}")
+        columns = jnp.asarray(components, jnp.float32).reshape(-1, g, len(weights)).transpose(2, 0, 1)  # [F, B, G]
+        per_column = jax.vmap(lambda r: _normalised(r, config, ddof, eps))(columns)  # [F, B, G], [F, B, 1]
+        summed = jnp.tensordot(jnp.asarray(weights, jnp.float32), per_column[0], axes=1)  # [B, G]
+        zero_variance = jnp.all(per_column[1], axis=0)  # [B, 1]
+        # GDPO's batch-wise normalisation, over the rows of groups with any variance: a group whose rewards are
+        # all equal has no signal, and its zeros would shrink the std by however many such groups a batch has.
+        live = jnp.broadcast_to(~zero_variance, summed.shape).astype(jnp.float32)
+        count = jnp.maximum(live.sum(), 1.0)
+        mean = (summed * live).sum() / count
+        var = (jnp.square(summed - mean) * live).sum() / count
+        advantages = jnp.where(zero_variance, 0.0, (summed - mean) / jnp.sqrt(var + eps))
     else:
-        var = group_var if config.advantage_scale == "group" else rewards.var(ddof=ddof)
-        if config.advantage_eps_placement == "inside_sqrt":
-            denominator = jnp.sqrt(var + eps)
-        else:
-            denominator = jnp.sqrt(var) + eps
-        # With eps = 0 a zero-variance group divides 0 by 0; the where below puts the 0 of docs/algorithm.md §2.
-        advantages = centred / denominator
-    advantages = jnp.where(zero_variance, 0.0, advantages)
+        advantages, zero_variance = _normalised(grouped, config, ddof, eps)
 
     # Theorem 1's s is the group's reward std as the paper defines it: var_alpha is the population variance
     # (whatever `advantage_std` scales the advantages with), eps inside the sqrt.
-    s = jnp.sqrt(grouped.var(axis=1, keepdims=True) + eps)  # [B, 1]
+    s = jnp.sqrt(grouped.var(axis=1, keepdims=True) + eps)  # [B, 1] (of the total reward in either mode)
     tv_weight = (1.0 - s) / s
 
     in_loss = ~zero_variance if config.mask_zero_variance else jnp.ones_like(zero_variance)
@@ -81,3 +87,24 @@ def group_advantages(rewards: jax.Array, config: GRPOConfig) -> GroupAdvantages:
         zero_variance=rows(zero_variance),
         tv_weight=rows(tv_weight),
     )
+
+
+def _normalised(grouped: jax.Array, config: GRPOConfig, ddof: int, eps: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """[B, G] rewards -> (advantages [B, G], zero_variance [B, 1]) by `advantage_scale` and the eps rule."""
+    centred = grouped - grouped.mean(axis=1, keepdims=True)  # [B, G]
+    # Equality, not var == 0: the float mean of equal rewards (e.g. three 0.1s) need not equal them exactly.
+    zero_variance = jnp.all(grouped == grouped[:, :1], axis=1, keepdims=True)  # [B, 1]
+    if config.advantage_scale == "none":
+        advantages = centred
+    else:
+        if config.advantage_scale == "group":
+            var = grouped.var(axis=1, ddof=ddof, keepdims=True)
+        else:
+            var = grouped.var(ddof=ddof)
+        if config.advantage_eps_placement == "inside_sqrt":
+            denominator = jnp.sqrt(var + eps)
+        else:
+            denominator = jnp.sqrt(var) + eps
+        # With eps = 0 a zero-variance group divides 0 by 0; the where below puts the 0 of docs/algorithm.md §2.
+        advantages = centred / denominator
+    return jnp.where(zero_variance, 0.0, advantages), zero_variance

@@ -107,6 +107,13 @@ class GRPOConfig:
     advantage_eps_placement: Literal["inside_sqrt", "add_to_std"] = "inside_sqrt"
     advantage_eps: float = 1e-4
     mask_zero_variance: bool = True
+    # With several reward functions: normalise their weighted sum within the group (`sum`, GRPO), or each
+    # function's reward within the group before the weighted sum, then the sum by its batch std (`per_reward`:
+    # GDPO, arXiv 2601.05242; distinct reward combinations keep distinct advantages).
+    advantage_reward_normalisation: Literal["sum", "per_reward"] = "sum"
+    # DAPO's overlong filtering: completions cut at sampler.max_new_tokens (no stop token) leave the loss; they
+    # still count in their group's advantages.
+    overlong_filter: bool = False
     # Surrogate (docs/algorithm.md §3).
     off_policy_ratio: Literal["behaviour", "recentred", "current"] = "behaviour"
     clip_eps_low: float = 0.2
@@ -253,6 +260,11 @@ class RewardConfig:
     weights: tuple[float, ...] = (1.0,)
     timeout_s: float = 5.0  # a reward call running longer gives 0 and is counted
     num_workers: int = 2  # reward worker processes (a stuck call is killed with its process)
+    # DAPO's soft overlong punishment, in tokens: a completion longer than max_new_tokens - overlong_buffer gets
+    # -overlong_penalty * (length - (max_new_tokens - overlong_buffer)) / overlong_buffer added to its reward
+    # (-overlong_penalty at max_new_tokens), logged as reward/overlong. 0 = off.
+    overlong_buffer: int = 0
+    overlong_penalty: float = 1.0
 
     def __post_init__(self):
         _check(self.num_workers >= 1, "reward.num_workers", self.num_workers, "a positive integer")
@@ -260,6 +272,18 @@ class RewardConfig:
         _check(len(self.weights) == len(self.functions), "reward.weights", self.weights,
                f"one weight per function ({len(self.functions)})")
         _check(self.timeout_s > 0, "reward.timeout_s", self.timeout_s, "> 0")
+        _check(self.overlong_buffer >= 0, "reward.overlong_buffer", self.overlong_buffer, ">= 0 (0 = off)")
+        _check(self.overlong_penalty >= 0, "reward.overlong_penalty", self.overlong_penalty, ">= 0")
+        _check("overlong" not in self.functions, "reward.functions", self.functions,
+               "no function named 'overlong' (the name of the overlong punishment's column)")
+
+    def component_names(self) -> tuple[str, ...]:
+        """The reward table's columns after the total: each function, then `overlong` when it is on."""
+        return self.functions + (("overlong",) if self.overlong_buffer else ())
+
+    def component_weights(self) -> tuple[float, ...]:
+        """Each column's weight in the total (the punishment is added as is)."""
+        return self.weights + ((1.0,) if self.overlong_buffer else ())
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

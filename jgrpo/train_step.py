@@ -109,8 +109,10 @@ class StepFunctions:
 
     def __init__(self, *, graphdef, params, mesh: Mesh, grpo: GRPOConfig, optimizer: optax.GradientTransformation,
                  method: SamplingMethod, logprob_chunk: int, new_tokens: int, share_prompts: bool = True,
-                 skip_empty_steps: bool = True, rules: Rules = TRAIN_RULES):
+                 skip_empty_steps: bool = True, rules: Rules = TRAIN_RULES,
+                 reward_weights: tuple[float, ...] | None = None):
         self.graphdef, self.mesh, self.grpo, self.optimizer = graphdef, mesh, grpo, optimizer
+        self.reward_weights = reward_weights  # of the reward table's columns (per-reward advantages only)
         self.method, self.chunk, self.new_tokens = method, logprob_chunk, new_tokens
         self.share_prompts, self.skip_empty_steps, self.rules = share_prompts, skip_empty_steps, rules
         self.chunks = grpo.num_minibatches * grpo.micro_batches
@@ -155,14 +157,25 @@ class StepFunctions:
 
     # ------------------------------------------------------------------ batch
 
-    def _assemble(self, prompt_tokens, prompt_mask, tokens, completion_mask, lp_alpha, rewards):
-        """Sampler outputs + rewards -> StepBatch (without lp_k / lp_ref) and the flat advantages."""
+    def _assemble(self, prompt_tokens, prompt_mask, tokens, completion_mask, lp_alpha, rewards, truncated=None):
+        """Sampler outputs + rewards -> StepBatch (without lp_k / lp_ref) and the flat advantages.
+
+        `rewards` is [R] (the total) or the reward table [R, 1 + F] (the total, then each column of
+        `reward_weights`, which per-reward advantages need); `truncated` [R] (rows cut at max_new_tokens) is
+        needed by `grpo.overlong_filter`, which takes them out of the loss.
+        """
         R, B = tokens.shape[0], prompt_tokens.shape[0]
         G, C = R // B, self.chunks
         seq = jnp.concatenate([jnp.repeat(prompt_tokens, G, axis=0), tokens], axis=1)  # [R, P+N]
         mask = jnp.concatenate([jnp.repeat(prompt_mask, G, axis=0), completion_mask], axis=1)  # [R, P+N]
         positions = position_ids_from_mask(mask)  # completion token j sits at prompt_len + j, as when sampled
-        adv = group_advantages(rewards, self.grpo)  # over the whole batch, before any chunking
+        table = rewards if rewards.ndim == 2 else rewards[:, None]
+        # Over the whole batch, before any chunking.
+        adv = group_advantages(table[:, 0], self.grpo, components=table[:, 1:], weights=self.reward_weights)
+        if self.grpo.overlong_filter:
+            if truncated is None:
+                raise ValueError("grpo.overlong_filter needs the sampler's truncated flags")
+            adv = adv._replace(in_loss=adv.in_loss & ~truncated.astype(bool))
 
         def chunked(x):  # [R, ...] -> [C, R/C, ...]
             return self._rows(x.reshape((C, R // C) + x.shape[1:]))

@@ -25,11 +25,11 @@ import numpy as np
 from etils import epath
 
 from jgrpo.checkpoint import Checkpointer, PreemptionFlag, RunCounters, TrainState
-from jgrpo.config import Config
+from jgrpo.config import Config, ConfigError
 from jgrpo.config_loading import to_dict
 from jgrpo.data import bucketed_length, build_prompt_iterator, pad_id_for
 from jgrpo.evaluator import Evaluator
-from jgrpo.host_arrays import global_max, to_global_rows
+from jgrpo.host_arrays import global_max, local_rows, to_global_rows
 from jgrpo.mesh import (
     SAMPLE_RULES,
     TRAIN_RULES,
@@ -45,6 +45,7 @@ from jgrpo.models.hf import load_model, load_tokenizer
 from jgrpo.models.llm import param_logical_axes
 from jgrpo.optim import learning_rate_schedule, make_optimizer
 from jgrpo.rewards import RewardScorer
+from jgrpo.rewards.overlong import overlong_punishment
 from jgrpo.rollout import prompt_arrays, sample_and_score
 from jgrpo.sampler import stop_ids_for
 from jgrpo.sampling_methods import SamplingMethod
@@ -90,12 +91,16 @@ class Trainer:
         self.steps = StepFunctions(graphdef=self.graphdef, params=params, mesh=self.mesh, grpo=g,
                                    optimizer=optimizer, method=self.method, logprob_chunk=m.logprob_chunk,
                                    new_tokens=config.sampler.max_new_tokens, share_prompts=m.share_prompts,
-                                   skip_empty_steps=config.optim.skip_empty_steps)
+                                   skip_empty_steps=config.optim.skip_empty_steps,
+                                   reward_weights=config.reward.component_weights())
         self.steps.check_rows(config.data.batch_size * g.num_generations)
         self.sample_shardings = logical_shardings(param_logical_axes(params), self.mesh, SAMPLE_RULES,
                                                   shapes=params)
         # A real copy (new buffers) even where the two layouts agree: the current params get donated.
         self._copy_to_sample_layout = param_copier(self.sample_shardings, config.sampler.weights_dtype)
+        if config.reward.overlong_buffer > config.sampler.max_new_tokens:
+            raise ConfigError(f"reward.overlong_buffer={config.reward.overlong_buffer} is longer than "
+                              f"sampler.max_new_tokens={config.sampler.max_new_tokens}")
         self.scorer = RewardScorer(config.reward)
         # The reference is the initial params (a copy: the current params are donated to every update) until a
         # swap replaces it; without beta there is no reference at all.
@@ -262,13 +267,12 @@ class Trainer:
 
         t = time.perf_counter()
         rows = c.data.batch_size * g.num_generations
-        table = np.stack([result.total] + [result.per_function[f] for f in c.reward.functions], axis=1)
-        reward_table = to_global_rows(table.astype(np.float32), self.mesh, TRAIN_RULES, rows)  # [R, 1 + F]
+        reward_table = to_global_rows(self._reward_table(result, out), self.mesh, TRAIN_RULES, rows)  # [R, 1+F]
         timings["reward"] = rollout.score_seconds + time.perf_counter() - t
 
         t = time.perf_counter()
         step_batch, _ = self.steps.assemble(prompt_tokens, prompt_mask, out.tokens, out.completion_mask,
-                                            out.logprobs, reward_table[:, 0])
+                                            out.logprobs, reward_table, out.truncated)
         if g.beta > 0:
             step_batch = step_batch._replace(lp_ref=self.steps.reference_logprobs(self.reference, step_batch))
         if self.steps.lp_k_source == "computed":
@@ -303,7 +307,7 @@ class Trainer:
         timings["checkpoint"] = self._save()
         timings["iteration"] = time.perf_counter() - t_start
         record = iteration_metrics(
-            update_metrics=update_metrics, reward_table=reward_table, reward_names=c.reward.functions,
+            update_metrics=update_metrics, reward_table=reward_table, reward_names=c.reward.component_names(),
             result=result, out=out, timings=timings, staleness=k - s.behaviour_version,
             behaviour_is_current=s.behaviour_version == k, lr=lr, lr_last=lr_last, prompt_mask=prompt_mask,
             inner_steps=g.inner_steps,
@@ -325,6 +329,19 @@ class Trainer:
                 "check the rewards, or resume from an earlier checkpoint."
             )
         return record
+
+    def _reward_table(self, result, out) -> np.ndarray:
+        """This process's rows of [total, each reward function, overlong punishment (when on)], float32."""
+        r = self.config.reward
+        columns = [result.per_function[f] for f in r.functions]
+        total = result.total
+        if r.overlong_buffer:
+            lengths = local_rows(out.lengths)[:len(total)]
+            punishment = overlong_punishment(lengths, max_new_tokens=self.config.sampler.max_new_tokens,
+                                             buffer=r.overlong_buffer, penalty=r.overlong_penalty)
+            columns.append(punishment)
+            total = total + punishment
+        return np.stack([total] + columns, axis=1).astype(np.float32)
 
     def _count_steps(self, update_metrics: list[dict]) -> tuple[int, int]:
         """Count the iteration's updates into the run's counters; returns (non-finite, empty) steps.

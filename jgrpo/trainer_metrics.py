@@ -105,13 +105,15 @@ def iteration_metrics(*, update_metrics: list[dict], reward_table, reward_names,
                       inner_steps: int) -> dict:
     stats = jax.device_get(_batch_stats(reward_table, out.lengths, out.truncated, prompt_mask))
     record = {"reward/mean": float(stats["mean"][0]), "reward/std": float(stats["std"][0])}
-    failures = global_sum(np.asarray([result.failures[n] for n in reward_names] +
-                                     [result.timeouts[n] for n in reward_names], np.int64))
+    functions = [n for n in reward_names if n in result.failures]  # (not the overlong punishment's column)
+    failures = global_sum(np.asarray([result.failures[n] for n in functions] +
+                                     [result.timeouts[n] for n in functions], np.int64))
     for i, name in enumerate(reward_names):
         record[f"reward/{name}"] = float(stats["mean"][i + 1])
         record[f"reward/{name}/std"] = float(stats["std"][i + 1])
+    for i, name in enumerate(functions):
         record[f"reward/{name}/failures"] = int(failures[i])
-        record[f"reward/{name}/timeouts"] = int(failures[len(reward_names) + i])
+        record[f"reward/{name}/timeouts"] = int(failures[len(functions) + i])
     record["accuracy"] = float(stats["accuracy"])
     for key in ("length_mean", "length_min", "length_max", "truncated_frac"):
         record[f"completion/{key}"] = float(stats[key])

@@ -67,3 +67,40 @@ def test_bad_shapes_fail_with_a_clear_message():
         group_advantages(jnp.zeros(6), _cfg())
     with pytest.raises(ValueError, match=r"flat \[B\*G\]"):
         group_advantages(jnp.zeros((2, 4)), _cfg())
+
+
+def test_per_reward_normalisation_is_gdpo():
+    # GDPO (arXiv 2601.05242), eps 0 so the numbers are exact. Two functions c, f; G = 4.
+    #   group 0: c = [1, 1, 0, 0] -> [1, 1, -1, -1]; f = [1, 0, 1, 0] -> [1, -1, 1, -1]; sum [2, 0, 0, -2]
+    #   group 1: c constant -> 0;  f = [1, 0, 0, 0]: mean 0.25, std sqrt(0.1875) -> [sqrt 3, -1/sqrt 3 (x3)]
+    #   group 2: both constant -> zero variance: A = 0, out of the loss, out of the batch statistics.
+    # Batch-wise over the 8 live rows: mean 0, var (4 + 4 + 3 + 3 * 1/3) / 8 = 1.5 -> A = sum / sqrt(1.5).
+    c = [1.0, 1, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0]
+    f = [1.0, 0, 1, 0, 1, 0, 0, 0, 1, 1, 1, 1]
+    components = jnp.stack([jnp.array(c), jnp.array(f)], axis=1)
+    cfg = _cfg(advantage_reward_normalisation="per_reward", advantage_eps=0.0)
+    adv = group_advantages(components.sum(axis=1), cfg, components=components, weights=(1.0, 1.0))
+    r3 = math.sqrt(3)
+    expected = np.array([2, 0, 0, -2, r3, -1 / r3, -1 / r3, -1 / r3, 0, 0, 0, 0]) / math.sqrt(1.5)
+    np.testing.assert_allclose(adv.advantages, expected, rtol=1e-6, atol=1e-7)
+    np.testing.assert_array_equal(adv.in_loss, [True] * 8 + [False] * 4)
+    # Weights (1, 0.5): group 0 [1.5, 0.5, -0.5, -1.5], group 1 half of above; var (5 + 0.75 + 0.25) / 8 = 0.75.
+    adv = group_advantages(components @ jnp.array([1.0, 0.5]), cfg, components=components, weights=(1.0, 0.5))
+    expected = np.array([1.5, 0.5, -0.5, -1.5, r3 / 2, -0.5 / r3, -0.5 / r3, -0.5 / r3, 0, 0, 0, 0]) / math.sqrt(0.75)
+    np.testing.assert_allclose(adv.advantages, expected, rtol=1e-6, atol=1e-7)
+    # The plain GRPO sum of group 0, [2, 1, 1, 0], normalises to [1, 0, 0, -1] / sqrt(0.5): different numbers.
+    plain = group_advantages(components.sum(axis=1), _cfg(advantage_eps=0.0))
+    np.testing.assert_allclose(plain.advantages[:4], np.array([1, 0, 0, -1]) / math.sqrt(0.5), rtol=1e-6)
+    with pytest.raises(ValueError, match="per_reward"):
+        group_advantages(components.sum(axis=1), cfg)
+
+
+def test_soft_overlong_punishment_in_tokens():
+    from jgrpo.rewards.overlong import overlong_punishment
+
+    # L = 16, buffer 4: free up to 12 tokens, then -1/4 per token, -penalty at 16.
+    np.testing.assert_allclose(overlong_punishment([10, 12, 14, 16], max_new_tokens=16, buffer=4, penalty=1.0),
+                               [0, 0, -0.5, -1.0])
+    np.testing.assert_allclose(overlong_punishment([13], max_new_tokens=16, buffer=4, penalty=0.5), [-0.125])
+    with pytest.raises(ValueError, match="overlong_buffer"):
+        overlong_punishment([1], max_new_tokens=16, buffer=20, penalty=1.0)

@@ -134,3 +134,25 @@ def test_step_functions_agree_with_and_without_sharing(micro_batches, shares, mo
     for before, a, b in zip(jax.tree.leaves(params), jax.tree.leaves(p_s), jax.tree.leaves(p_f), strict=True):
         grad_shared, grad_full = np.asarray(before - a), np.asarray(before - b)
         np.testing.assert_allclose(grad_shared, grad_full, atol=5e-7, rtol=1e-4)  # 5e-7: rounding of p - (p - g)
+
+
+def test_assemble_takes_the_reward_table_and_filters_overlong_rows():
+    # Rows cut at max_new_tokens leave the loss with grpo.overlong_filter (their rewards still shape the group's
+    # advantages); per-reward advantages read the table's columns with the run's weights.
+    graphdef, params = split_model(LLM(GQA, rngs=nnx.Rngs(params=0)))
+    prompt_tokens, prompt_mask, tokens, completion_mask = _batch(seed=3)
+    lp_alpha = jnp.zeros(tokens.shape, jnp.float32)
+    total = jnp.array([1.0, 0, 0, 1, 1, 1, 1, 1, 0, 1, 0, 0])  # group 1 has zero variance
+    table = jnp.stack([total, total], axis=1)  # one function, weight 1
+    truncated = jnp.array([True, False, False, False, False, False, False, True, False, False, True, True])
+    for overlong_filter, normalisation in ((False, "sum"), (True, "sum"), (True, "per_reward")):
+        grpo = GRPOConfig(num_generations=G, overlong_filter=overlong_filter,
+                          advantage_reward_normalisation=normalisation)
+        steps = StepFunctions(graphdef=graphdef, params=params, mesh=make_mesh(MeshConfig()), grpo=grpo,
+                              optimizer=optax.sgd(1.0), method=SamplingMethod(temperature=0.7), logprob_chunk=4,
+                              new_tokens=N, reward_weights=(1.0,))
+        _, adv = steps.assemble(prompt_tokens, prompt_mask, tokens, completion_mask, lp_alpha, table, truncated)
+        live = np.repeat([True, False, True], G)
+        np.testing.assert_array_equal(adv.in_loss, live & ~np.asarray(truncated) if overlong_filter else live)
+        plain = np.asarray(adv.advantages)
+        assert plain[0] > 0 and plain[1] < 0 and (plain[4:8] == 0).all()  # the truncated row 0 keeps its A

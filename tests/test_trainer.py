@@ -177,7 +177,11 @@ def test_off_policy_corrections_end_to_end(tmp_path):
     config = _config(tmp_path, "checkpoint.every=0", "run.iterations=2", "grpo.behaviour_refresh=2",
                      "grpo.inner_steps=2", "grpo.policy_loss=cispo", "grpo.masked_is=token",
                      "grpo.masked_is_low=0.9", "grpo.masked_is_high=1.1", "grpo.m2po_tau=0.0001",
-                     "grpo.sequence_mask_delta=0.0", "grpo.beta=0.04")
+                     "grpo.sequence_mask_delta=0.0", "grpo.beta=0.04",
+                     # and GDPO over two functions plus the overlong punishment (the tiny model rarely stops)
+                     "reward.functions=[test_trainer_rewards:space_fraction,test_trainer_rewards:length_parity]",
+                     "reward.weights=[1.0,0.5]", "reward.overlong_buffer=4",
+                     "grpo.advantage_reward_normalisation=per_reward")
     trainer = Trainer(config)
     try:
         assert trainer.steps.lp_k_source == "computed"
@@ -189,5 +193,11 @@ def test_off_policy_corrections_end_to_end(tmp_path):
                         "loss/loss", "kl/mean"):
                 assert np.isfinite(record[key]), (key, record[key])
         assert records[1]["loss/m2po_drop_frac"] > 0  # tau 1e-4 at a stale iteration: something is dropped
+        for record in records:
+            assert -1.0 <= record["reward/overlong"] < 0  # most completions run to max_new_tokens
+            assert "reward/overlong/failures" not in record  # a column, not a function
+            parts = (record["reward/test_trainer_rewards:space_fraction"]
+                     + 0.5 * record["reward/test_trainer_rewards:length_parity"] + record["reward/overlong"])
+            np.testing.assert_allclose(record["reward/mean"], parts, rtol=1e-5, atol=1e-6)
     finally:
         trainer.close()
