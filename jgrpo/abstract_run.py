@@ -168,7 +168,7 @@ def program_names(config: Config) -> tuple[str, ...]:
     names.append("update")
     # The sampling copy: the behaviour copy every v iterations, or each iteration when v = 1 and the sampler's
     # weights dtype differs (with equal dtypes, v = 1 reshards the current params by device_put).
-    if g.behaviour_refresh > 1 or config.sampler.weights_dtype != config.model.param_dtype:
+    if g.keeps_behaviour_copy or config.sampler.weights_dtype != config.model.param_dtype:
         names.append("behaviour")
     if config.run.eval_every:
         names.append("eval")
@@ -199,7 +199,7 @@ def lower_iteration(config: Config, devices: list, *, names: tuple[str, ...] | N
     resident = {"params": per_chip_bytes(params), "opt_state": per_chip_bytes(opt_state)}
     if g.beta > 0:
         resident["reference"] = resident["params"]
-    if g.behaviour_refresh > 1:
+    if g.keeps_behaviour_copy:
         resident["behaviour"] = per_chip_bytes(sample_params)
     programs = []
     if wanted("sample"):
@@ -232,7 +232,9 @@ def lower_iteration(config: Config, devices: list, *, names: tuple[str, ...] | N
                                 runs=g.inner_steps * g.num_minibatches))
     if wanted("behaviour"):
         copy = param_copier(jax.tree.map(lambda x: x.sharding, sample_params), c.sampler.weights_dtype)
-        programs.append(Program("behaviour", copy.lower(params), resident["params"], runs=1 / g.behaviour_refresh))
+        # Adaptive v plans for the worst case, a refresh every iteration.
+        every = g.behaviour_refresh if isinstance(g.behaviour_refresh, int) else 1
+        programs.append(Program("behaviour", copy.lower(params), resident["params"], runs=1 / every))
     if wanted("eval"):
         eval_batch = c.run.eval_batch_size or B
         eval_prompts = (_rows(mesh, sample_rules, (eval_batch, P), jnp.int32),

@@ -52,6 +52,8 @@ class RunCounters:
     nonfinite_in_a_row: int = 0
     nonfinite_total: int = 0
     empty_steps: int = 0  # steps with nothing in the loss (skipped with optim.skip_empty_steps)
+    behaviour_refreshes: int = 0  # behaviour <- current copies so far (v > 1 or adaptive)
+    refresh_requested: int = 0  # adaptive v: why the next iteration refreshes (REFRESH_REASONS), 0 = not
 
     @classmethod
     def from_json(cls, saved: dict) -> RunCounters:

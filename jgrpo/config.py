@@ -97,7 +97,16 @@ class GRPOConfig:
     """The objective and the loop shape of docs/algorithm.md; names follow it."""
 
     num_generations: int = 8  # G completions per prompt
-    behaviour_refresh: int = 1  # v: behaviour <- current every v iterations (1 = on-policy)
+    # v: behaviour <- current every v iterations (1 = on-policy), or "adaptive": when the measured distance to
+    # the behaviour policy says so (refresh_tv, refresh_penalty_fraction), at the latest every
+    # refresh_max_iterations (docs/algorithm.md §14).
+    behaviour_refresh: int | Literal["adaptive"] = 1
+    # Adaptive v: refresh before the next sampling when the last update's TV(pi_theta, alpha) exceeds refresh_tv,
+    # or when Theorem 1's penalty 2 M TV(pi_theta, alpha) + 2 TV(pi_k, alpha) exceeds refresh_penalty_fraction
+    # of |L_alpha| (the surrogate it is subtracted from). None = that rule is off.
+    refresh_tv: float | None = None
+    refresh_penalty_fraction: float | None = None
+    refresh_max_iterations: int = 16
     inner_steps: int = 1  # i: optimiser steps per batch of samples
     num_minibatches: int = 1  # each inner step may be split into minibatches (one update each)
     micro_batches: int = 1  # gradient accumulation inside one update
@@ -114,6 +123,11 @@ class GRPOConfig:
     # DAPO's overlong filtering: completions cut at sampler.max_new_tokens (no stop token) leave the loss; they
     # still count in their group's advantages.
     overlong_filter: bool = False
+    # DAPO's dynamic sampling (docs/algorithm.md §15): groups with zero reward variance are replaced by groups
+    # with signal from at most dynamic_sampling_rounds extra rounds of dynamic_sampling_oversample x B prompts
+    # drawn from the data; a batch still short keeps masked zero-variance groups (counted). 0 = off.
+    dynamic_sampling_rounds: int = 0
+    dynamic_sampling_oversample: int = 1
     # Surrogate (docs/algorithm.md §3).
     off_policy_ratio: Literal["behaviour", "recentred", "current"] = "behaviour"
     clip_eps_low: float = 0.2
@@ -152,8 +166,25 @@ class GRPOConfig:
     shuffle_minibatches: bool | None = None
 
     def __post_init__(self):
-        for name in ("num_generations", "behaviour_refresh", "inner_steps", "num_minibatches", "micro_batches"):
+        for name in ("num_generations", "inner_steps", "num_minibatches", "micro_batches", "refresh_max_iterations"):
             _check(getattr(self, name) >= 1, f"grpo.{name}", getattr(self, name), "a positive integer")
+        _check(self.behaviour_refresh == "adaptive" or (isinstance(self.behaviour_refresh, int)
+                                                        and self.behaviour_refresh >= 1),
+               "grpo.behaviour_refresh", self.behaviour_refresh, "a positive integer or 'adaptive'")
+        _check(self.dynamic_sampling_rounds >= 0, "grpo.dynamic_sampling_rounds", self.dynamic_sampling_rounds,
+               ">= 0 (0 = off)")
+        _check(self.dynamic_sampling_oversample >= 1, "grpo.dynamic_sampling_oversample",
+               self.dynamic_sampling_oversample, "a positive integer (batches of B prompts per extra round)")
+        _check(not self.dynamic_sampling_rounds or self.mask_zero_variance, "grpo.dynamic_sampling_rounds",
+               self.dynamic_sampling_rounds, "0 unless grpo.mask_zero_variance (the groups a batch is still short "
+               "of are masked zero-variance groups)")
+        for name in ("refresh_tv", "refresh_penalty_fraction"):
+            _check(getattr(self, name) is None or getattr(self, name) > 0, f"grpo.{name}", getattr(self, name),
+                   "None or > 0")
+        if self.behaviour_refresh == "adaptive":
+            _check(self.refresh_tv is not None or self.refresh_penalty_fraction is not None,
+                   "grpo.behaviour_refresh", self.behaviour_refresh,
+                   "'adaptive' needs grpo.refresh_tv or grpo.refresh_penalty_fraction (else it is a fixed v)")
         _check(self.num_generations >= 2, "grpo.num_generations", self.num_generations, ">= 2 (a group)")
         _check(self.advantage_eps >= 0, "grpo.advantage_eps", self.advantage_eps, ">= 0")
         _check(0 <= self.clip_eps_low < 1, "grpo.clip_eps_low", self.clip_eps_low, "in [0, 1)")
@@ -183,6 +214,11 @@ class GRPOConfig:
                self.truncated_is, f"only with grpo.off_policy_ratio=current (got {self.off_policy_ratio!r}): the "
                "truncated weight min(pi_k/alpha, C) already corrects for the behaviour policy, so the clipped "
                "ratio must be pi/pi_k")
+
+    @property
+    def keeps_behaviour_copy(self) -> bool:
+        """Whether the behaviour policy is a separate copy of the params (v > 1 or adaptive), not the params."""
+        return self.behaviour_refresh != 1
 
     @property
     def shuffles_minibatches(self) -> bool:

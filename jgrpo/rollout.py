@@ -14,11 +14,12 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from jgrpo.config import SamplerConfig
+from jgrpo.config import RewardConfig, SamplerConfig
 from jgrpo.data.prompts import left_pad
 from jgrpo.host_arrays import local_rows, to_global_rows
 from jgrpo.mesh import SAMPLE_RULES
 from jgrpo.rewards import RewardScorer
+from jgrpo.rewards.overlong import overlong_punishment
 from jgrpo.rewards.scorer import RewardResult
 from jgrpo.sampler import SampleOutput, decode_options, generate
 from jgrpo.sampling_methods import SamplingMethod
@@ -59,3 +60,18 @@ def sample_and_score(graphdef, params, prompt_tokens, prompt_mask, batch, *, num
                                          skip_special_tokens=True)
     scores = scorer.score(batch.questions, completions, batch.references)
     return Rollout(out, completions, scores, sampled - start, time.perf_counter() - sampled)
+
+
+def reward_table(scores: RewardResult, output: SampleOutput, reward: RewardConfig, max_new_tokens: int) -> np.ndarray:
+    """This process's rows of [total, each reward function, overlong punishment (when on)], float32: the
+    rewards the advantages are computed from (`advantages.group_advantages`)."""
+    columns = [scores.per_function[f] for f in reward.functions]
+    total = scores.total
+    if reward.overlong_buffer:
+        lengths = local_rows(output.lengths)[:len(total)]
+        punishment = overlong_punishment(lengths, max_new_tokens=max_new_tokens, buffer=reward.overlong_buffer,
+                                         penalty=reward.overlong_penalty)
+        columns.append(punishment)
+        total = total + punishment
+    return np.stack([total] + columns, axis=1).astype(np.float32)
+

@@ -53,7 +53,7 @@ def lp_k_source(grpo: GRPOConfig) -> LpKSource:
     if grpo.m2po_tau is not None:  # M2PO's mask needs pi_k / alpha over the whole batch before the first update
         return "computed"
     updates_per_batch = grpo.inner_steps * grpo.num_minibatches
-    on_policy = grpo.behaviour_refresh == 1
+    on_policy = not grpo.keeps_behaviour_copy
     if updates_per_batch == 1:
         return "behaviour" if on_policy else "self"
     # Masked IS needs the trainer's own pi_k even at v = 1: lp_alpha in its place would never drop anything.

@@ -2,10 +2,12 @@
 
     behaviour <- current <- init ; reference <- init            (reference only when beta > 0)
     for iteration k = 0, 1, ...:
-      if k % v == 0: behaviour <- current                        the only weight sync (v = 1: no copy)
+      if k % v == 0: behaviour <- current                        the only weight sync (v = 1: no copy; adaptive
+                                                                  v: when Theorem 1 says so, jgrpo.behaviour_refresh)
       prompts <- next batch of B (a new epoch first swaps the reference when grpo.swap_reference)
       completions, lp_alpha <- sample(behaviour, prompts, G each)    (jitted, SAMPLE_RULES layout)
-      rewards <- verifiable reward (host) ; A <- group advantages (device)
+      rewards <- verifiable reward (host)       (dynamic sampling: more prompts for groups with signal)
+      A <- group advantages (device)
       lp_ref <- logprobs(reference) if beta > 0 ; lp_k <- logprobs(current) if the ratio mode needs it
       repeat i times, for each of the minibatches: current <- optimiser step (donated params / opt state)
 
@@ -16,20 +18,22 @@ width is part of the checkpoint so a resumed run compiles the same programs.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from etils import epath
 
+from jgrpo.behaviour_refresh import RefreshPolicy
 from jgrpo.checkpoint import Checkpointer, PreemptionFlag, RunCounters, TrainState
 from jgrpo.config import Config, ConfigError
 from jgrpo.config_loading import to_dict
 from jgrpo.data import bucketed_length, build_prompt_iterator, pad_id_for
+from jgrpo.dynamic_sampling import Round, fill_batch
 from jgrpo.evaluator import Evaluator
-from jgrpo.host_arrays import global_max, local_rows, to_global_rows
+from jgrpo.host_arrays import global_max, to_global_rows
 from jgrpo.mesh import (
     SAMPLE_RULES,
     TRAIN_RULES,
@@ -45,18 +49,21 @@ from jgrpo.models.hf import load_model, load_tokenizer
 from jgrpo.models.llm import param_logical_axes
 from jgrpo.optim import learning_rate_schedule, make_optimizer
 from jgrpo.rewards import RewardScorer
-from jgrpo.rewards.overlong import overlong_punishment
-from jgrpo.rollout import prompt_arrays, sample_and_score
+from jgrpo.rollout import prompt_arrays, reward_table, sample_and_score
 from jgrpo.sampler import stop_ids_for
 from jgrpo.sampling_methods import SamplingMethod
 from jgrpo.train_step import StepFunctions
-from jgrpo.trainer_metrics import iteration_metrics, sample_dump
+from jgrpo.trainer_metrics import count_updates, iteration_metrics, sample_dump
 
 log = logging.getLogger(__name__)
 
 
 class TrainingDiverged(RuntimeError):
     """Too many optimiser steps in a row had a non-finite loss or gradient."""
+
+
+class DataExhausted(RuntimeError):
+    """The prompt iterator has no batch left (data.epochs epochs consumed)."""
 
 
 class Trainer:
@@ -102,6 +109,7 @@ class Trainer:
             raise ConfigError(f"reward.overlong_buffer={config.reward.overlong_buffer} is longer than "
                               f"sampler.max_new_tokens={config.sampler.max_new_tokens}")
         self.scorer = RewardScorer(config.reward)
+        self.refresh_policy = RefreshPolicy(g)
         # The reference is the initial params (a copy: the current params are donated to every update) until a
         # swap replaces it; without beta there is no reference at all.
         self.initial_reference = self.steps.copy_params(params) if g.beta > 0 else None
@@ -133,7 +141,7 @@ class Trainer:
     @property
     def behaviour(self):
         """The params that sample: the separate copy when v > 1, else the current params themselves."""
-        return self.state.behaviour if self.config.grpo.behaviour_refresh > 1 else self.state.params
+        return self.state.behaviour if self.config.grpo.keeps_behaviour_copy else self.state.params
 
     def maybe_resume(self) -> bool:
         """Restore the latest complete checkpoint of the run directory (if any and checkpoint.resume)."""
@@ -178,7 +186,11 @@ class Trainer:
                     before = self._evaluate(timings)
                     logger.log(0, {**before, "time/eval": timings["eval"]})
                     logger.write(f"before training: held-out greedy accuracy {before['eval/greedy_accuracy']:.3f}")
-                record = self.train_iteration(logger)
+                try:
+                    record = self.train_iteration(logger)
+                except DataExhausted as e:  # dynamic sampling draws extra batches: the data may end early
+                    logger.write(f"stopping: {e}")
+                    break
                 logger.log(self.state.iteration, record)
             self._save(force=True)
         finally:
@@ -201,20 +213,28 @@ class Trainer:
         self.checkpointer.save(self.state)
         return time.perf_counter() - t
 
-    def _refresh_behaviour(self, k: int) -> None:
-        """behaviour <- current, resharded to the sampling layout (a copy that survives the donated updates)."""
-        if self.config.grpo.behaviour_refresh > 1 and (k % self.config.grpo.behaviour_refresh == 0
-                                                        or self.state.behaviour is None):
-            self.state.behaviour = self._copy_to_sample_layout(self.state.params)
-            self.state.behaviour_version = k
-        elif self.config.grpo.behaviour_refresh == 1:
-            self.state.behaviour_version = k
+    def _refresh_behaviour(self, k: int) -> bool:
+        """behaviour <- current when `RefreshPolicy.due` (a copy in the sampling layout, which survives the
+        donated updates); returns whether this iteration samples from a fresh copy."""
+        s = self.state
+        if not self.config.grpo.keeps_behaviour_copy:  # on-policy: the current params sample
+            s.behaviour_version = k
+            return False
+        why = self.refresh_policy.due(k, s.behaviour_version, s.behaviour is not None, s.counters.refresh_requested)
+        if why is None:
+            return False
+        s.behaviour = self._copy_to_sample_layout(s.params)
+        s.behaviour_version = k
+        s.counters.behaviour_refreshes += 1
+        s.counters.refresh_requested = 0
+        log.info("iteration %d: behaviour <- current params (%s)", k + 1, why)
+        return True
 
     def _next_batch(self):
         try:
             batch = next(self.data)
         except StopIteration:
-            raise RuntimeError(f"the prompt data is exhausted after {self.state.iteration} iterations "
+            raise DataExhausted(f"the prompt data is exhausted after {self.state.iteration} iterations "
                                f"(data.epochs={self.config.data.epochs}); raise data.epochs") from None
         if batch.epoch > self.state.epoch:  # the previous epoch is complete (paper Algorithm 1, outer loop)
             self.state.epoch = batch.epoch
@@ -236,15 +256,33 @@ class Trainer:
         return prompt_arrays(batch.token_ids, width=width, pad_id=self.pad_id, mesh=self.mesh,
                              global_prompts=c.data.batch_size)
 
+    def _sample_round(self, sample_params, batch, prompt_tokens, prompt_mask, key) -> Round:
+        c = self.config
+        rollout = sample_and_score(self.graphdef, sample_params, prompt_tokens, prompt_mask, batch,
+                                   num_samples=c.grpo.num_generations, method=self.method, key=key, sampler=c.sampler,
+                                   stop_ids=self.stop_ids, pad_id=self.pad_id, mesh=self.mesh,
+                                   tokenizer=self.tokenizer, scorer=self.scorer)
+        return Round(batch, rollout, reward_table(rollout.scores, rollout.output, c.reward, c.sampler.max_new_tokens))
+
+    def _draw_round(self, sample_params) -> Round | None:
+        """Dynamic sampling's next batch of prompts, sampled and scored; None when the data is exhausted."""
+        try:
+            batch = self._next_batch()
+        except DataExhausted as e:
+            log.warning("dynamic sampling: %s", e)
+            return None
+        self.state.rng, key = jax.random.split(self.state.rng)
+        return self._sample_round(sample_params, batch, *self._prompt_arrays(batch), key)
+
     def train_iteration(self, logger: MetricsLogger | None = None) -> dict:
         """One iteration of the loop; returns its metrics record (without the iteration number)."""
         c, g, s = self.config, self.config.grpo, self.state
-        k = s.iteration
+        k, G = s.iteration, g.num_generations
         timings = {}
         t_start = time.perf_counter()
 
         t = time.perf_counter()
-        self._refresh_behaviour(k)
+        refreshed = self._refresh_behaviour(k)
         if g.behaviour_refresh == 1 and c.sampler.weights_dtype != c.model.param_dtype:
             sample_params = jax.block_until_ready(self._copy_to_sample_layout(self.behaviour))
         else:  # the behaviour copy is in the sampling layout already; v = 1 reshards the current params
@@ -257,18 +295,21 @@ class Trainer:
             s.rng, sample_key, shuffle_key = jax.random.split(s.rng, 3)
         else:
             s.rng, sample_key = jax.random.split(s.rng)
-        rollout = sample_and_score(self.graphdef, sample_params, prompt_tokens, prompt_mask, batch,
-                                   num_samples=g.num_generations, method=self.method, key=sample_key,
-                                   sampler=c.sampler, stop_ids=self.stop_ids, pad_id=self.pad_id, mesh=self.mesh,
-                                   tokenizer=self.tokenizer, scorer=self.scorer)
+        sampled = self._sample_round(sample_params, batch, prompt_tokens, prompt_mask, sample_key)
+        dynamic = {}
+        if g.dynamic_sampling_rounds:  # DAPO: replace zero-variance groups by newly sampled groups with signal
+            sampled, dynamic = fill_batch(sampled, functools.partial(self._draw_round, sample_params),
+                                          group_size=G,
+                                          rounds=g.dynamic_sampling_rounds, oversample=g.dynamic_sampling_oversample,
+                                          per_reward=g.advantage_reward_normalisation == "per_reward", mesh=self.mesh)
+            prompt_tokens, prompt_mask = self._prompt_arrays(sampled.batch)
         del sample_params
-        out, completions, result = rollout.output, rollout.completions, rollout.scores
-        timings["sample"] = rollout.sample_seconds
+        batch, out, completions, result = sampled.batch, *sampled.rollout[:3]
+        timings["sample"] = sampled.rollout.sample_seconds
 
         t = time.perf_counter()
-        rows = c.data.batch_size * g.num_generations
-        reward_table = to_global_rows(self._reward_table(result, out), self.mesh, TRAIN_RULES, rows)  # [R, 1+F]
-        timings["reward"] = rollout.score_seconds + time.perf_counter() - t
+        reward_table = to_global_rows(sampled.table, self.mesh, TRAIN_RULES, c.data.batch_size * G)  # [R, 1+F]
+        timings["reward"] = sampled.rollout.score_seconds + time.perf_counter() - t
 
         t = time.perf_counter()
         step_batch, _ = self.steps.assemble(prompt_tokens, prompt_mask, out.tokens, out.completion_mask,
@@ -297,7 +338,11 @@ class Trainer:
         timings["update"] = time.perf_counter() - t
 
         steps_before = s.counters.optimizer_steps
-        skipped, empty = self._count_steps(update_metrics)
+        skipped, empty = count_updates(s.counters, update_metrics, skip_empty=c.optim.skip_empty_steps,
+                                        iteration=k + 1)
+        s.counters.refresh_requested, why = self.refresh_policy.request(update_metrics)  # (adaptive v only)
+        if why:
+            log.info("iteration %d: %s: the behaviour policy refreshes before the next sampling", k + 1, why)
         # The rates of this iteration's first and last applied updates (the schedule counts applied steps only).
         lr = float(self.schedule(steps_before))
         lr_last = float(self.schedule(max(s.counters.optimizer_steps - 1, steps_before)))
@@ -313,9 +358,11 @@ class Trainer:
             inner_steps=g.inner_steps,
         )
         record.update(eval_metrics)
+        record.update(dynamic)
         record.update({"epoch": s.epoch, "behaviour_version": s.behaviour_version, "optim/steps":
                        s.counters.optimizer_steps, "nonfinite/skipped": skipped,
-                       "nonfinite/total": s.counters.nonfinite_total, "loss/empty_steps": empty})
+                       "nonfinite/total": s.counters.nonfinite_total, "loss/empty_steps": empty,
+                       "behaviour/refreshed": float(refreshed), "behaviour/refreshes": s.counters.behaviour_refreshes})
         if logger is not None and logger.should_dump_samples(s.iteration):
             logger.log_samples(s.iteration, sample_dump(batch, completions, result, g.num_generations))
         if s.counters.nonfinite_in_a_row >= c.run.max_nonfinite_steps:
@@ -329,44 +376,6 @@ class Trainer:
                 "check the rewards, or resume from an earlier checkpoint."
             )
         return record
-
-    def _reward_table(self, result, out) -> np.ndarray:
-        """This process's rows of [total, each reward function, overlong punishment (when on)], float32."""
-        r = self.config.reward
-        columns = [result.per_function[f] for f in r.functions]
-        total = result.total
-        if r.overlong_buffer:
-            lengths = local_rows(out.lengths)[:len(total)]
-            punishment = overlong_punishment(lengths, max_new_tokens=self.config.sampler.max_new_tokens,
-                                             buffer=r.overlong_buffer, penalty=r.overlong_penalty)
-            columns.append(punishment)
-            total = total + punishment
-        return np.stack([total] + columns, axis=1).astype(np.float32)
-
-    def _count_steps(self, update_metrics: list[dict]) -> tuple[int, int]:
-        """Count the iteration's updates into the run's counters; returns (non-finite, empty) steps.
-
-        A non-finite step was skipped; an empty one (nothing in the loss) was skipped with
-        `optim.skip_empty_steps`, else applied; every other step is an optimiser step.
-        """
-        counters = self.state.counters
-        skipped = empty = 0
-        for m in update_metrics:
-            if m["nonfinite"] > 0:
-                skipped += 1
-                counters.nonfinite_in_a_row += 1
-                counters.nonfinite_total += 1
-                log.warning("iteration %d: non-finite loss (%s) or gradient norm (%s): update skipped",
-                            self.state.iteration + 1, m["loss"], m["grad_norm"])
-                continue
-            counters.nonfinite_in_a_row = 0
-            if m["empty"] > 0:
-                empty += 1
-                counters.empty_steps += 1
-                if self.config.optim.skip_empty_steps:
-                    continue
-            counters.optimizer_steps += 1
-        return skipped, empty
 
     def _maybe_eval(self, timings: dict) -> dict:
         every, it = self.config.run.eval_every, self.state.iteration

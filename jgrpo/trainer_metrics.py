@@ -16,6 +16,9 @@ process computes the same numbers; only process 0 writes them. Names group into 
                               each refresh when v > 1)
     loss/*                    loss, pg_loss, kl_loss, ratio_*, advantage_*, zero_variance_frac, grad_norm, ...,
                               empty_steps (updates with nothing in the loss)
+    dynamic/*                 DAPO dynamic sampling (docs/algorithm.md §15): extra_rounds, prompts_sampled,
+                              first_round_signal_frac, short_groups (masked zero-variance groups left), data_exhausted
+    behaviour/*               refreshed (this iteration sampled from a fresh behaviour copy), refreshes (the run's)
     optim/*                   lr (first update of the iteration), lr_last (last one), steps
     time/*, throughput/*      seconds per phase; generated tokens/s overall and while sampling; trained tokens/s
                               (real prompt tokens once per group + generated tokens, per inner step)
@@ -26,12 +29,16 @@ averaged over the updates where lp_k is the real pi_k (`lp_k_exact`), and the lo
 
 from __future__ import annotations
 
+import logging
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jgrpo.diagnostics import MEAN_COUNTS, extreme_kind
 from jgrpo.host_arrays import global_sum
+
+log = logging.getLogger("jgrpo.trainer")  # the trainer's log: these lines are its warnings
 
 _SECTIONS = {
     "kl_mean": "kl/mean",
@@ -149,3 +156,27 @@ def sample_dump(batch, completions: list[str], result, generations: int, max_pro
                 **{f"reward/{name}": float(values[i]) for name, values in result.per_function.items()},
             })
     return rows
+
+
+def count_updates(counters, update_metrics: list[dict], *, skip_empty: bool, iteration: int) -> tuple[int, int]:
+    """Count an iteration's updates into the run's counters (`checkpoint.RunCounters`); returns (non-finite,
+    empty) updates. A non-finite update was skipped; an empty one (nothing in the loss) was skipped with
+    `optim.skip_empty_steps`, else applied; every other update is an optimiser step."""
+    skipped = empty = 0
+    for m in update_metrics:
+        if m["nonfinite"] > 0:
+            skipped += 1
+            counters.nonfinite_in_a_row += 1
+            counters.nonfinite_total += 1
+            log.warning("iteration %d: non-finite loss (%s) or gradient norm (%s): update skipped",
+                        iteration, m["loss"], m["grad_norm"])
+            continue
+        counters.nonfinite_in_a_row = 0
+        if m["empty"] > 0:
+            empty += 1
+            counters.empty_steps += 1
+            if skip_empty:
+                continue
+        counters.optimizer_steps += 1
+    return skipped, empty
+

@@ -2,7 +2,8 @@
 
 Iterations 2..5 cover every event of the loop after warm-up: a checkpoint save each, a behaviour refresh
 (v = 2: iterations 3 and 5 copy current -> behaviour), reference log-probs (beta > 0) and, off-policy, the
-recomputed lp_k and minibatch slicing. An XLA compilation in that window means a shape, dtype, sharding or
+recomputed lp_k and minibatch slicing; with dynamic sampling and adaptive v, extra sampling rounds and a
+refresh at every iteration. An XLA compilation in that window means a shape, dtype, sharding or
 static argument changed between iterations (each costs seconds to minutes on a real model). The failure
 message names what compiled (jax_log_compiles). Checkpoints are saved every iteration so that iteration 1
 also runs the save path once: its first call compiles small programs (the checksums of the saved trees and
@@ -28,6 +29,10 @@ def compile_counter():
     pytest.param([], id="on_policy"),
     pytest.param(["grpo.behaviour_refresh=2", "grpo.off_policy_ratio=recentred", "grpo.num_minibatches=2"],
                  id="off_policy_v2"),
+    # Extra sampling rounds whose batches are rebuilt on the host, and a behaviour copy at every iteration.
+    pytest.param(["grpo.dynamic_sampling_rounds=2", "reward.functions=[test_trainer_rewards:parity_on_even_answers]",
+                  "data.epochs=3", "grpo.behaviour_refresh=adaptive", "grpo.refresh_tv=1e-9"],
+                 id="dynamic_sampling_adaptive_v"),
 ])
 def test_iterations_2_to_5_never_compile(tmp_path, compile_counter, caplog, overrides):
     config = load_config("configs/tiny.yaml", [f"run.output_dir={tmp_path}", SPACE_REWARD, "run.iterations=5",
@@ -49,6 +54,9 @@ def test_iterations_2_to_5_never_compile(tmp_path, compile_counter, caplog, over
         if config.grpo.behaviour_refresh == 2:
             assert [r["behaviour_version"] for r in records] == [0, 2, 2, 4]  # refreshes inside the window
             assert records[1]["time/weight_sync"] > 0
+        if config.grpo.dynamic_sampling_rounds:
+            assert sum(r["dynamic/extra_rounds"] for r in records) > 0
+            assert all(r["behaviour/refreshed"] == 1 for r in records)
     finally:
         compile_counter.active = False
         jax.config.update("jax_log_compiles", previous)

@@ -29,3 +29,13 @@ def length_parity(prompt: str, completion: str, reference: dict) -> float:
 @pytest.mark.parametrize(("completion", "want"), [("", 0.0), ("a", 1.0), ("ab", 0.0)])
 def test_length_parity(completion, want):
     assert length_parity("q", completion, {}) == want
+
+
+def parity_on_even_answers(prompt: str, completion: str, reference: dict) -> float:
+    """`length_parity` where the reference answer is even, 0 elsewhere: about half the groups have no variance."""
+    return float(len(completion) % 2) if int(reference["answer"]) % 2 == 0 else 0.0
+
+
+@pytest.mark.parametrize(("answer", "completion", "want"), [("4", "a", 1.0), ("4", "ab", 0.0), ("3", "a", 0.0)])
+def test_parity_on_even_answers(answer, completion, want):
+    assert parity_on_even_answers("q", completion, {"answer": answer}) == want

@@ -1,0 +1,108 @@
+"""DAPO dynamic sampling (docs/algorithm.md §15): fill the batch with groups that carry a learning signal.
+
+A group whose G rewards are all equal has zero advantage everywhere: masked (paper eq. 8) it only shrinks
+the batch. DAPO (arXiv 2503.14476 §3.2) samples more prompts until the batch is full of groups with signal.
+Here, after the iteration's first round of B prompts, while any process is short of groups with signal, up
+to `grpo.dynamic_sampling_rounds` extra rounds each draw `grpo.dynamic_sampling_oversample` more batches of
+B prompts from the data iterator and sample them with the same behaviour params. The batch keeps the groups
+with signal in the order they were sampled; if it is still short, it is topped up with the first round's
+zero-variance groups, which stay masked (and counted): every program keeps its shapes.
+
+Each process selects among its own prompts (the rows it decoded and scored), so with several processes the
+batch is the union of per-process fills; every process takes the same number of rounds. The data iterator
+advances past every drawn batch and the checkpoint keeps that state, so a resumed run draws what the
+uninterrupted one draws. This is the entry point the rollout engine serves for dynamic sampling.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import NamedTuple
+
+import numpy as np
+
+from jgrpo.data import PromptBatch
+from jgrpo.host_arrays import global_max, global_sum, local_rows, to_global_rows
+from jgrpo.mesh import SAMPLE_RULES
+from jgrpo.rewards.scorer import RewardResult
+from jgrpo.rollout import Rollout
+from jgrpo.sampler import SampleOutput
+
+
+class Round(NamedTuple):
+    """One batch of this process's prompts, sampled and scored."""
+
+    batch: PromptBatch
+    rollout: Rollout
+    table: np.ndarray  # [rows, 1 + F] float32: total reward, then each reward column (`rollout.reward_table`)
+
+
+def groups_with_signal(table: np.ndarray, group_size: int, per_reward: bool) -> np.ndarray:
+    """[groups] bool: the group's rewards differ (the complement of `advantages.group_advantages`'s zero variance:
+    the total reward, or with `per_reward` any reward column, is not constant in the group)."""
+    columns = table[:, 1:] if per_reward else table[:, :1]
+    grouped = columns.reshape(-1, group_size, columns.shape[1])
+    return ~np.all(grouped == grouped[:, :1], axis=(1, 2))
+
+
+def fill_batch(first: Round, draw: Callable[[], Round | None], *, group_size: int, rounds: int, oversample: int,
+               per_reward: bool, mesh) -> tuple[Round, dict]:
+    """The iteration's batch: `first` with its zero-variance groups replaced by groups with signal from extra
+    rounds (`draw()` samples the next batch of prompts; None = the data is exhausted). Returns the batch (its
+    output as global arrays in the sampling layout) and `dynamic/*` metrics."""
+    wanted = len(first.batch)
+    drawn = [first]
+    signal = [groups_with_signal(first.table, group_size, per_reward)]
+    extra = 0
+    exhausted = False
+    # The shortfall is global: every process must run the same sampling programs, so all take the same rounds.
+    while extra < rounds and not exhausted and global_max(wanted - min(wanted, sum(map(int, map(np.sum, signal))))):
+        extra += 1
+        for _ in range(oversample):
+            more = draw()
+            if more is None:
+                exhausted = True
+                break
+            drawn.append(more)
+            signal.append(groups_with_signal(more.table, group_size, per_reward))
+    chosen = [(r, i) for r, s in enumerate(signal) for i in np.flatnonzero(s)][:wanted]
+    short = wanted - len(chosen)
+    chosen += [(0, i) for i in np.flatnonzero(~signal[0])[:short]]  # masked zero-variance groups, counted
+    counts = global_sum(np.asarray([len(first.batch), int(signal[0].sum()), short, len(drawn)], np.int64))
+    metrics = {"dynamic/extra_rounds": float(extra), "dynamic/prompts_sampled": float(counts[0] * counts[3]),
+               "dynamic/first_round_signal_frac": float(counts[1] / counts[0]),
+               "dynamic/short_groups": float(counts[2]), "dynamic/data_exhausted": float(exhausted)}
+    return _gather(drawn, chosen, group_size, mesh), metrics
+
+
+def _gather(drawn: list[Round], chosen: list[tuple[int, int]], group_size: int, mesh) -> Round:
+    """The chosen (round, group) pairs of this process as one Round; outputs rebuilt as global arrays."""
+    rows = [(r, i * group_size + j) for r, i in chosen for j in range(group_size)]
+
+    def pick(values_of):  # values_of(round) -> this process's row-indexed values of that round
+        values = [values_of(d) for d in drawn]
+        return [values[r][row] for r, row in rows]
+
+    def stacked(values_of):
+        return np.stack(pick(values_of))
+
+    first = drawn[0]
+    batch = dataclasses.replace(
+        first.batch, **{field: [getattr(drawn[r].batch, field)[i] for r, i in chosen]
+                        for field in ("token_ids", "texts", "questions", "references")},
+        epoch=drawn[-1].batch.epoch)
+    global_rows = first.rollout.output.tokens.shape[0]
+    output = SampleOutput(*(to_global_rows(stacked(lambda d, f=f: local_rows(getattr(d.rollout.output, f))),
+                                           mesh, SAMPLE_RULES, global_rows) for f in SampleOutput._fields))
+    scores = RewardResult(
+        total=stacked(lambda d: d.rollout.scores.total),
+        per_function={name: stacked(lambda d, n=name: d.rollout.scores.per_function[n])
+                      for name in first.rollout.scores.per_function},
+        failures={name: sum(d.rollout.scores.failures[name] for d in drawn) for name in first.rollout.scores.failures},
+        timeouts={name: sum(d.rollout.scores.timeouts[name] for d in drawn) for name in first.rollout.scores.timeouts},
+    )
+    rollout = Rollout(output, pick(lambda d: d.rollout.completions), scores,
+                      sum(d.rollout.sample_seconds for d in drawn), sum(d.rollout.score_seconds for d in drawn))
+    return Round(batch, rollout, stacked(lambda d: d.table))
+
