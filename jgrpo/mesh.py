@@ -34,6 +34,7 @@ TRAIN_RULES: Rules = {
     "head_dim": None,
     "layers": None,
     "norm": None,
+    "lora_rank": None,  # LoRA adapters (models/lora.py): the rank axis is small, replicated
 }
 
 SAMPLE_RULES: Rules = {

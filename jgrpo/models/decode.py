@@ -26,7 +26,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jgrpo.models.llm import KVCache, LLMConfig, layer_output, layer_qkv, rms_norm, rope_cos_sin
+from jgrpo.models.llm import KVCache, LLMConfig, layer_output, layer_qkv, rms_norm
+from jgrpo.models.rope import rope_cos_sin
 from jgrpo.platform_defaults import resolve
 
 DECODE_LAYERS = ("unrolled", "scanned")

@@ -14,7 +14,6 @@ occurs inside every chat prompt.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, NamedTuple
 
 import jax
@@ -24,6 +23,17 @@ from jax.sharding import PartitionSpec
 
 from jgrpo.models.attention_backends import IMPLEMENTATIONS as ATTENTION_IMPLEMENTATIONS
 from jgrpo.models.attention_backends import causal_attention, dense_attention, slot_mask
+from jgrpo.models.lora import (
+    LORA_LOGICAL_AXES,
+    check_lora,
+    init_adapter,
+    inputs_of,
+    is_adapter,
+    lora_shapes_by_path,
+    low_rank,
+)
+from jgrpo.models.matmul import dense
+from jgrpo.models.rope import apply_rope, rope_cos_sin
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -50,6 +60,7 @@ LOGICAL_AXES: dict[tuple[str, ...], tuple[str, ...]] = {
     ("layers", "gate"): ("layers", "embed", "mlp"),
     ("layers", "up"): ("layers", "embed", "mlp"),
     ("layers", "down"): ("layers", "mlp", "embed"),
+    **LORA_LOGICAL_AXES,  # adapters (models/lora.py), present only when LLMConfig.lora_rank > 0
 }
 
 
@@ -79,6 +90,10 @@ class LLMConfig:
     attention: str = "custom"
     # HF model_type this config came from (decides config.json and tensor names on export).
     architecture: str = "llama"
+    # LoRA adapters (models/lora.py) on these projections; rank 0 = none. Not part of the HF config.
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
+    lora_targets: tuple[str, ...] = ()
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads"):
@@ -99,6 +114,11 @@ class LLMConfig:
         for name in ("param_dtype", "compute_dtype"):
             if getattr(self, name) not in DTYPES:
                 raise ValueError(f"LLMConfig.{name} must be one of {DTYPES}, got '{getattr(self, name)}'")
+        check_lora(self.lora_rank, self.lora_alpha, self.lora_targets)
+
+    @property
+    def lora_scale(self) -> float:
+        return self.lora_alpha / self.lora_rank if self.lora_rank else 0.0
 
     @property
     def rope_params(self) -> dict[str, Any]:
@@ -157,10 +177,16 @@ def param_shapes_by_path(cfg: LLMConfig) -> dict[tuple[str, ...], tuple[int, ...
     return shapes
 
 
+def model_param_shapes_by_path(cfg: LLMConfig) -> dict[tuple[str, ...], tuple[int, ...]]:
+    """Every parameter of the model: the HF checkpoint's weights (`param_shapes_by_path`) and any LoRA adapters."""
+    base = param_shapes_by_path(cfg)
+    return base | lora_shapes_by_path(base, cfg.lora_rank, cfg.lora_targets)
+
+
 def param_shapes(cfg: LLMConfig) -> dict[str, Any]:
     """Nested dict (the params pytree's structure) of every parameter's shape."""
     out: dict[str, Any] = {}
-    for path, shape in param_shapes_by_path(cfg).items():
+    for path, shape in model_param_shapes_by_path(cfg).items():
         node = out
         for key in path[:-1]:
             node = node.setdefault(key, {})
@@ -169,10 +195,12 @@ def param_shapes(cfg: LLMConfig) -> dict[str, Any]:
 
 
 def _new_param(cfg: LLMConfig, path: tuple[str, ...], rngs: nnx.Rngs) -> nnx.Param:
-    shape = param_shapes_by_path(cfg)[path]
+    shape = model_param_shapes_by_path(cfg)[path]
     dtype = jnp.dtype(cfg.param_dtype)
     name = path[-1]
-    if name.endswith("norm"):
+    if is_adapter(name):
+        value = init_adapter(name, shape, rngs.params(), dtype)
+    elif name.endswith("norm"):
         value = jnp.ones(shape, dtype)  # RMSNorm gains start at identity
     elif name.endswith("bias"):
         value = jnp.zeros(shape, dtype)
@@ -186,7 +214,7 @@ class DecoderLayers(nnx.Module):
     """All decoder layers' weights, stacked along a leading [L] axis."""
 
     def __init__(self, cfg: LLMConfig, *, rngs: nnx.Rngs):
-        for path in param_shapes_by_path(cfg):
+        for path in model_param_shapes_by_path(cfg):
             if path[0] == "layers":
                 setattr(self, path[1], _new_param(cfg, path, rngs))
 
@@ -201,57 +229,20 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return weight.astype(x.dtype) * normed.astype(x.dtype)
 
 
-def rope_inv_freq(cfg: LLMConfig) -> jax.Array:
-    """Inverse frequencies [Dh/2] (float32) with the checkpoint's rope scaling applied."""
-    dim = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
-    params = cfg.rope_params
-    if cfg.rope_type == "linear":
-        inv_freq = inv_freq / params["factor"]
-    elif cfg.rope_type == "llama3":
-        # Llama 3.1: long wavelengths slowed by `factor`, short ones kept, a smooth ramp in between.
-        factor, low, high = params["factor"], params["low_freq_factor"], params["high_freq_factor"]
-        old_len = params["original_max_position_embeddings"]
-        wavelen = 2 * jnp.pi / inv_freq
-        scaled = jnp.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-        smooth = (old_len / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        is_medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-        inv_freq = jnp.where(is_medium, smoothed, scaled)
-    return inv_freq
-
-
-def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotate halves (HF layout). x: [B, T, N, Dh]; cos, sin: [B, T, Dh/2] float32."""
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    cos, sin = cos[:, :, None, :], sin[:, :, None, :]
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
-
-
-def dense(x: jax.Array, w: jax.Array, contract: int = 1) -> jax.Array:
-    """x [..., *in] times w [*in, *out], with `in` the last `contract` dims of x, as one 2-D matmul.
-
-    Same numbers as the einsum, but XLA:CPU runs a [rows, in] x [in, out] dot (and its two gradient dots)
-    much faster than a batched einsum over [B, T, ...] (measured on SmolLM2's MLP at 16 x 192: forward
-    90 -> 68 ms, forward + backward 389 -> 281 ms); merging leading dims keeps any sharding of B or heads.
-    """
-    lead, inner = x.shape[: x.ndim - contract], w.shape[:contract]
-    size = math.prod(inner)
-    y = x.reshape(-1, size) @ w.reshape(size, -1)
-    return y.reshape(*lead, *w.shape[contract:])
-
-
-def rope_cos_sin(cfg: LLMConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """cos, sin of the rotary angles for integer positions [B, T]: each [B, T, Dh/2] float32."""
-    angles = positions.astype(jnp.float32)[..., None] * rope_inv_freq(cfg)
-    return jnp.cos(angles), jnp.sin(angles)
+def project(cfg: LLMConfig, p: dict, name: str, x: jax.Array) -> jax.Array:
+    """x times the layer's weight `name`, plus its LoRA term when the layer has an adapter there."""
+    contract = inputs_of(name)
+    y = dense(x, p[name], contract)
+    if f"{name}_lora_a" in p:
+        y = y + low_rank(x, p[f"{name}_lora_a"], p[f"{name}_lora_b"], contract, cfg.lora_scale)
+    return y
 
 
 def layer_qkv(cfg: LLMConfig, p: dict, x: jax.Array, cos, sin):
     """A layer's queries [B, T, H, Dh] and keys, values [B, T, KVH, Dh] (biases, qk-norm, RoPE applied)."""
     with jax.named_scope("attention"):
         h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
-        q, k, v = dense(h, p["q"]), dense(h, p["k"]), dense(h, p["v"])  # [B, T, H or KVH, Dh]
+        q, k, v = project(cfg, p, "q", h), project(cfg, p, "k", h), project(cfg, p, "v", h)  # [B, T, H|KVH, Dh]
         if cfg.qkv_bias:
             q, k, v = q + p["q_bias"], k + p["k_bias"], v + p["v_bias"]
         if cfg.qk_norm:
@@ -263,12 +254,12 @@ def layer_qkv(cfg: LLMConfig, p: dict, x: jax.Array, cos, sin):
 def layer_output(cfg: LLMConfig, p: dict, x: jax.Array, attended: jax.Array) -> jax.Array:
     """The residual stream after a layer, given its attention output [B, T, H, Dh]: o-projection, then the MLP."""
     with jax.named_scope("attention"):
-        x = x + dense(attended, p["o"], contract=2)
+        x = x + project(cfg, p, "o", attended)
         if cfg.o_bias:
             x = x + p["o_bias"]
     with jax.named_scope("mlp"):
         h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
-        return x + dense(jax.nn.silu(dense(h, p["gate"])) * dense(h, p["up"]), p["down"])
+        return x + project(cfg, p, "down", jax.nn.silu(project(cfg, p, "gate", h)) * project(cfg, p, "up", h))
 
 
 def with_remat(fn, policy: str):

@@ -19,7 +19,8 @@ import jax
 import jax.numpy as jnp
 
 from jgrpo.models.attention_backends import causal_attention
-from jgrpo.models.llm import LLM, layer_output, layer_qkv, position_ids_from_mask, rms_norm, rope_cos_sin, with_remat
+from jgrpo.models.llm import LLM, layer_output, layer_qkv, position_ids_from_mask, rms_norm, with_remat
+from jgrpo.models.rope import rope_cos_sin
 
 
 def forward_shared_prompts(
