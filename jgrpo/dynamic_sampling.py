@@ -69,8 +69,8 @@ def fill_batch(first: Round, draw: Callable[[], Round | None], *, group_size: in
     chosen = [(r, i) for r, s in enumerate(signal) for i in np.flatnonzero(s)][:wanted]
     short = wanted - len(chosen)
     chosen += [(0, i) for i in np.flatnonzero(~signal[0])[:short]]  # masked zero-variance groups, counted
-    counts = global_sum(np.asarray([len(first.batch), int(signal[0].sum()), short, len(drawn)], np.int64))
-    metrics = {"dynamic/extra_rounds": float(extra), "dynamic/prompts_sampled": float(counts[0] * counts[3]),
+    counts = global_sum(np.asarray([len(first.batch), int(signal[0].sum()), short], np.int64))  # over processes
+    metrics = {"dynamic/extra_rounds": float(extra), "dynamic/prompts_sampled": float(counts[0] * len(drawn)),
                "dynamic/first_round_signal_frac": float(counts[1] / counts[0]),
                "dynamic/short_groups": float(counts[2]), "dynamic/data_exhausted": float(exhausted)}
     return _gather(drawn, chosen, group_size, mesh), metrics

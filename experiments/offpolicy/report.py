@@ -1,6 +1,6 @@
 """The off-policy toolbox study's table and figures, from whatever runs exist (mean +- standard error over seeds).
 
-    python experiments/offpolicy/report.py [--out runs/offpolicy] [--docs docs]
+    python experiments/offpolicy/report.py [--results experiments/offpolicy/results] [--docs docs]
 
 Writes docs/offpolicy_results.md (the table; generated, do not edit) and docs/experiments/offpolicy_*.png, and
 prints the table. Per configuration, over the seeds whose run reached the last iteration: held-out greedy
@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from run import ITERATIONS, RUNS  # noqa: E402  (the study's own list of configurations)
+from run import ITERATIONS, RESULTS, RUNS  # noqa: E402  (the study's own list of configurations)
 
 from jgrpo.metrics import read_metrics  # noqa: E402
 from jgrpo.plot import with_training_time  # noqa: E402
@@ -155,14 +155,14 @@ def figures(table: dict[str, list[dict]], docs: Path) -> list[Path]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default="runs/offpolicy", type=Path)
+    parser.add_argument("--results", default=RESULTS, type=Path)
     parser.add_argument("--docs", default="docs", type=Path)
     args = parser.parse_args(argv)
-    table = collect(args.out)
+    table = collect(args.results)
     if not any(table.values()):
-        print(f"error: no finished runs under {args.out} (python experiments/offpolicy/run.py)", file=sys.stderr)
+        print(f"error: no finished runs under {args.results} (python experiments/offpolicy/run.py)", file=sys.stderr)
         return 2
-    untrained_file = args.out / "untrained_eval.json"
+    untrained_file = args.results / "untrained_eval.json"
     untrained = json.loads(untrained_file.read_text()) if untrained_file.is_file() else None
     text = markdown(table, untrained)
     (args.docs / "offpolicy_results.md").write_text("# Off-policy toolbox study: results\n\n" + text +

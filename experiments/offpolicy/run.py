@@ -1,11 +1,13 @@
 """Run the off-policy toolbox study (docs/offpolicy_study.md): every configuration x every seed, resumable.
 
     python experiments/offpolicy/run.py [--out runs/offpolicy] [--seeds 0 1 2] [--workers 2] [--only NAME ...]
-    python experiments/offpolicy/report.py [--out runs/offpolicy]          # table + figures from what exists
+    python experiments/offpolicy/report.py          # table + figures from experiments/offpolicy/results
 
-Each run is `python -m jgrpo.train experiments/offpolicy/base.yaml` plus its overrides, in OUT/seed<S>/<name>.
-A run that finished is skipped; one that was interrupted resumes from its last checkpoint (every 10 iterations),
-so the study runs in parts: stop it any time and start it again. Runs go seed by seed (all configurations of
+Each run is `python -m jgrpo.train experiments/offpolicy/base.yaml` plus its overrides, in OUT/seed<S>/<name>
+(checkpoints, log). A finished run's metrics.jsonl and config.yaml are copied to RESULTS/seed<S>/<name>/
+(default experiments/offpolicy/results, committed: what the report reads). A run with results is skipped; one
+that was interrupted resumes from its last checkpoint in OUT (every 10 iterations), so the study runs in parts:
+stop it any time and start it again. Runs go seed by seed (all configurations of
 seed 0 first), `--workers` at a time, each pinned to its own core (taskset, one XLA thread) so that their
 seconds per iteration compare. The untrained model is evaluated once (OUT/untrained_eval.json).
 """
@@ -43,7 +45,11 @@ RUNS = {
 ITERATIONS = 60
 
 
+RESULTS = HERE / "results"
+
+
 def finished(run_dir: Path) -> bool:
+    """The run's metrics reach the last iteration with its held-out evaluation."""
     metrics = run_dir / "metrics.jsonl"
     if not metrics.is_file():
         return False
@@ -68,13 +74,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="runs/offpolicy", type=Path)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--results", default=RESULTS, type=Path, help="where finished runs' metrics are kept")
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--only", nargs="+", choices=list(RUNS), help="these configurations only")
     parser.add_argument("--no-pin", action="store_true", help="do not pin runs to cores")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
 
-    untrained = args.out / "untrained_eval.json"
+    args.results.mkdir(parents=True, exist_ok=True)
+    untrained = args.results / "untrained_eval.json"
     if not untrained.is_file():
         cmd, env = pinned([sys.executable, "-m", "jgrpo.eval", str(BASE)], None if args.no_pin else 0)
         lines = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout.strip().splitlines()
@@ -84,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     for seed in args.seeds:
         for name, overrides in RUNS.items():
             run_dir = args.out / f"seed{seed}" / name
-            if (args.only is None or name in args.only) and not finished(run_dir):
+            if (args.only is None or name in args.only) and not finished(args.results / f"seed{seed}" / name):
                 todo.put((run_dir, seed, overrides))
     print(f"{todo.qsize()} runs to do, {args.workers} at a time", flush=True)
     failures = []
@@ -101,8 +109,13 @@ def main(argv: list[str] | None = None) -> int:
             with open(run_dir.parent / f"{run_dir.name}.log", "a") as log:
                 code = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
             print(f"{run_dir}: exit {code} after {time.time() - start:.0f} s", flush=True)
-            if code != 0:
+            if code != 0 or not finished(run_dir):
                 failures.append(str(run_dir))
+                continue
+            kept = args.results / run_dir.parent.name / run_dir.name
+            kept.mkdir(parents=True, exist_ok=True)
+            for name in ("metrics.jsonl", "config.yaml"):
+                shutil.copy2(run_dir / name, kept / name)
 
     threads = [threading.Thread(target=worker, args=(core,)) for core in range(args.workers)]
     for t in threads:
