@@ -98,8 +98,8 @@ class GRPOConfig:
 
     num_generations: int = 8  # G completions per prompt
     # v: behaviour <- current every v iterations (1 = on-policy), or "adaptive": when the measured distance to
-    # the behaviour policy says so (refresh_tv, refresh_penalty_fraction), at the latest every
-    # refresh_max_iterations (docs/algorithm.md §14).
+    # the behaviour policy says so (refresh_tv, refresh_penalty_fraction; from Theorem 1 of arXiv 2505.22257), at
+    # the latest every refresh_max_iterations (docs/algorithm.md §14).
     behaviour_refresh: int | Literal["adaptive"] = 1
     # Adaptive v: refresh before the next sampling when the last update's TV(pi_theta, alpha) exceeds refresh_tv,
     # or when Theorem 1's penalty 2 M TV(pi_theta, alpha) + 2 TV(pi_k, alpha) exceeds refresh_penalty_fraction
@@ -120,12 +120,13 @@ class GRPOConfig:
     # function's reward within the group before the weighted sum, then the sum by its batch std (`per_reward`:
     # GDPO, arXiv 2601.05242; distinct reward combinations keep distinct advantages).
     advantage_reward_normalisation: Literal["sum", "per_reward"] = "sum"
-    # DAPO's overlong filtering: completions cut at sampler.max_new_tokens (no stop token) leave the loss; they
-    # still count in their group's advantages.
+    # DAPO's overlong filtering (arXiv 2503.14476 §3.4): completions cut at sampler.max_new_tokens (no stop
+    # token) leave the loss; they still count in their group's advantages.
     overlong_filter: bool = False
-    # DAPO's dynamic sampling (docs/algorithm.md §15): groups with zero reward variance are replaced by groups
-    # with signal from at most dynamic_sampling_rounds extra rounds of dynamic_sampling_oversample x B prompts
-    # drawn from the data; a batch still short keeps masked zero-variance groups (counted). 0 = off.
+    # DAPO's dynamic sampling (arXiv 2503.14476 §3.2; docs/algorithm.md §15): groups with zero reward variance
+    # are replaced by groups with signal from at most dynamic_sampling_rounds extra rounds of
+    # dynamic_sampling_oversample x B prompts drawn from the data; a batch still short keeps masked zero-variance
+    # groups (counted). 0 = off.
     dynamic_sampling_rounds: int = 0
     dynamic_sampling_oversample: int = 1
     # Surrogate (docs/algorithm.md §3).
@@ -296,9 +297,9 @@ class RewardConfig:
     weights: tuple[float, ...] = (1.0,)
     timeout_s: float = 5.0  # a reward call running longer gives 0 and is counted
     num_workers: int = 2  # reward worker processes (a stuck call is killed with its process)
-    # DAPO's soft overlong punishment, in tokens: a completion longer than max_new_tokens - overlong_buffer gets
-    # -overlong_penalty * (length - (max_new_tokens - overlong_buffer)) / overlong_buffer added to its reward
-    # (-overlong_penalty at max_new_tokens), logged as reward/overlong. 0 = off.
+    # DAPO's soft overlong punishment (arXiv 2503.14476 eq. 13), in tokens: a completion longer than
+    # max_new_tokens - overlong_buffer gets -overlong_penalty * (length - (max_new_tokens - overlong_buffer)) /
+    # overlong_buffer added to its reward (-overlong_penalty at max_new_tokens), logged as reward/overlong. 0 = off.
     overlong_buffer: int = 0
     overlong_penalty: float = 1.0
 
