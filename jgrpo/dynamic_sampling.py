@@ -56,8 +56,12 @@ def fill_batch(first: Round, draw: Callable[[], Round | None], *, group_size: in
     signal = [groups_with_signal(first.table, group_size, per_reward)]
     extra = 0
     exhausted = False
-    # The shortfall is global: every process must run the same sampling programs, so all take the same rounds.
-    while extra < rounds and not exhausted and global_max(wanted - min(wanted, sum(map(int, map(np.sum, signal))))):
+
+    def short_anywhere() -> bool:  # every process runs the same sampling programs, so all take the same rounds
+        have = sum(int(s.sum()) for s in signal)
+        return global_max(max(0, wanted - have)) > 0
+
+    while extra < rounds and not exhausted and short_anywhere():
         extra += 1
         for _ in range(oversample):
             more = draw()
