@@ -39,9 +39,9 @@ def test_verdict_is_one_standard_error_below_masked_on_policy():
     report = _module("report")
 
     def runs(*greedy):
-        return [{"greedy": g, "pass1": 0.0, "reward_last10": 0.0, "s_per_iteration": 1.0, "minutes": 1.0,
-                 "tv_theta_alpha": 0.0, "tv_k_alpha": 0.0, "M": 0.0, "lower_bound": 0.0, "intervened": 0.0,
-                 "refreshes": 0.0} for g in greedy]
+        return [{"greedy": g, "greedy_evals": g, "pass1": 0.0, "reward_last10": 0.0, "s_per_iteration": 1.0,
+                 "minutes": 1.0, "tv_theta_alpha": 0.0, "tv_k_alpha": 0.0, "M": 0.0, "lower_bound": 0.0,
+                 "intervened": 0.0, "refreshes": 0.0} for g in greedy]
 
     # Reference 0.4, 0.5, 0.6: mean 0.5, SE = 0.1 / sqrt(3) = 0.0577 -> threshold 0.4423.
     table = {name: [] for name in RUN.RUNS}
