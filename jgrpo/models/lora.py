@@ -32,10 +32,10 @@ _IO_AXES = {
 }
 SUFFIXES = ("_lora_a", "_lora_b")
 
-LORA_LOGICAL_AXES: dict[tuple[str, ...], tuple[str, ...]] = {}
-for _target, (_ins, _outs) in _IO_AXES.items():
-    LORA_LOGICAL_AXES[("layers", f"{_target}_lora_a")] = ("layers", *_ins, "lora_rank")
-    LORA_LOGICAL_AXES[("layers", f"{_target}_lora_b")] = ("layers", "lora_rank", *_outs)
+LORA_LOGICAL_AXES: dict[tuple[str, ...], tuple[str, ...]] = {
+    **{("layers", f"{t}_lora_a"): ("layers", *ins, "lora_rank") for t, (ins, _) in _IO_AXES.items()},
+    **{("layers", f"{t}_lora_b"): ("layers", "lora_rank", *outs) for t, (_, outs) in _IO_AXES.items()},
+}
 
 
 def check_lora(rank: int, alpha: float, targets: tuple[str, ...]) -> None:
