@@ -1,6 +1,6 @@
 """Run the off-policy toolbox study (docs/offpolicy_study.md): every configuration x every seed, resumable.
 
-    python experiments/offpolicy/run.py [--out runs/offpolicy] [--seeds 0 1 2] [--workers 2] [--only NAME ...]
+    python experiments/offpolicy/run.py [--out runs/offpolicy] [--seeds 0 1 2] [--workers 2] [--cores 1] [--only NAME ...]
     python experiments/offpolicy/report.py          # table + figures from experiments/offpolicy/results
 
 Each run is `python -m jgrpo.train experiments/offpolicy/base.yaml` plus its overrides, in OUT/seed<S>/<name>
@@ -78,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--only", nargs="+", choices=list(RUNS), help="these configurations only")
     parser.add_argument("--no-pin", action="store_true", help="do not pin runs to cores")
+    parser.add_argument("--cores", type=int, nargs="+", help="pin the workers to these cores (default 0 .. workers-1)")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
 
@@ -117,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
             for name in ("metrics.jsonl", "config.yaml"):
                 shutil.copy2(run_dir / name, kept / name)
 
-    threads = [threading.Thread(target=worker, args=(core,)) for core in range(args.workers)]
+    cores = args.cores or list(range(args.workers))
+    threads = [threading.Thread(target=worker, args=(core,)) for core in cores[:args.workers]]
     for t in threads:
         t.start()
     for t in threads:
