@@ -52,6 +52,7 @@ from jgrpo.mesh import (  # noqa: E402
 )
 from jgrpo.models.attention_backends import resolve_attention  # noqa: E402
 from jgrpo.models.llm import abstract_model, param_logical_axes  # noqa: E402
+from jgrpo.models.lora import join_adapters, split_adapters  # noqa: E402
 from jgrpo.models.shapes import model_shapes  # noqa: E402
 from jgrpo.optim import make_optimizer  # noqa: E402
 from jgrpo.roofline import CHIPS, Chip  # noqa: E402
@@ -109,10 +110,17 @@ class AbstractRun:
     mesh: Mesh
     cfg: object  # LLMConfig
     graphdef: object
-    params: dict  # training layout
+    params: dict  # training layout: what trains (with LoRA the adapters)
     sample_params: dict  # sampling layout
     opt_state: object
     steps: StepFunctions
+    base: dict | None = None  # LoRA's frozen base, training layout (`jgrpo.frozen_base`)
+    sample_base: dict | None = None  # and its sampling-layout copy, only where that layout or dtype differs
+
+    def whole(self, sample: bool = False) -> dict:
+        """The model's params (adapters joined with their base) in the training or sampling layout."""
+        params, base = (self.sample_params, self.sample_base or self.base) if sample else (self.params, self.base)
+        return params if base is None else join_adapters(params, base)
 
 
 def abstract_run(config: Config, devices: list, *, train_rules: Rules = TRAIN_RULES,
@@ -122,21 +130,30 @@ def abstract_run(config: Config, devices: list, *, train_rules: Rules = TRAIN_RU
     mesh = make_mesh(c.mesh, devices)
     cfg = model_shapes(m.name, param_dtype=m.param_dtype, compute_dtype=m.compute_dtype, remat=m.remat,
                        attention=resolve_attention(m.attention, mesh_platform(mesh)))
+    if m.lora.rank:
+        cfg = dataclasses.replace(cfg, lora_rank=m.lora.rank, lora_alpha=m.lora.alpha, lora_targets=m.lora.targets)
     graphdef, shapes = abstract_model(cfg)
     axes = param_logical_axes(shapes)
     params = _abstract(shapes, logical_shardings(axes, mesh, train_rules, shapes=shapes))
     sample_dtype = jnp.dtype(c.sampler.weights_dtype)
     sample_params = _abstract(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, sample_dtype), shapes),
                               logical_shardings(axes, mesh, sample_rules, shapes=shapes))
+    base = sample_base = None
+    if m.lora.rank:  # what trains is the adapters; the base is frozen and held once per distinct layout
+        (params, base), (sample_params, sample_base) = split_adapters(params), split_adapters(sample_params)
+        shapes = split_adapters(shapes)[0]
+        same = jax.tree.map(lambda a, b: a.dtype == b.dtype and a.sharding.is_equivalent_to(b.sharding, a.ndim),
+                            base, sample_base)
+        sample_base = None if all(jax.tree.leaves(same)) else sample_base
     optimizer = make_optimizer(c.optim, max(c.run.iterations * g.inner_steps * g.num_minibatches, 1))
-    steps = StepFunctions(graphdef=graphdef, params=params, mesh=mesh, grpo=g, optimizer=optimizer,
+    steps = StepFunctions(graphdef=graphdef, params=params, frozen=base, mesh=mesh, grpo=g, optimizer=optimizer,
                           method=SamplingMethod.from_config(c.sampler, mesh_platform(mesh)),
                           logprob_chunk=m.logprob_chunk,
                           new_tokens=c.sampler.max_new_tokens, share_prompts=m.share_prompts,
                           skip_empty_steps=c.optim.skip_empty_steps, rules=train_rules,
                           reward_weights=c.reward.component_weights())
     opt_state = _abstract(jax.eval_shape(optimizer.init, shapes), steps.opt_shardings)
-    return AbstractRun(mesh, cfg, graphdef, params, sample_params, opt_state, steps)
+    return AbstractRun(mesh, cfg, graphdef, params, sample_params, opt_state, steps, base, sample_base)
 
 
 
@@ -197,15 +214,20 @@ def lower_iteration(config: Config, devices: list, *, names: tuple[str, ...] | N
                          **decode_options(c.sampler))
 
     resident = {"params": per_chip_bytes(params), "opt_state": per_chip_bytes(opt_state)}
-    if g.beta > 0:
-        resident["reference"] = resident["params"]
+    if run.base is not None:  # LoRA: the frozen base, once (twice where the sampling layout differs)
+        resident["base"] = per_chip_bytes(run.base)
+        resident["sample_base"] = per_chip_bytes(run.sample_base) if run.sample_base is not None else 0
+    if g.beta > 0:  # a copy of the initial params; with LoRA the base itself, or a frozen adapter copy after a swap
+        resident["reference"] = resident["params"] if run.base is None or g.swap_reference else 0
     if g.keeps_behaviour_copy:
         resident["behaviour"] = per_chip_bytes(sample_params)
+    sampling_base = resident.get("sample_base") or resident.get("base", 0)
+    whole, sample_whole = run.whole(), run.whole(sample=True)
     programs = []
     if wanted("sample"):
-        programs.append(Program("sample", lower_generate(graphdef, sample_params, *prompts, key, num_samples=G,
-                                                         method=steps.method,
-                                                         **sample_kwargs), resident.get("behaviour", 0)))
+        programs.append(Program("sample", lower_generate(graphdef, sample_whole, *prompts, key, num_samples=G,
+                                                         method=steps.method, **sample_kwargs),
+                                resident.get("behaviour", 0) + sampling_base))
     outputs = (_rows(mesh, train_rules, (R, N), jnp.int32), _rows(mesh, train_rules, (R, N), jnp.bool_),
                _rows(mesh, train_rules, (R, N), jnp.float32),
                _rows(mesh, train_rules, (R, 1 + len(c.reward.component_names())), jnp.float32),  # reward table
@@ -221,13 +243,15 @@ def lower_iteration(config: Config, devices: list, *, names: tuple[str, ...] | N
                            lp_k=batch.lp_alpha if steps.lp_k_source == "computed" else None,
                            m2po_drop=batch.completion_mask if g.m2po_tau is not None else None)
     resident["step_batch"] = per_chip_bytes(batch)
-    read_only = resident["params"] + resident["step_batch"]
-    if wanted("ref_logprobs"):
-        programs.append(Program("ref_logprobs", steps.reference_logprobs.lower(params, batch), read_only))
+    read_only = resident["params"] + resident.get("base", 0) + resident["step_batch"]
+    if wanted("ref_logprobs"):  # with LoRA (and no swap) the reference is the base alone
+        reference = run.base if run.base is not None and not g.swap_reference else whole
+        ref_bytes = resident["step_batch"] + per_chip_bytes(reference)
+        programs.append(Program("ref_logprobs", steps.reference_logprobs.lower(reference, batch), ref_bytes))
     if wanted("lp_k"):
-        programs.append(Program("lp_k", steps.logprobs.lower(params, batch), read_only))
+        programs.append(Program("lp_k", steps.logprobs.lower(whole, batch), read_only))
     if wanted("update"):
-        update = steps.train_step.lower(params, opt_state, batch, jnp.int32(0), jnp.bool_(True))
+        update = steps.train_step.lower(params, opt_state, batch, jnp.int32(0), jnp.bool_(True), frozen=run.base)
         programs.append(Program("update", update, read_only + resident["opt_state"],
                                 runs=g.inner_steps * g.num_minibatches))
     if wanted("behaviour"):
@@ -239,6 +263,7 @@ def lower_iteration(config: Config, devices: list, *, names: tuple[str, ...] | N
         eval_batch = c.run.eval_batch_size or B
         eval_prompts = (_rows(mesh, sample_rules, (eval_batch, P), jnp.int32),
                         _rows(mesh, sample_rules, (eval_batch, P), jnp.bool_))
-        programs.append(Program("eval", lower_generate(graphdef, sample_params, *eval_prompts, key, num_samples=1,
-                                                       method=SamplingMethod(temperature=0.0), **sample_kwargs), 0))
+        programs.append(Program("eval", lower_generate(graphdef, sample_whole, *eval_prompts, key, num_samples=1,
+                                                       method=SamplingMethod(temperature=0.0), **sample_kwargs),
+                                sampling_base))
     return Iteration(run, resident, programs, {"B": B, "G": G, "P": P, "N": N})

@@ -30,12 +30,12 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
 from jgrpo.config import CheckpointConfig
+from jgrpo.fingerprint import fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -108,9 +108,11 @@ class Checkpointer:
     """Save and restore `TrainState` under `run_dir/checkpoints` with Orbax's CheckpointManager."""
 
     def __init__(self, run_dir: str | Path, config: CheckpointConfig, resolved_config: dict | None = None,
-                 read_only: bool = False):
+                 read_only: bool = False, base: tuple[str, list[int]] | None = None):
         """`read_only` (evaluation, export) never writes, moves or cleans up anything: a training run may be
-        saving into the same directory at that moment."""
+        saving into the same directory at that moment. `base` = (name, fingerprint) of a LoRA run's frozen
+        base: recorded with every save, and a checkpoint of adapters trained on another base is refused."""
+        self.base = base
         self.run_dir = epath.Path(run_dir)  # a local folder or a bucket (gs://...)
         self.directory = self.run_dir / "checkpoints"
         self.config = config
@@ -167,6 +169,7 @@ class Checkpointer:
                     "rng_impl": str(jax.random.key_impl(state.rng)),
                     "counters": state.counters.to_json(),
                     "fingerprints": {name: fingerprint(tree) for name, tree in arrays.items()},
+                    **({"base": {"name": self.base[0], "fingerprint": self.base[1]}} if self.base else {}),
                     "saved_at": time.time(),
                 }
             ),
@@ -208,6 +211,7 @@ class Checkpointer:
         """
         def read(candidate):
             meta = self.manager.restore(candidate, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+            self._check_base(meta)
             layout = {"params": _abstract(abstract_params)}
             restored = self.manager.restore(
                 candidate, args=ocp.args.Composite(params=ocp.args.StandardRestore(layout["params"])))
@@ -251,6 +255,7 @@ class Checkpointer:
         meta, data_state = head["meta"], head["data"]
         if meta.get("iteration") != step:
             raise CheckpointError(f"metadata says iteration {meta.get('iteration')} but the step is {step}")
+        self._check_base(meta)
         params_layout = _abstract(target.params)
         abstract = {
             "params": params_layout,
@@ -284,6 +289,20 @@ class Checkpointer:
         )
 
     # ------------------------------------------------------------- internals
+
+    def _check_base(self, meta: dict) -> None:
+        """LoRA adapters continue only on the base they were trained on (and full params only without one)."""
+        saved = meta.get("base")
+        if saved is None and self.base is None:
+            return
+        if saved is None or self.base is None:
+            raise IncompatibleCheckpoint(
+                f"the checkpoint holds {'LoRA adapters' if saved else 'full params'} but this run "
+                f"{'trains full params' if saved else 'trains LoRA adapters'}: set model.lora as the run that wrote it")
+        if saved["fingerprint"] != self.base[1]:
+            raise IncompatibleCheckpoint(
+                f"the checkpoint's LoRA adapters were trained on the base {saved['name']!r}, whose weights differ "
+                f"from this run's base {self.base[0]!r} (content fingerprints differ): resume on the same base")
 
     def _report_partial_saves(self) -> None:
         if jax.process_index() != 0 or not self.directory.is_dir():
@@ -321,46 +340,6 @@ def _check_restored_shapes(restored: dict, abstract: dict) -> None:
         for g, w in zip(got, want, strict=True):
             if tuple(np.shape(g)) != tuple(w.shape):
                 raise CheckpointError(f"item '{name}' has an array of shape {np.shape(g)}, expected {w.shape}")
-
-
-def _fingerprint_one(x: jax.Array) -> jax.Array:
-    """Sum of the array's bits weighted by (2 * flat index + 1), wrapping mod 2**32: one uint32.
-
-    Integer wrap-around sums are exact in any order, so the value does not depend on the sharding or the
-    reduction order: a checkpoint written on one mesh verifies on another. Weights catch swapped elements.
-    """
-    x = x.reshape(-1)
-    if x.dtype == jnp.bool_:
-        bits = x.astype(jnp.uint32)
-    elif x.dtype.itemsize == 8:
-        bits = jax.lax.bitcast_convert_type(x, jnp.uint32).reshape(-1)
-    else:
-        word = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[x.dtype.itemsize]
-        bits = jax.lax.bitcast_convert_type(x, word).astype(jnp.uint32)
-    weights = jnp.arange(bits.size, dtype=jnp.uint32) * jnp.uint32(2) + jnp.uint32(1)
-    return jnp.sum(bits * weights, dtype=jnp.uint32)
-
-
-_fingerprint_many = jax.jit(lambda leaves: [_fingerprint_one(x) for x in leaves])
-
-
-def fingerprint(tree) -> list[int]:
-    """Content fingerprints of every array in `tree`, as plain ints for JSON.
-
-    One jitted call per set of devices: leaves may live on different devices (an optimiser's step count is
-    often on one device while the params span the mesh), and one jit cannot mix them.
-    """
-    leaves = jax.tree.leaves(tree)
-    groups: dict = {}
-    for i, x in enumerate(leaves):
-        devices = frozenset(x.sharding.device_set) if isinstance(x, jax.Array) else None
-        groups.setdefault(devices, []).append(i)
-    out = [0] * len(leaves)
-    for indices in groups.values():
-        values = jax.device_get(_fingerprint_many([leaves[i] for i in indices]))
-        for i, v in zip(indices, values, strict=True):
-            out[i] = int(v)
-    return out
 
 
 class PreemptionFlag:

@@ -20,6 +20,22 @@ def _check(cond: bool, field: str, value: Any, allowed: str) -> None:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class LoraConfig:
+    # Adapter rank; 0 = full fine-tuning. With rank > 0 only the adapters train: the base weights stay frozen,
+    # the reference policy is the base itself and a behaviour copy holds adapters only (docs/lora.md).
+    rank: int = 0
+    alpha: float = 16.0  # the low-rank term is scaled by alpha / rank (PEFT's lora_alpha)
+    # The decoder projections that get an adapter. No dropout: it would make log-probs stochastic.
+    targets: tuple[Literal["q", "k", "v", "o", "gate", "up", "down"], ...] = ("q", "k", "v", "o", "gate", "up", "down")
+
+    def __post_init__(self):
+        _check(self.rank >= 0, "model.lora.rank", self.rank, "0 (off) or a positive integer")
+        _check(self.alpha > 0, "model.lora.alpha", self.alpha, "a positive number")
+        _check(bool(self.targets) and len(set(self.targets)) == len(self.targets), "model.lora.targets",
+               self.targets, "a non-empty list without repeats")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     # A built-in name (smollm2-135m-instruct), a local HF directory or .gguf file, or a hub id.
     name: str = "smollm2-135m-instruct"
@@ -37,6 +53,7 @@ class ModelConfig:
     # Trainer forward/backward: compute each prompt once for its G completions instead of once per row
     # (same numbers; the prompt's share of the work drops by G). Off = plain [prompt | completion] rows.
     share_prompts: bool = True
+    lora: LoraConfig = LoraConfig()
 
     def __post_init__(self):
         _check(self.logprob_chunk > 0, "model.logprob_chunk", self.logprob_chunk, "a positive integer")

@@ -24,6 +24,9 @@ def _type(annotation: str) -> str:
     literal = re.fullmatch(r"Literal\[(.*)\]", annotation)
     if literal:
         return " \\| ".join(v.strip().strip("\"'") for v in literal.group(1).split(","))
+    listed = re.fullmatch(r"tuple\[(Literal\[.*\]), \.\.\.\]", annotation)
+    if listed:
+        return "list of " + _type(listed.group(1))
     return annotation.replace("|", "\\|")
 
 
@@ -51,13 +54,24 @@ def section_fields(cls) -> list[tuple[str, str, str, str]]:
     return rows
 
 
+def _rows(prefix: str, cls) -> list[str]:
+    """Table rows of a section; a field that is itself a section (model.lora) lists its own fields."""
+    nested = {f.name: type(f.default) for f in dataclasses.fields(cls) if dataclasses.is_dataclass(f.default)}
+    lines = []
+    for name, type_, default, text in section_fields(cls):
+        if name in nested:
+            lines += _rows(f"{prefix}.{name}", nested[name])
+        else:
+            lines.append(f"| `{prefix}.{name}` | {type_} | `{default}` | {text} |")
+    return lines
+
+
 def render() -> str:
     """The markdown table of every field of every section, in the order of jgrpo/config.py."""
     lines = []
     for section in dataclasses.fields(Config):
         lines += [f"### `{section.name}`", "", "| field | values | default | meaning |", "|---|---|---|---|"]
-        for name, type_, default, text in section_fields(section.default_factory):
-            lines.append(f"| `{section.name}.{name}` | {type_} | `{default}` | {text} |")
+        lines += _rows(section.name, section.default_factory)
         lines.append("")
     return "\n".join(lines)
 

@@ -31,8 +31,10 @@ def load_for_eval(target: str, overrides: list[str], step: int | None = None):
     """(config, graphdef, params, tokenizer, mesh, source description) for a run directory or a config file."""
     from jgrpo.checkpoint import Checkpointer
     from jgrpo.config_loading import load_config
+    from jgrpo.fingerprint import fingerprint
     from jgrpo.mesh import TRAIN_RULES, make_mesh
     from jgrpo.models.hf import load_model, load_tokenizer
+    from jgrpo.models.lora import join_adapters, split_adapters
 
     path = epath.Path(target)  # a local run directory or a bucket (gs://...), as train writes it
     run_dir = path if path.is_dir() else None
@@ -43,12 +45,17 @@ def load_for_eval(target: str, overrides: list[str], step: int | None = None):
     m = config.model
     graphdef, params, _ = load_model(m.name, param_dtype=m.param_dtype, compute_dtype=m.compute_dtype,
                                      attention=resolve_attention(m.attention, mesh_platform(mesh)),
-                                     mesh=mesh, rules=TRAIN_RULES)
+                                     mesh=mesh, rules=TRAIN_RULES, lora=(m.lora.rank, m.lora.alpha, m.lora.targets))
     source = f"untrained {m.name}"
     if run_dir is not None and (run_dir / "checkpoints").is_dir():
-        restored = Checkpointer(run_dir, config.checkpoint, read_only=True).restore_params(params, step=step)
+        # A LoRA run's checkpoint holds adapters: restored for this base only, then joined with it.
+        trained, base = split_adapters(params) if m.lora.rank else (params, None)
+        base_id = (m.name, fingerprint(base)) if base is not None else None
+        restored = Checkpointer(run_dir, config.checkpoint, read_only=True, base=base_id).restore_params(trained,
+                                                                                                        step=step)
         if restored is not None:
-            params, iteration = restored
+            trained, iteration = restored
+            params = trained if base is None else join_adapters(trained, base)
             source = f"{run_dir} at iteration {iteration}"
     elif step is not None:
         raise FileNotFoundError(f"--step {step} given but {target} has no checkpoints")

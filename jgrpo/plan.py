@@ -36,12 +36,19 @@ def _gib(n: float) -> str:
     return f"{n / GIB:7.2f}"
 
 
+def _trainable(plan: dict) -> str:
+    """", 1.7M trainable (LoRA)" when only part of the params train."""
+    n = plan.get("trainable_parameters", plan["parameters"])
+    return "" if n == plan["parameters"] else f", {n / 1e6:.1f}M trainable (LoRA)"
+
+
 def report_lines(topology: str, chip: Chip, plan: dict, hbm_gib: float) -> list[str]:
     """A human-readable table of one plan (per chip), ending with the verdict and the roofline."""
     speed = plan["roofline"]
     lines = [f"== {plan['model']} on {topology} ({plan['chips']} chips, {plan['hosts']} host(s) loading "
              f"{plan['prompts_per_host']:g} prompts each, mesh "
-             f"{plan['mesh']}), {plan['parameters'] / 1e9:.2f}B params; per chip: GiB of {hbm_gib:g} HBM, "
+             f"{plan['mesh']}), {plan['parameters'] / 1e9:.2f}B params{_trainable(plan)}; per chip: GiB of "
+             f"{hbm_gib:g} HBM, "
              f"TFLOP, HBM GB and ICI GB sent (loops counted), roofline ms",
              f"{'program':<14}{'args':>8}{'outputs':>8}{'temps':>8}{'live':>8}{'compile s':>11}{'TFLOP':>9}"
              f"{'GB':>9}{'ICI GB':>8}{'ms':>10}  runs  bound"]

@@ -114,7 +114,8 @@ def _summarise(config: Config, devices: list, iteration: Iteration, reports: lis
     forward_passes = (g.beta > 0) + (run.steps.lp_k_source == "computed")
     return {
         "model": config.model.name,
-        "parameters": parameter_count(run.params),
+        "parameters": parameter_count(run.whole()),
+        "trainable_parameters": parameter_count(run.params),  # the adapters only with LoRA
         "mesh": dict(run.mesh.shape),
         "chips": len(devices),
         "hosts": len({d.process_index for d in devices}),

@@ -32,7 +32,8 @@ from jgrpo.diagnostics import extreme_kind, finalize_metrics
 from jgrpo.logprobs import token_logprobs
 from jgrpo.mesh import TRAIN_RULES, Rules, logical_shardings, logical_to_spec, param_copier, replicated, row_sharding
 from jgrpo.models.attention_backends import mesh_context
-from jgrpo.models.llm import merge_model, param_logical_axes, position_ids_from_mask
+from jgrpo.models.llm import abstract_model, merge_model, param_logical_axes, position_ids_from_mask, without_lora
+from jgrpo.models.lora import is_adapter, join_adapters
 from jgrpo.models.shared_prompt import forward_shared_prompts
 from jgrpo.objectives import grpo_loss, step_has_signal, step_normaliser
 from jgrpo.sampling_methods import SamplingMethod
@@ -79,6 +80,11 @@ class StepBatch(NamedTuple):
     m2po_drop: jax.Array | None = None  # [C, r, N] bool: the tokens M2PO drops (`corrections.m2po_drop`)
 
 
+def _whole(params, frozen):
+    """The model's params: `params` alone, or LoRA adapters joined with their frozen base."""
+    return params if frozen is None else join_adapters(params, frozen)
+
+
 def _stack_sum(metrics: dict[str, jax.Array]) -> dict[str, jax.Array]:
     """Reduce micro-batch accumulators stacked on axis 0 (extremes by min / max, everything else by sum)."""
     reduce = {"min": jnp.min, "max": jnp.max, None: jnp.sum}
@@ -110,7 +116,9 @@ class StepFunctions:
     def __init__(self, *, graphdef, params, mesh: Mesh, grpo: GRPOConfig, optimizer: optax.GradientTransformation,
                  method: SamplingMethod, logprob_chunk: int, new_tokens: int, share_prompts: bool = True,
                  skip_empty_steps: bool = True, rules: Rules = TRAIN_RULES,
-                 reward_weights: tuple[float, ...] | None = None):
+                 reward_weights: tuple[float, ...] | None = None, frozen: dict | None = None):
+        """`params` are what trains (with LoRA the adapters only); `frozen` is the LoRA base, passed to every
+        program that runs the model (`jgrpo.frozen_base`), never trained, donated or copied."""
         self.graphdef, self.mesh, self.grpo, self.optimizer = graphdef, mesh, grpo, optimizer
         self.reward_weights = reward_weights  # of the reward table's columns (per-reward advantages only)
         self.method, self.chunk, self.new_tokens = method, logprob_chunk, new_tokens
@@ -128,8 +136,11 @@ class StepFunctions:
             optimizer, lambda _, sharding: sharding, abstract_opt, self.param_shardings,
             transform_non_params=lambda _: replicated(mesh),
         )
+        cfg = merge_model(graphdef, _whole(params, frozen)).cfg
+        # The reference of a LoRA run is the base alone: the same model without adapter leaves.
+        self.base_graphdef = abstract_model(without_lora(cfg))[0] if cfg.lora_rank else None
         # Programs that run the model are traced in the mesh context where the attention kernel needs it.
-        context = functools.partial(mesh_context, merge_model(graphdef, params).cfg.attention, mesh)
+        context = functools.partial(mesh_context, cfg.attention, mesh)
         self.init_opt_state = jax.jit(optimizer.init, out_shardings=self.opt_shardings)
         # A real copy (new buffers) even where layouts agree: the original is donated to the next update.
         self.copy_params = param_copier(self.param_shardings)
@@ -215,7 +226,8 @@ class StepFunctions:
         plus, `with_kl` and a truncating method, the untruncated tempered log-probs for the KL term.
         kind "kl": (untruncated tempered lp, entropy), what the reference contributes to the KL.
         """
-        model = merge_model(self.graphdef, params)
+        adapters = any(is_adapter(name) for name in params["layers"])
+        model = merge_model(self.graphdef if adapters or self.base_graphdef is None else self.base_graphdef, params)
         hidden = self._predicting_states(model, inputs, input_mask, positions, targets.shape[1])
         tempered = self.method.tempered_logprobs
         process = tempered if kind == "kl" else self.method.process_logits
@@ -257,10 +269,10 @@ class StepFunctions:
 
     # ------------------------------------------------------------------ update
 
-    def _loss(self, params, micro: StepBatch, norm, first_update):
+    def _loss(self, params, frozen, micro: StepBatch, norm, first_update):
         with_kl = self.grpo.beta > 0
-        lp, entropy, *lp_kl = self._sequence_logprobs(params, micro.inputs, micro.input_mask, micro.positions,
-                                                      micro.targets, with_kl=with_kl)
+        lp, entropy, *lp_kl = self._sequence_logprobs(_whole(params, frozen), micro.inputs, micro.input_mask,
+                                                      micro.positions, micro.targets, with_kl=with_kl)
         own = jax.lax.stop_gradient(lp)
         if self.lp_k_source == "computed":
             later = micro.lp_k
@@ -275,8 +287,10 @@ class StepFunctions:
                          entropy=entropy, lp_behaviour_trainer=lp, lp_kl=lp_kl[0] if lp_kl else None,
                          m2po_drop=micro.m2po_drop)
 
-    def _train_step(self, params, opt_state, batch: StepBatch, minibatch, first_update):
+    def _train_step(self, params, opt_state, batch: StepBatch, minibatch, first_update, frozen=None):
         """One optimiser step on minibatch `minibatch` (traced), accumulating gradients over its micro-batches.
+
+        Gradients and the optimiser cover `params` only; `frozen` (the LoRA base) goes into the forward unchanged.
 
         A non-finite loss or gradient norm leaves params and optimiser state untouched (the step is skipped
         and reported in the metrics as `nonfinite` = 1). So does, with `skip_empty_steps`, a step with nothing
@@ -291,7 +305,7 @@ class StepFunctions:
         grad_fn = jax.value_and_grad(self._loss, has_aux=True)
 
         def micro_step(grads, micro):
-            (loss, metrics), g = grad_fn(params, micro, norm, first_update)
+            (loss, metrics), g = grad_fn(params, frozen, micro, norm, first_update)
             return jax.tree.map(jnp.add, grads, g), (loss, metrics)
 
         zeros = jax.tree.map(jnp.zeros_like, params)

@@ -33,6 +33,8 @@ from jgrpo.config_loading import to_dict
 from jgrpo.data import bucketed_length, build_prompt_iterator, pad_id_for
 from jgrpo.dynamic_sampling import Round, fill_batch
 from jgrpo.evaluator import Evaluator
+from jgrpo.fingerprint import fingerprint
+from jgrpo.frozen_base import FrozenBase
 from jgrpo.host_arrays import global_max, to_global_rows
 from jgrpo.mesh import (
     SAMPLE_RULES,
@@ -80,7 +82,10 @@ class Trainer:
         self.graphdef, params, self.model_config = load_model(
             m.name, param_dtype=m.param_dtype, compute_dtype=m.compute_dtype, remat=m.remat, mesh=self.mesh,
             rules=TRAIN_RULES, attention=resolve_attention(m.attention, mesh_platform(self.mesh)),
+            lora=(m.lora.rank, m.lora.alpha, m.lora.targets), seed=config.run.seed,
         )
+        # With LoRA the params that train (and every policy's own copy) are the adapters; the base is frozen.
+        params, self.frozen = FrozenBase.split(params, m.lora.rank > 0, self.mesh, config.sampler.weights_dtype)
         self.tokenizer = load_tokenizer(m.name)
         self.pad_id = pad_id_for(self.tokenizer)
         self.stop_ids = stop_ids_for(self.tokenizer, config.sampler.stop_token_ids)
@@ -99,7 +104,7 @@ class Trainer:
                                    optimizer=optimizer, method=self.method, logprob_chunk=m.logprob_chunk,
                                    new_tokens=config.sampler.max_new_tokens, share_prompts=m.share_prompts,
                                    skip_empty_steps=config.optim.skip_empty_steps,
-                                   reward_weights=config.reward.component_weights())
+                                   reward_weights=config.reward.component_weights(), frozen=self.frozen.train)
         self.steps.check_rows(config.data.batch_size * g.num_generations)
         self.sample_shardings = logical_shardings(param_logical_axes(params), self.mesh, SAMPLE_RULES,
                                                   shapes=params)
@@ -111,8 +116,12 @@ class Trainer:
         self.scorer = RewardScorer(config.reward)
         self.refresh_policy = RefreshPolicy(g)
         # The reference is the initial params (a copy: the current params are donated to every update) until a
-        # swap replaces it; without beta there is no reference at all.
-        self.initial_reference = self.steps.copy_params(params) if g.beta > 0 else None
+        # swap replaces it; without beta there is no reference at all. LoRA's is the base alone (no adapters), or
+        # with swaps a frozen copy of the adapters (B = 0: the base exactly), so a swap changes no program.
+        self.initial_reference = None
+        if g.beta > 0:
+            lora_base_only = self.frozen.lora and not g.swap_reference
+            self.initial_reference = {"layers": {}} if lora_base_only else self.steps.copy_params(params)
         self.state = TrainState(
             params=params,
             opt_state=self.steps.init_opt_state(params),
@@ -126,7 +135,8 @@ class Trainer:
             data_state=self.data.get_state(),
             counters=RunCounters(),
         )
-        self.checkpointer = Checkpointer(self.run_dir, config.checkpoint, resolved_config=to_dict(config))
+        base = (m.name, fingerprint(self.frozen.train)) if self.frozen.lora else None
+        self.checkpointer = Checkpointer(self.run_dir, config.checkpoint, resolved_config=to_dict(config), base=base)
         self.preemption = PreemptionFlag()
         self.evaluator = None
         if config.run.eval_every or config.run.eval_before:
@@ -136,7 +146,8 @@ class Trainer:
 
     @property
     def reference(self):
-        return self.state.reference if self.state.reference is not None else self.initial_reference
+        own = self.state.reference if self.state.reference is not None else self.initial_reference
+        return self.frozen.join(own)
 
     @property
     def behaviour(self):
@@ -284,9 +295,10 @@ class Trainer:
         t = time.perf_counter()
         refreshed = self._refresh_behaviour(k)
         if g.behaviour_refresh == 1 and c.sampler.weights_dtype != c.model.param_dtype:
-            sample_params = jax.block_until_ready(self._copy_to_sample_layout(self.behaviour))
+            sample_params = self._copy_to_sample_layout(self.behaviour)
         else:  # the behaviour copy is in the sampling layout already; v = 1 reshards the current params
-            sample_params = jax.block_until_ready(jax.device_put(self.behaviour, self.sample_shardings))
+            sample_params = jax.device_put(self.behaviour, self.sample_shardings)
+        sample_params = jax.block_until_ready(self.frozen.join_sample(sample_params))
         timings["weight_sync"] = time.perf_counter() - t
 
         batch = self._next_batch()
@@ -317,7 +329,7 @@ class Trainer:
         if g.beta > 0:
             step_batch = step_batch._replace(lp_ref=self.steps.reference_logprobs(self.reference, step_batch))
         if self.steps.lp_k_source == "computed":
-            step_batch = step_batch._replace(lp_k=self.steps.logprobs(s.params, step_batch))
+            step_batch = step_batch._replace(lp_k=self.steps.logprobs(self.frozen.join(s.params), step_batch))
         if g.m2po_tau is not None:
             step_batch = step_batch._replace(m2po_drop=self.steps.m2po_mask(step_batch))
         jax.block_until_ready(step_batch)
@@ -331,8 +343,8 @@ class Trainer:
                 dealt = self.steps.shuffle_groups(step_batch, jax.random.fold_in(shuffle_key, inner))
             for minibatch in range(g.num_minibatches):
                 first = inner == 0 and minibatch == 0
-                s.params, s.opt_state, m = self.steps.train_step(s.params, s.opt_state, dealt,
-                                                                 jnp.int32(minibatch), jnp.bool_(first))
+                s.params, s.opt_state, m = self.steps.train_step(s.params, s.opt_state, dealt, jnp.int32(minibatch),
+                                                                 jnp.bool_(first), frozen=self.frozen.train)
                 update_metrics.append(m)
         update_metrics = jax.device_get(update_metrics)
         timings["update"] = time.perf_counter() - t
@@ -385,6 +397,6 @@ class Trainer:
 
     def _evaluate(self, timings: dict) -> dict:
         t = time.perf_counter()
-        metrics = self.evaluator.evaluate(self.state.params)
+        metrics = self.evaluator.evaluate(self.frozen.join(self.state.params))
         timings["eval"] = time.perf_counter() - t
         return {f"eval/{k}": v for k, v in metrics.items()}

@@ -148,7 +148,7 @@ def test_no_usable_checkpoint_is_a_clear_error(tmp_path, mesh):
 
 
 def test_fingerprint_ignores_sharding_and_sees_one_bit(mesh):
-    from jgrpo.checkpoint import fingerprint
+    from jgrpo.fingerprint import fingerprint
 
     x = jax.random.normal(jax.random.key(0), (16, 8))
     sharded = place({"a": x}, {"a": P("embed", "mlp")}, mesh, TRAIN_RULES)

@@ -33,6 +33,8 @@ def compile_counter():
     pytest.param(["grpo.dynamic_sampling_rounds=2", "reward.functions=[test_trainer_rewards:parity_on_even_answers]",
                   "data.epochs=3", "grpo.behaviour_refresh=adaptive", "grpo.refresh_tv=1e-9"],
                  id="dynamic_sampling_adaptive_v"),
+    pytest.param(["model.lora.rank=4", "grpo.behaviour_refresh=2", "grpo.beta=0.1", "grpo.swap_reference=true",
+                  "data.num_examples=8", "data.epochs=3"], id="lora_v2_reference_swap"),
 ])
 def test_iterations_2_to_5_never_compile(tmp_path, compile_counter, caplog, overrides):
     config = load_config("configs/tiny.yaml", [f"run.output_dir={tmp_path}", SPACE_REWARD, "run.iterations=5",

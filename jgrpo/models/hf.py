@@ -9,6 +9,8 @@ of its own devices just that device's slice; nothing crosses between hosts.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 from pathlib import Path
 
@@ -22,6 +24,7 @@ from jgrpo.mesh import TRAIN_RULES, Rules, logical_to_spec
 from jgrpo.models.builtin import resolve_model_dir
 from jgrpo.models.hf_format import export_hf, hf_config_from_llm, llm_config_from_hf, tensor_layouts
 from jgrpo.models.llm import LOGICAL_AXES, LLMConfig, abstract_model, param_shapes_by_path, position_ids_from_mask
+from jgrpo.models.lora import init_adapter, join_adapters, lora_shapes_by_path
 
 # One import for users: loading here, the format's converters re-exported from hf_format.
 __all__ = [
@@ -145,8 +148,13 @@ def load_model(
     attention: str = "custom",
     mesh=None,
     rules: Rules | None = None,
+    lora: tuple[int, float, tuple[str, ...]] = (0, 16.0, ()),
+    seed: int = 0,
 ):
-    """(graphdef, params, LLMConfig) for a built-in name, HF directory, .gguf file or hub id."""
+    """(graphdef, params, LLMConfig) for a built-in name, HF directory, .gguf file or hub id.
+
+    `lora` = (rank, alpha, targets): fresh adapters (`new_adapters`, from `seed`) beside the loaded weights.
+    """
     model_dir = resolve_model_dir(name_or_path)
     config_file = model_dir / "config.json"
     if not config_file.exists():
@@ -155,8 +163,25 @@ def load_model(
         json.loads(config_file.read_text()), param_dtype=param_dtype, compute_dtype=compute_dtype, remat=remat,
         attention=attention,
     )
+    rank, alpha, targets = lora
+    cfg = dataclasses.replace(cfg, lora_rank=rank, lora_alpha=alpha, lora_targets=tuple(targets) if rank else ())
     graphdef, _ = abstract_model(cfg)
-    return graphdef, load_params(model_dir, cfg, mesh=mesh, rules=rules), cfg
+    params = load_params(model_dir, cfg, mesh=mesh, rules=rules)
+    if rank:
+        params = join_adapters(new_adapters(cfg, seed, mesh=mesh, rules=rules), params)
+    return graphdef, params, cfg
+
+
+def new_adapters(cfg: LLMConfig, seed: int, *, mesh=None, rules: Rules | None = None) -> dict:
+    """Freshly initialised LoRA adapters of `cfg` (B = 0: the model is unchanged), each on its sharding."""
+    rules = TRAIN_RULES if rules is None else rules
+    shapes = lora_shapes_by_path(param_shapes_by_path(cfg), cfg.lora_rank, cfg.lora_targets)
+    keys = jax.random.split(jax.random.key(seed), len(shapes))
+    layers = {}
+    for key, (path, shape) in zip(keys, shapes.items(), strict=True):
+        init = functools.partial(init_adapter, path[1], shape, dtype=jnp.dtype(cfg.param_dtype))
+        layers[path[1]] = jax.jit(init, out_shardings=_sharding(path, shape, mesh, rules))(key)
+    return {"layers": layers}
 
 
 def load_tokenizer(name_or_path: str):

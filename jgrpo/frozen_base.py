@@ -1,0 +1,60 @@
+"""LoRA's frozen base weights: held once per layout, joined with whichever adapters a policy has.
+
+With LoRA (`model.lora.rank` > 0) the trainer's state holds adapters only: the current adapters, the behaviour's
+copy (v > 1) and, after a reference swap, a frozen copy for the reference. Every policy is the base plus its
+adapters, and the reference without a swap is the base alone, so beta > 0 costs no copy of the weights. The base
+is held in the training layout and, only when the sampling layout or `sampler.weights_dtype` differs from it,
+once more in the sampling layout (made once: the base never changes). `sample_copy_bytes` reports that cost.
+
+Without LoRA there is no frozen part: the trainable params are the whole model and `join` returns them as they are.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jgrpo.mesh import SAMPLE_RULES, logical_shardings, param_copier
+from jgrpo.models.llm import param_logical_axes
+from jgrpo.models.lora import join_adapters, split_adapters
+
+
+class FrozenBase:
+    """The base weights of a LoRA run (or nothing, for full fine-tuning)."""
+
+    def __init__(self, base: dict | None, mesh, weights_dtype: str):
+        self.train = base
+        self.sample = base
+        self.sample_copy_bytes = 0
+        if base is None:
+            return
+        shardings = logical_shardings(param_logical_axes(base), mesh, SAMPLE_RULES, shapes=base)
+        dtype = jnp.dtype(weights_dtype)
+
+        def same(x, sharding):
+            kept_dtype = x.dtype if not jnp.issubdtype(x.dtype, jnp.floating) else dtype
+            return x.dtype == kept_dtype and x.sharding.is_equivalent_to(sharding, x.ndim)
+
+        if not all(jax.tree.leaves(jax.tree.map(same, base, shardings))):
+            self.sample = param_copier(shardings, weights_dtype)(base)
+            self.sample_copy_bytes = sum(x.nbytes for x in jax.tree.leaves(self.sample))
+
+    @classmethod
+    def split(cls, params: dict, lora: bool, mesh, weights_dtype: str) -> tuple[dict, FrozenBase]:
+        """Loaded params -> (what trains, the frozen base): (adapters, base) with LoRA, else (params, nothing)."""
+        if not lora:
+            return params, cls(None, mesh, weights_dtype)
+        adapters, base = split_adapters(params)
+        return adapters, cls(base, mesh, weights_dtype)
+
+    @property
+    def lora(self) -> bool:
+        return self.train is not None
+
+    def join(self, trainable: dict) -> dict:
+        """The whole model in the training layout: the base plus `trainable`'s adapters (no copies)."""
+        return trainable if self.train is None else join_adapters(trainable, self.train)
+
+    def join_sample(self, trainable: dict) -> dict:
+        """The whole model in the sampling layout, from adapters already in that layout."""
+        return trainable if self.sample is None else join_adapters(trainable, self.sample)
