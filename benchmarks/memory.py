@@ -49,6 +49,42 @@ def jgrpo_compiled_bytes(args, host, remat: str, chunk: int) -> dict:
     return {"peak_bytes": peak, "temp_bytes": m.temp_size_in_bytes, "argument_bytes": m.argument_size_in_bytes}
 
 
+def lora_vs_full(args, host, rank: int, remat: str = "full", chunk: int = 32) -> dict:
+    """One training step with LoRA rank `rank` (all seven projections, alpha = 2 rank) and with full fine-tuning,
+    side by side: compiled peak bytes (the base is an argument, never donated) and the median step time."""
+    import statistics
+
+    import jax
+    import jax.numpy as jnp
+
+    from jgrpo.models.hf import load_model
+    from jgrpo.models.lora import LORA_TARGETS, split_adapters
+
+    out = {}
+    for name, lora in (("full", (0, 16.0, ())), (f"lora{rank}", (rank, 2.0 * rank, LORA_TARGETS))):
+        graphdef, params, cfg = load_model(args.model, param_dtype=args.dtype, compute_dtype=args.dtype, remat=remat,
+                                           lora=lora)
+        frozen = None
+        if lora[0]:
+            params, frozen = split_adapters(params)
+        steps, batch, opt_state = jgrpo_step_setup(graphdef, params, host, chunk=chunk, generations=args.generations,
+                                                   frozen=frozen)
+        step_args = (params, opt_state, batch, jnp.int32(0), jnp.bool_(True))
+        m = steps.train_step.lower(*step_args, frozen=frozen).compile().memory_analysis()
+        times = []
+        for _ in range(1 + args.lora_steps):  # the first call compiles
+            start = time.perf_counter()
+            params, opt_state, _ = jax.block_until_ready(steps.train_step(params, *step_args[1:], frozen=frozen))
+            step_args = (params, opt_state, *step_args[2:])
+            times.append(time.perf_counter() - start)
+        out[name] = {"peak_bytes": m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+                     - m.alias_size_in_bytes, "temp_bytes": m.temp_size_in_bytes,
+                     "trainable": sum(x.size for x in jax.tree.leaves(params)), "seconds": statistics.median(times[1:])}
+        del steps, batch, opt_state, params, frozen, step_args
+        jax.clear_caches()
+    return out
+
+
 def torch_rss_worker(args) -> None:
     """Runs in its own process (see `torch_peak_bytes`); prints the peak RSS delta of one warm step."""
     import psutil
@@ -104,7 +140,9 @@ def main() -> None:
     add_batch_arguments(p)
     p.add_argument("--remat", default="none,full,dots", help="comma-separated remat policies")
     p.add_argument("--chunks", default="32,128", help="comma-separated log-prob chunks (>= new tokens = unchunked)")
-    p.add_argument("--skip", action="append", default=[], choices=("jgrpo", "torch"))
+    p.add_argument("--skip", action="append", default=[], choices=("jgrpo", "torch", "lora"))
+    p.add_argument("--lora-rank", type=int, default=16, help="LoRA rank of the LoRA-vs-full comparison")
+    p.add_argument("--lora-steps", type=int, default=3, help="timed steps per side of that comparison")
     p.add_argument("--torch-worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.torch_worker:
@@ -141,8 +179,18 @@ def main() -> None:
         print(f"| {f['side']} ({method}) | {f['remat']} | {chunk} | {f['peak_bytes'] / MiB:.0f} | {temp} | {ratio} |")
     if errors:
         print(f"| torch | {errors['torch'][:100]} |")
+    lora = {}
+    if "lora" not in args.skip:  # the target: LoRA rank 16 at <= 0.6x the memory of full fine-tuning
+        lora = lora_vs_full(args, host, args.lora_rank)
+        full = lora["full"]
+        print("\n| remat full, log-prob chunk 32 | trainable params | peak MiB | vs full | step s | vs full |")
+        print("|---|---|---|---|---|---|")
+        for name, f in lora.items():
+            print(f"| {name} | {f['trainable'] / 1e6:.2f}M | {f['peak_bytes'] / MiB:.0f} | "
+                  f"{f['peak_bytes'] / full['peak_bytes']:.2f}x | {f['seconds']:.2f} | "
+                  f"{f['seconds'] / full['seconds']:.2f}x |")
     print(json.dumps({"benchmark": "memory", "model": args.model, "dtype": args.dtype, "rows": rows,
-                      "tokens_per_row": length, "results": figures, "errors": errors}))
+                      "tokens_per_row": length, "results": figures, "errors": errors, "lora_vs_full": lora}))
 
 
 if __name__ == "__main__":

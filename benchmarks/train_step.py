@@ -84,8 +84,11 @@ def synthetic_batch(cfg, *, prompts: int, generations: int, prompt_len: int, new
                 completion_mask=completion_mask, rewards=rewards)
 
 
-def jgrpo_step_setup(graphdef, params, host, *, chunk: int, generations: int, share_prompts: bool = True):
-    """(StepFunctions, StepBatch with lp_alpha = lp_ref = the model's own log-probs, opt_state)."""
+def jgrpo_step_setup(graphdef, params, host, *, chunk: int, generations: int, share_prompts: bool = True,
+                     frozen=None):
+    """(StepFunctions, StepBatch with lp_alpha = lp_ref = the model's own log-probs, opt_state).
+
+    `frozen`: a LoRA base (then `params` are its adapters, the only thing the step trains)."""
     import jax
     import jax.numpy as jnp
 
@@ -99,11 +102,12 @@ def jgrpo_step_setup(graphdef, params, host, *, chunk: int, generations: int, sh
     optimizer = make_optimizer(OptimConfig(learning_rate=LR, max_grad_norm=1.0), total_steps=1000)
     steps = StepFunctions(graphdef=graphdef, params=params, mesh=make_mesh(MeshConfig()), grpo=grpo,
                           optimizer=optimizer, method=SamplingMethod(), logprob_chunk=chunk,
-                          new_tokens=host["tokens"].shape[1], share_prompts=share_prompts)
+                          new_tokens=host["tokens"].shape[1], share_prompts=share_prompts, frozen=frozen)
     placeholder = jnp.zeros(host["tokens"].shape, jnp.float32)
     batch, _ = steps.assemble(host["prompt_tokens"], host["prompt_mask"], host["tokens"], host["completion_mask"],
                               placeholder, host["rewards"])
-    lp = steps.logprobs(params, batch)  # on-policy: behaviour = reference = current params
+    whole = params if frozen is None else {**frozen, "layers": {**frozen["layers"], **params["layers"]}}
+    lp = steps.logprobs(whole, batch)  # on-policy: behaviour = reference = current params
     batch = batch._replace(lp_alpha=lp, lp_ref=lp)
     return steps, jax.block_until_ready(batch), steps.init_opt_state(params)
 

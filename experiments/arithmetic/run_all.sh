@@ -26,6 +26,8 @@ runs=(
   "v10_i1_recentred|grpo.behaviour_refresh=10 grpo.off_policy_ratio=recentred"
   "v10_i1_current|grpo.behaviour_refresh=10 grpo.off_policy_ratio=current"
   "v1_i4|grpo.inner_steps=4"
+  # LoRA rank 16 (#21, docs/lora.md): 10x the full fine-tuning lr, alpha = 2 r, 60 iterations
+  "v4_i1_lora16|grpo.behaviour_refresh=4 model.lora.rank=16 model.lora.alpha=32 optim.learning_rate=2e-4 run.iterations=60 run.eval_before=true"
 )
 
 if [[ ! -f "$out/untrained_eval.json" ]]; then

@@ -1,14 +1,14 @@
 """Run the off-policy toolbox study (docs/offpolicy_study.md): every configuration x every seed, resumable.
 
-    python experiments/offpolicy/run.py [--out runs/offpolicy] [--seeds 0 1 2] [--workers 2] [--cores 1] [--only NAME ...]
+    python experiments/offpolicy/run.py [--out runs/offpolicy] [--seeds 0 1 2] [--workers 2] [--only NAME ...]
     python experiments/offpolicy/report.py          # table + figures from experiments/offpolicy/results
 
 Each run is `python -m jgrpo.train experiments/offpolicy/base.yaml` plus its overrides, in OUT/seed<S>/<name>
 (checkpoints, log). A finished run's metrics.jsonl and config.yaml are copied to RESULTS/seed<S>/<name>/
 (default experiments/offpolicy/results, committed: what the report reads). A run with results is skipped; one
 that was interrupted resumes from its last checkpoint in OUT (every 10 iterations), so the study runs in parts:
-stop it any time and start it again. Runs go seed by seed (all configurations of
-seed 0 first), `--workers` at a time, each pinned to its own core (taskset, one XLA thread) so that their
+stop it any time and start it again. Runs go seed by seed (all configurations of seed 0 first), `--workers`
+at a time, each pinned to its own core (`--cores`, default 0, 1, ...; taskset, one XLA thread) so that their
 seconds per iteration compare. The untrained model is evaluated once (OUT/untrained_eval.json).
 """
 
