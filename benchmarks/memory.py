@@ -50,8 +50,9 @@ def jgrpo_compiled_bytes(args, host, remat: str, chunk: int) -> dict:
 
 
 def lora_vs_full(args, host, rank: int, remat: str = "full", chunk: int = 32) -> dict:
-    """One training step with LoRA rank `rank` (all seven projections, alpha = 2 rank) and with full fine-tuning,
-    side by side: compiled peak bytes (the base is an argument, never donated) and the median step time."""
+    """One training step with full fine-tuning and with LoRA rank `rank` (all seven projections, alpha = 2 rank;
+    float32 and bfloat16 base), side by side: compiled peak bytes (the base is an argument, never donated) and
+    the median step time."""
     import statistics
 
     import jax
@@ -61,8 +62,11 @@ def lora_vs_full(args, host, rank: int, remat: str = "full", chunk: int = 32) ->
     from jgrpo.models.lora import LORA_TARGETS, split_adapters
 
     out = {}
-    for name, lora in (("full", (0, 16.0, ())), (f"lora{rank}", (rank, 2.0 * rank, LORA_TARGETS))):
-        graphdef, params, cfg = load_model(args.model, param_dtype=args.dtype, compute_dtype=args.dtype, remat=remat,
+    adapters = (rank, 2.0 * rank, LORA_TARGETS)
+    # The third side keeps the frozen base in bfloat16 (model.param_dtype) while the adapters stay float32.
+    for name, lora, base_dtype in (("full", (0, 16.0, ()), args.dtype), (f"lora{rank}", adapters, args.dtype),
+                                   (f"lora{rank}, bfloat16 base", adapters, "bfloat16")):
+        graphdef, params, cfg = load_model(args.model, param_dtype=base_dtype, compute_dtype=args.dtype, remat=remat,
                                            lora=lora)
         frozen = None
         if lora[0]:

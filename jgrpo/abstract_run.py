@@ -39,6 +39,7 @@ from jax.sharding import Mesh  # noqa: E402
 
 from jgrpo.config import Config  # noqa: E402
 from jgrpo.data import bucketed_length  # noqa: E402
+from jgrpo.frozen_base import sampling_dtype  # noqa: E402
 from jgrpo.mesh import (  # noqa: E402
     SAMPLE_RULES,
     TRAIN_RULES,
@@ -142,6 +143,9 @@ def abstract_run(config: Config, devices: list, *, train_rules: Rules = TRAIN_RU
     if m.lora.rank:  # what trains is the adapters; the base is frozen and held once per distinct layout
         (params, base), (sample_params, sample_base) = split_adapters(params), split_adapters(sample_params)
         shapes = split_adapters(shapes)[0]
+        narrowed = sampling_dtype(base, c.sampler.weights_dtype)  # never widened: as jgrpo.frozen_base does
+        sample_base = jax.tree.map(lambda x, b: jax.ShapeDtypeStruct(x.shape, narrowed or b.dtype, sharding=x.sharding),
+                                   sample_base, base)
         same = jax.tree.map(lambda a, b: a.dtype == b.dtype and a.sharding.is_equivalent_to(b.sharding, a.ndim),
                             base, sample_base)
         sample_base = None if all(jax.tree.leaves(same)) else sample_base

@@ -40,6 +40,7 @@ class ModelConfig:
     # A built-in name (smollm2-135m-instruct), a local HF directory or .gguf file, or a hub id.
     name: str = "smollm2-135m-instruct"
     # Master weights and AdamW state; float32 for training (bfloat16 halves them but rounds away small updates).
+    # With LoRA: the frozen base's dtype (bfloat16 halves it and loses nothing); adapters are always float32.
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     # Matmuls, activations and the KV cache; bfloat16 on TPUs and GPUs (logits and log-probs stay float32).
     compute_dtype: Literal["float32", "bfloat16"] = "float32"

@@ -3,8 +3,9 @@
 With LoRA (`model.lora.rank` > 0) the trainer's state holds adapters only: the current adapters, the behaviour's
 copy (v > 1) and, after a reference swap, a frozen copy for the reference. Every policy is the base plus its
 adapters, and the reference without a swap is the base alone, so beta > 0 costs no copy of the weights. The base
-is held in the training layout and, only when the sampling layout or `sampler.weights_dtype` differs from it,
-once more in the sampling layout (made once: the base never changes). `sample_copy_bytes` reports that cost.
+is held in the training layout and, only when the sampling layout differs from it (or `sampler.weights_dtype`
+is narrower than the base's dtype), once more for the sampler (made once: the base never changes);
+`sample_copy_bytes` reports that cost.
 
 Without LoRA there is no frozen part: the trainable params are the whole model and `join` returns them as they are.
 """
@@ -19,6 +20,13 @@ from jgrpo.models.llm import param_logical_axes
 from jgrpo.models.lora import join_adapters, split_adapters
 
 
+def sampling_dtype(base: dict, weights_dtype: str) -> str | None:
+    """The frozen base's dtype for the sampler: `sampler.weights_dtype` when narrower than the base's floating
+    weights, else None (keep the base's own: a bfloat16 base is never widened to sample in float32)."""
+    widest = max(x.dtype.itemsize for x in jax.tree.leaves(base) if jnp.issubdtype(x.dtype, jnp.floating))
+    return weights_dtype if jnp.dtype(weights_dtype).itemsize < widest else None
+
+
 class FrozenBase:
     """The base weights of a LoRA run (or nothing, for full fine-tuning)."""
 
@@ -29,14 +37,14 @@ class FrozenBase:
         if base is None:
             return
         shardings = logical_shardings(param_logical_axes(base), mesh, SAMPLE_RULES, shapes=base)
-        dtype = jnp.dtype(weights_dtype)
+        dtype = sampling_dtype(base, weights_dtype)
 
         def same(x, sharding):
-            kept_dtype = x.dtype if not jnp.issubdtype(x.dtype, jnp.floating) else dtype
+            kept_dtype = x.dtype if dtype is None or not jnp.issubdtype(x.dtype, jnp.floating) else dtype
             return x.dtype == kept_dtype and x.sharding.is_equivalent_to(sharding, x.ndim)
 
         if not all(jax.tree.leaves(jax.tree.map(same, base, shardings))):
-            self.sample = param_copier(shardings, weights_dtype)(base)
+            self.sample = param_copier(shardings, dtype)(base)
             self.sample_copy_bytes = sum(x.nbytes for x in jax.tree.leaves(self.sample))
 
     @classmethod

@@ -133,3 +133,22 @@ def test_resume_is_bit_exact_and_refuses_another_base(tmp_path):
         _train(tmp_path / "resumed", 4, f"model.name={_different_base(tmp_path)}")
     with pytest.raises(IncompatibleCheckpoint, match="holds LoRA adapters but this run trains full params"):
         _train(tmp_path / "resumed", 4, "model.lora.rank=0")
+
+
+def test_a_bfloat16_base_trains_float32_adapters_and_is_never_widened(tmp_path):
+    # model.param_dtype=bfloat16 with LoRA: the frozen base is bfloat16 (half the memory), the adapters and their
+    # AdamW moments stay float32, and the sampler (weights_dtype float32) reads the base in bfloat16 too.
+    trainer = Trainer(_config(tmp_path, "model.param_dtype=bfloat16", "run.iterations=1", "checkpoint.every=0"))
+    try:
+        assert {x.dtype.name for x in jax.tree.leaves(trainer.frozen.train)} == {"bfloat16"}
+        # (On this 8-device mesh the sampling layout differs, so the sampler holds its own copy: bfloat16 too.)
+        assert {x.dtype.name for x in jax.tree.leaves(trainer.frozen.sample)} == {"bfloat16"}
+        assert trainer.frozen.sample_copy_bytes == _bytes(trainer.frozen.train)
+        floats = [x for x in jax.tree.leaves((trainer.state.params, trainer.state.opt_state)) if x.ndim > 1]
+        assert floats and {x.dtype.name for x in floats} == {"float32"}
+        initial = _host(trainer.state.params)
+        record = trainer.train_iteration()
+        assert np.isfinite(record["loss/loss"]) and record["mismatch/logprob_max"] < 1e-4
+        assert not np.array_equal(initial["layers"]["q_lora_b"], np.asarray(trainer.state.params["layers"]["q_lora_b"]))
+    finally:
+        trainer.close()

@@ -179,7 +179,7 @@ def new_adapters(cfg: LLMConfig, seed: int, *, mesh=None, rules: Rules | None = 
     keys = jax.random.split(jax.random.key(seed), len(shapes))
     layers = {}
     for key, (path, shape) in zip(keys, shapes.items(), strict=True):
-        init = functools.partial(init_adapter, path[1], shape, dtype=jnp.dtype(cfg.param_dtype))
+        init = functools.partial(init_adapter, path[1], shape, dtype=jnp.float32)  # float32 whatever the base
         layers[path[1]] = jax.jit(init, out_shardings=_sharding(path, shape, mesh, rules))(key)
     return {"layers": layers}
 

@@ -196,8 +196,8 @@ def param_shapes(cfg: LLMConfig) -> dict[str, Any]:
 
 def _new_param(cfg: LLMConfig, path: tuple[str, ...], rngs: nnx.Rngs) -> nnx.Param:
     shape = model_param_shapes_by_path(cfg)[path]
-    dtype = jnp.dtype(cfg.param_dtype)
     name = path[-1]
+    dtype = jnp.dtype(jnp.float32 if is_adapter(name) else cfg.param_dtype)  # adapters: float32 master weights
     if is_adapter(name):
         value = init_adapter(name, shape, rngs.params(), dtype)
     elif name.endswith("norm"):
