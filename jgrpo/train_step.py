@@ -269,7 +269,7 @@ class StepFunctions:
 
     # ------------------------------------------------------------------ update
 
-    def _loss(self, params, frozen, micro: StepBatch, norm, first_update):
+    def _loss(self, params, micro: StepBatch, norm, first_update, frozen=None):
         with_kl = self.grpo.beta > 0
         lp, entropy, *lp_kl = self._sequence_logprobs(_whole(params, frozen), micro.inputs, micro.input_mask,
                                                       micro.positions, micro.targets, with_kl=with_kl)
@@ -305,7 +305,7 @@ class StepFunctions:
         grad_fn = jax.value_and_grad(self._loss, has_aux=True)
 
         def micro_step(grads, micro):
-            (loss, metrics), g = grad_fn(params, frozen, micro, norm, first_update)
+            (loss, metrics), g = grad_fn(params, micro, norm, first_update, frozen)
             return jax.tree.map(jnp.add, grads, g), (loss, metrics)
 
         zeros = jax.tree.map(jnp.zeros_like, params)

@@ -190,8 +190,11 @@ def test_minibatches_are_reshuffled_by_whole_groups_and_resume_exactly(tmp_path,
     trainer = _trainer(tmp_path / "straight", *overrides, "run.iterations=2")
     dealt = []
     real = trainer.steps.train_step
-    monkeypatch.setattr(trainer.steps, "train_step",
-                        lambda p, o, batch, *a: dealt.append(np.asarray(batch.inputs)) or real(p, o, batch, *a))
+    def spy(params, opt_state, batch, *args, **kwargs):
+        dealt.append(np.asarray(batch.inputs))
+        return real(params, opt_state, batch, *args, **kwargs)
+
+    monkeypatch.setattr(trainer.steps, "train_step", spy)
     try:
         assert trainer.config.grpo.shuffles_minibatches
         assert trainer.run() == "done"

@@ -65,9 +65,9 @@ def stale_iterations(tmp_path_factory):
     trainer = trainer_module.Trainer(config)
     original_step = trainer.steps.train_step
 
-    def spy_step(params, opt_state, batch, minibatch, first):
+    def spy_step(params, opt_state, batch, minibatch, first, **frozen):
         kept = jax.tree.map(jnp.copy, params)  # the step donates params
-        new_params, new_opt_state, metrics = original_step(params, opt_state, batch, minibatch, first)
+        new_params, new_opt_state, metrics = original_step(params, opt_state, batch, minibatch, first, **frozen)
         updates.append(dict(params=kept, batch=batch, first=first, metrics=jax.device_get(metrics)))
         return new_params, new_opt_state, metrics
 
