@@ -52,8 +52,8 @@ def main() -> None:
 
     from jgrpo.data.prompts import left_pad, pad_id_for
     from jgrpo.models.hf import load_model, load_tokenizer
-    from jgrpo.models.llm import abstract_model, without_lora
-    from jgrpo.models.lora import LORA_TARGETS, merge_adapters, split_adapters
+    from jgrpo.models.llm import abstract_model
+    from jgrpo.models.lora import LORA_TARGETS, merge_adapters, split_adapters, without_lora
     from jgrpo.sampler import SamplingMethod, generate
 
     tokenizer = load_tokenizer(MODEL)

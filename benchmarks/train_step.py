@@ -94,6 +94,7 @@ def jgrpo_step_setup(graphdef, params, host, *, chunk: int, generations: int, sh
 
     from jgrpo.config import GRPOConfig, MeshConfig, OptimConfig
     from jgrpo.mesh import make_mesh
+    from jgrpo.models.lora import join_adapters
     from jgrpo.optim import make_optimizer
     from jgrpo.sampling_methods import SamplingMethod
     from jgrpo.train_step import StepFunctions
@@ -106,8 +107,7 @@ def jgrpo_step_setup(graphdef, params, host, *, chunk: int, generations: int, sh
     placeholder = jnp.zeros(host["tokens"].shape, jnp.float32)
     batch, _ = steps.assemble(host["prompt_tokens"], host["prompt_mask"], host["tokens"], host["completion_mask"],
                               placeholder, host["rewards"])
-    whole = params if frozen is None else {**frozen, "layers": {**frozen["layers"], **params["layers"]}}
-    lp = steps.logprobs(whole, batch)  # on-policy: behaviour = reference = current params
+    lp = steps.logprobs(join_adapters(params, frozen), batch)  # on-policy: behaviour = reference = current params
     batch = batch._replace(lp_alpha=lp, lp_ref=lp)
     return steps, jax.block_until_ready(batch), steps.init_opt_state(params)
 

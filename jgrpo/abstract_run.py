@@ -39,7 +39,7 @@ from jax.sharding import Mesh  # noqa: E402
 
 from jgrpo.config import Config  # noqa: E402
 from jgrpo.data import bucketed_length  # noqa: E402
-from jgrpo.frozen_base import sampling_dtype  # noqa: E402
+from jgrpo.frozen_base import sample_layout  # noqa: E402
 from jgrpo.mesh import (  # noqa: E402
     SAMPLE_RULES,
     TRAIN_RULES,
@@ -120,8 +120,9 @@ class AbstractRun:
 
     def whole(self, sample: bool = False) -> dict:
         """The model's params (adapters joined with their base) in the training or sampling layout."""
-        params, base = (self.sample_params, self.sample_base or self.base) if sample else (self.params, self.base)
-        return params if base is None else join_adapters(params, base)
+        if sample:
+            return join_adapters(self.sample_params, self.sample_base or self.base)
+        return join_adapters(self.params, self.base)
 
 
 def abstract_run(config: Config, devices: list, *, train_rules: Rules = TRAIN_RULES,
@@ -141,14 +142,13 @@ def abstract_run(config: Config, devices: list, *, train_rules: Rules = TRAIN_RU
                               logical_shardings(axes, mesh, sample_rules, shapes=shapes))
     base = sample_base = None
     if m.lora.rank:  # what trains is the adapters; the base is frozen and held once per distinct layout
-        (params, base), (sample_params, sample_base) = split_adapters(params), split_adapters(sample_params)
+        (params, base), sample_params = split_adapters(params), split_adapters(sample_params)[0]
         shapes = split_adapters(shapes)[0]
-        narrowed = sampling_dtype(base, c.sampler.weights_dtype)  # never widened: as jgrpo.frozen_base does
-        sample_base = jax.tree.map(lambda x, b: jax.ShapeDtypeStruct(x.shape, narrowed or b.dtype, sharding=x.sharding),
-                                   sample_base, base)
-        same = jax.tree.map(lambda a, b: a.dtype == b.dtype and a.sharding.is_equivalent_to(b.sharding, a.ndim),
-                            base, sample_base)
-        sample_base = None if all(jax.tree.leaves(same)) else sample_base
+        layout = sample_layout(base, mesh, c.sampler.weights_dtype, sample_rules)  # as the trainer decides
+        if layout is not None:
+            shardings, dtype = layout
+            sample_base = jax.tree.map(lambda b, s: jax.ShapeDtypeStruct(b.shape, dtype or b.dtype, sharding=s),
+                                       base, shardings)
     optimizer = make_optimizer(c.optim, max(c.run.iterations * g.inner_steps * g.num_minibatches, 1))
     steps = StepFunctions(graphdef=graphdef, params=params, frozen=base, mesh=mesh, grpo=g, optimizer=optimizer,
                           method=SamplingMethod.from_config(c.sampler, mesh_platform(mesh)),

@@ -55,7 +55,7 @@ def load_for_eval(target: str, overrides: list[str], step: int | None = None):
                                                                                                         step=step)
         if restored is not None:
             trained, iteration = restored
-            params = trained if base is None else join_adapters(trained, base)
+            params = join_adapters(trained, base)
             source = f"{run_dir} at iteration {iteration}"
     elif step is not None:
         raise FileNotFoundError(f"--step {step} given but {target} has no checkpoints")

@@ -12,7 +12,6 @@ adapters are read only if the base weights are the ones they were trained on.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -32,8 +31,8 @@ def export_run(run_dir: str | Path, out_dir: str | Path, step: int | None = None
     from jgrpo.fingerprint import fingerprint
     from jgrpo.models.builtin import resolve_model_dir
     from jgrpo.models.hf import export_hf, llm_config_from_hf, load_params, load_tokenizer
-    from jgrpo.models.llm import abstract_model, without_lora
-    from jgrpo.models.lora import join_adapters, merge_adapters, split_adapters
+    from jgrpo.models.llm import abstract_model
+    from jgrpo.models.lora import join_adapters, merge_adapters, split_adapters, with_lora, without_lora
     from jgrpo.models.peft_format import export_peft
 
     run_dir = epath.Path(run_dir)  # a local run directory or a bucket (gs://...), as train writes it
@@ -51,7 +50,7 @@ def export_run(run_dir: str | Path, out_dir: str | Path, step: int | None = None
     if m.lora.rank:  # the checkpoint holds adapters: read them for this base only
         base = load_params(resolve_model_dir(m.name), cfg)
         base_id = (m.name, fingerprint(base))
-        cfg = dataclasses.replace(cfg, lora_rank=m.lora.rank, lora_alpha=m.lora.alpha, lora_targets=m.lora.targets)
+        cfg = with_lora(cfg, m.lora.rank, m.lora.alpha, m.lora.targets)
     _, abstract = abstract_model(cfg)
     if base is not None:
         abstract = split_adapters(abstract)[0]

@@ -20,11 +20,22 @@ from jgrpo.models.llm import param_logical_axes
 from jgrpo.models.lora import join_adapters, split_adapters
 
 
-def sampling_dtype(base: dict, weights_dtype: str) -> str | None:
-    """The frozen base's dtype for the sampler: `sampler.weights_dtype` when narrower than the base's floating
-    weights, else None (keep the base's own: a bfloat16 base is never widened to sample in float32)."""
+def sample_layout(base: dict, mesh, weights_dtype: str, rules=SAMPLE_RULES) -> tuple[dict, str | None] | None:
+    """(shardings, dtype) the sampler needs the base in, or None where the base as it is serves.
+
+    The dtype is `sampler.weights_dtype` when narrower than the base's floating weights, else None (keep the
+    base's own: a bfloat16 base is never widened to sample in float32). `base` may be arrays or
+    ShapeDtypeStructs with shardings (the planner's), so both decide alike.
+    """
+    shardings = logical_shardings(param_logical_axes(base), mesh, rules, shapes=base)
     widest = max(x.dtype.itemsize for x in jax.tree.leaves(base) if jnp.issubdtype(x.dtype, jnp.floating))
-    return weights_dtype if jnp.dtype(weights_dtype).itemsize < widest else None
+    dtype = weights_dtype if jnp.dtype(weights_dtype).itemsize < widest else None
+
+    def same(x, sharding):
+        kept_dtype = x.dtype if dtype is None or not jnp.issubdtype(x.dtype, jnp.floating) else jnp.dtype(dtype)
+        return x.dtype == kept_dtype and x.sharding.is_equivalent_to(sharding, len(x.shape))
+
+    return None if all(jax.tree.leaves(jax.tree.map(same, base, shardings))) else (shardings, dtype)
 
 
 class FrozenBase:
@@ -34,17 +45,9 @@ class FrozenBase:
         self.train = base
         self.sample = base
         self.sample_copy_bytes = 0
-        if base is None:
-            return
-        shardings = logical_shardings(param_logical_axes(base), mesh, SAMPLE_RULES, shapes=base)
-        dtype = sampling_dtype(base, weights_dtype)
-
-        def same(x, sharding):
-            kept_dtype = x.dtype if dtype is None or not jnp.issubdtype(x.dtype, jnp.floating) else dtype
-            return x.dtype == kept_dtype and x.sharding.is_equivalent_to(sharding, x.ndim)
-
-        if not all(jax.tree.leaves(jax.tree.map(same, base, shardings))):
-            self.sample = param_copier(shardings, dtype)(base)
+        layout = None if base is None else sample_layout(base, mesh, weights_dtype)
+        if layout is not None:
+            self.sample = param_copier(*layout)(base)
             self.sample_copy_bytes = sum(x.nbytes for x in jax.tree.leaves(self.sample))
 
     @classmethod
@@ -61,8 +64,8 @@ class FrozenBase:
 
     def join(self, trainable: dict) -> dict:
         """The whole model in the training layout: the base plus `trainable`'s adapters (no copies)."""
-        return trainable if self.train is None else join_adapters(trainable, self.train)
+        return join_adapters(trainable, self.train)
 
     def join_sample(self, trainable: dict) -> dict:
         """The whole model in the sampling layout, from adapters already in that layout."""
-        return trainable if self.sample is None else join_adapters(trainable, self.sample)
+        return join_adapters(trainable, self.sample)

@@ -32,8 +32,8 @@ from jgrpo.diagnostics import extreme_kind, finalize_metrics
 from jgrpo.logprobs import token_logprobs
 from jgrpo.mesh import TRAIN_RULES, Rules, logical_shardings, logical_to_spec, param_copier, replicated, row_sharding
 from jgrpo.models.attention_backends import mesh_context
-from jgrpo.models.llm import abstract_model, merge_model, param_logical_axes, position_ids_from_mask, without_lora
-from jgrpo.models.lora import is_adapter, join_adapters
+from jgrpo.models.llm import abstract_model, merge_model, param_logical_axes, position_ids_from_mask
+from jgrpo.models.lora import is_adapter, join_adapters, without_lora
 from jgrpo.models.shared_prompt import forward_shared_prompts
 from jgrpo.objectives import grpo_loss, step_has_signal, step_normaliser
 from jgrpo.sampling_methods import SamplingMethod
@@ -78,11 +78,6 @@ class StepBatch(NamedTuple):
     lp_k: jax.Array | None = None  # [C, r, N] float32
     lp_ref: jax.Array | None = None  # [C, r, N] float32
     m2po_drop: jax.Array | None = None  # [C, r, N] bool: the tokens M2PO drops (`corrections.m2po_drop`)
-
-
-def _whole(params, frozen):
-    """The model's params: `params` alone, or LoRA adapters joined with their frozen base."""
-    return params if frozen is None else join_adapters(params, frozen)
 
 
 def _stack_sum(metrics: dict[str, jax.Array]) -> dict[str, jax.Array]:
@@ -136,7 +131,7 @@ class StepFunctions:
             optimizer, lambda _, sharding: sharding, abstract_opt, self.param_shardings,
             transform_non_params=lambda _: replicated(mesh),
         )
-        cfg = merge_model(graphdef, _whole(params, frozen)).cfg
+        cfg = merge_model(graphdef, join_adapters(params, frozen)).cfg
         # The reference of a LoRA run is the base alone: the same model without adapter leaves.
         self.base_graphdef = abstract_model(without_lora(cfg))[0] if cfg.lora_rank else None
         # Programs that run the model are traced in the mesh context where the attention kernel needs it.
@@ -271,7 +266,7 @@ class StepFunctions:
 
     def _loss(self, params, micro: StepBatch, norm, first_update, frozen=None):
         with_kl = self.grpo.beta > 0
-        lp, entropy, *lp_kl = self._sequence_logprobs(_whole(params, frozen), micro.inputs, micro.input_mask,
+        lp, entropy, *lp_kl = self._sequence_logprobs(join_adapters(params, frozen), micro.inputs, micro.input_mask,
                                                       micro.positions, micro.targets, with_kl=with_kl)
         own = jax.lax.stop_gradient(lp)
         if self.lp_k_source == "computed":

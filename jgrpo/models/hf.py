@@ -9,7 +9,6 @@ of its own devices just that device's slice; nothing crosses between hosts.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 from pathlib import Path
@@ -24,7 +23,7 @@ from jgrpo.mesh import TRAIN_RULES, Rules, logical_to_spec
 from jgrpo.models.builtin import resolve_model_dir
 from jgrpo.models.hf_format import export_hf, hf_config_from_llm, llm_config_from_hf, tensor_layouts
 from jgrpo.models.llm import LOGICAL_AXES, LLMConfig, abstract_model, param_shapes_by_path, position_ids_from_mask
-from jgrpo.models.lora import init_adapter, join_adapters, lora_shapes_by_path
+from jgrpo.models.lora import init_adapter, join_adapters, lora_shapes_by_path, with_lora
 
 # One import for users: loading here, the format's converters re-exported from hf_format.
 __all__ = [
@@ -163,11 +162,10 @@ def load_model(
         json.loads(config_file.read_text()), param_dtype=param_dtype, compute_dtype=compute_dtype, remat=remat,
         attention=attention,
     )
-    rank, alpha, targets = lora
-    cfg = dataclasses.replace(cfg, lora_rank=rank, lora_alpha=alpha, lora_targets=tuple(targets) if rank else ())
+    cfg = with_lora(cfg, *lora)
     graphdef, _ = abstract_model(cfg)
     params = load_params(model_dir, cfg, mesh=mesh, rules=rules)
-    if rank:
+    if cfg.lora_rank:
         params = join_adapters(new_adapters(cfg, seed, mesh=mesh, rules=rules), params)
     return graphdef, params, cfg
 

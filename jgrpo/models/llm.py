@@ -374,11 +374,6 @@ def forward(graphdef, params, tokens, positions, kv_mask, cache=None, cache_inde
     return merge_model(graphdef, params)(tokens, positions, kv_mask, cache, cache_index)
 
 
-def without_lora(cfg: LLMConfig) -> LLMConfig:
-    """The same model without adapters (a LoRA run's base, its reference policy, its merged export)."""
-    return dataclasses.replace(cfg, lora_rank=0, lora_targets=())
-
-
 def abstract_model(cfg: LLMConfig) -> tuple[nnx.GraphDef, dict]:
     """(graphdef, params of jax.ShapeDtypeStruct) without allocating any weights."""
     graphdef, state = nnx.split(nnx.eval_shape(lambda: LLM(cfg, rngs=nnx.Rngs(0))))

@@ -12,6 +12,7 @@ The adapters are leaves `<target>_lora_a` / `<target>_lora_b` beside their base 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -90,9 +91,22 @@ def split_adapters(params: dict) -> tuple[dict, dict]:
     return adapters, base
 
 
-def join_adapters(adapters: dict, base: dict) -> dict:
-    """The inverse of `split_adapters`: no copy, only new dicts around the same arrays."""
+def join_adapters(adapters: dict, base: dict | None) -> dict:
+    """The inverse of `split_adapters`: no copy, only new dicts around the same arrays. Without a base (full
+    fine-tuning: nothing is frozen) the trainable params are the whole model and come back as they are."""
+    if base is None:
+        return adapters
     return {**base, "layers": {**base["layers"], **adapters["layers"]}}
+
+
+def with_lora(cfg, rank: int, alpha: float, targets: tuple[str, ...]):
+    """The model config `cfg` (an `llm.LLMConfig`) with adapters of this spec (rank 0: none)."""
+    return dataclasses.replace(cfg, lora_rank=rank, lora_alpha=alpha, lora_targets=tuple(targets) if rank else ())
+
+
+def without_lora(cfg):
+    """The same model without adapters (a LoRA run's base, its reference policy, its merged export)."""
+    return with_lora(cfg, 0, cfg.lora_alpha, ())
 
 
 def merge_adapters(params: dict, scale: float) -> dict:

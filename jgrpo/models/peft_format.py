@@ -16,7 +16,8 @@ import jax
 import numpy as np
 
 from jgrpo.models.hf_format import tensor_layouts
-from jgrpo.models.llm import LLMConfig, without_lora
+from jgrpo.models.llm import LLMConfig
+from jgrpo.models.lora import without_lora
 
 
 def peft_tensors(adapters: dict, cfg: LLMConfig) -> dict[str, np.ndarray]:
