@@ -44,8 +44,8 @@ def filled_cache_bytes(config, run) -> float:
     return 2 * cfg.num_layers * rows_per_chip * kv_heads * slots * cfg.head_dim * itemsize
 
 
-def measure(config_path: str, topology: str, decode_layers: str) -> dict:
-    config = load_config(config_path, [f"sampler.decode_layers={decode_layers}", "run.eval_every=0"])
+def measure(config_path: str, topology: str, decode_layers: str, overrides=()) -> dict:
+    config = load_config(config_path, [f"sampler.decode_layers={decode_layers}", "run.eval_every=0", *overrides])
     devices, _ = topology_devices(topology)
     iteration = lower_iteration(config, devices, names=("sample",))
     (program,) = iteration.programs
@@ -90,11 +90,13 @@ def main() -> None:
     parser.add_argument("--runs", nargs="+", default=RUNS, help="CONFIG@TOPOLOGY pairs")
     parser.add_argument("--layers", nargs="+", default=("unrolled", "scanned"))
     parser.add_argument("--draws-only", action="store_true", help="only the draw table")
+    parser.add_argument("--skip-draws", action="store_true", help="no draw table")
+    parser.add_argument("--set", nargs="*", default=(), help="config overrides, e.g. sampler.slots=64")
     parser.add_argument("--out", help="write the results as JSON here too")
     args = parser.parse_args()
     results = []
     print("| rows | draw | HBM MB per draw | logits MB | temp MB |\n|---|---|---|---|---|")
-    for r in measure_draws():
+    for r in () if args.skip_draws else measure_draws():
         results.append(r)
         print(f"| {r['rows']} | {r['draw']} | {r['hbm_mb']:.1f} | {r['logits_mb']:.1f} | {r['temp_mb']:.1f} |",
               flush=True)
@@ -105,7 +107,7 @@ def main() -> None:
     for run in args.runs:
         config_path, topology = run.split("@")
         for decode_layers in args.layers:
-            r = measure(config_path, topology, decode_layers)
+            r = measure(config_path, topology, decode_layers, args.set)
             results.append(r)
             print(f"| {r['config']} | {topology} | {r['layers']} | {decode_layers} | {r['compile_s']} | "
                   f"{r['step_gb']:.3f} | {r['weights_gb'] + r['kv_cache_gb']:.3f} | {r['step_over_minimum']:.2f} | "

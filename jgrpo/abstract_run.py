@@ -228,7 +228,16 @@ def lower_iteration(config: Config, devices: list, *, names: tuple[str, ...] | N
     sampling_base = resident.get("sample_base") or resident.get("base", 0)
     whole, sample_whole = run.whole(), run.whole(sample=True)
     programs = []
-    if wanted("sample"):
+    if wanted("sample") and c.rollout.mode == "window":  # one pool for the v iterations of a behaviour window
+        v = g.behaviour_refresh
+        window = {"prompt_index": _rows(mesh, sample_rules, (v * B,), jnp.int32),
+                  "slots": c.sampler.slots or R}
+        programs.append(Program("sample", lower_generate(
+            graphdef, sample_whole, _rows(mesh, sample_rules, (v * B, P), jnp.int32),
+            _rows(mesh, sample_rules, (v * B, P), jnp.bool_), _rows(mesh, sample_rules, (v * B,), key.dtype),
+            num_samples=G, method=steps.method, **{**sample_kwargs, **window}),
+            resident.get("behaviour", 0) + sampling_base, runs=1 / v))
+    elif wanted("sample"):
         programs.append(Program("sample", lower_generate(graphdef, sample_whole, *prompts, key, num_samples=G,
                                                          method=steps.method, **sample_kwargs),
                                 resident.get("behaviour", 0) + sampling_base))

@@ -99,6 +99,10 @@ class SamplerConfig:
     # How a token is drawn from the processed distribution (same distribution, different cost per backend):
     # inverse_cdf, gumbel or categorical; auto = by platform (docs/configuration.md).
     draw: Literal["auto", "inverse_cdf", "gumbel", "categorical"] = "auto"
+    # Rows decoded at once. 0 = all of the batch's rows (static batching: the batch decodes until its longest
+    # row stops); fewer = continuous batching: a slot whose row stops takes the next pending row, so a long
+    # tail of completion lengths does not leave slots decoding padding (docs/configuration.md). Same samples.
+    slots: int = 0
 
     def __post_init__(self):
         _check(self.temperature >= 0, "sampler.temperature", self.temperature, ">= 0 (0 = greedy)")
@@ -108,6 +112,17 @@ class SamplerConfig:
         _check(self.max_new_tokens > 0, "sampler.max_new_tokens", self.max_new_tokens, "a positive integer")
         _check(self.prompt_bucket > 0, "sampler.prompt_bucket", self.prompt_bucket, "a positive integer")
         _check(self.decode_chunk >= 0, "sampler.decode_chunk", self.decode_chunk, ">= 0 (0 = the sampler's choice)")
+        _check(self.slots >= 0, "sampler.slots", self.slots, ">= 0 (0 = one slot per row)")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RolloutConfig:
+    """Where each iteration's samples come from (jgrpo/rollout_source.py)."""
+
+    # sync: sample each iteration's batch when the trainer reaches it. window: at each behaviour refresh, sample
+    # the batches of the v iterations that behaviour serves together in one slot pool (sampler.slots; default
+    # one iteration's rows); the same tokens as sync, needs a fixed grpo.behaviour_refresh and no dynamic sampling.
+    mode: Literal["sync", "window"] = "sync"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -394,6 +409,7 @@ class Config:
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     sampler: SamplerConfig = dataclasses.field(default_factory=SamplerConfig)
+    rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
     grpo: GRPOConfig = dataclasses.field(default_factory=GRPOConfig)
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
@@ -401,3 +417,12 @@ class Config:
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
     run: RunConfig = dataclasses.field(default_factory=RunConfig)
+
+    def __post_init__(self):
+        if self.rollout.mode == "window":
+            _check(isinstance(self.grpo.behaviour_refresh, int), "rollout.mode", "window",
+                   "it needs a fixed grpo.behaviour_refresh, not adaptive (a window is the v iterations one behaviour "
+                   "policy serves)")
+            _check(not self.grpo.dynamic_sampling_rounds, "rollout.mode", "window",
+                   "it needs grpo.dynamic_sampling_rounds=0 (dynamic sampling draws extra rounds for a short "
+                   "batch)")

@@ -56,10 +56,17 @@ def sample_and_score(graphdef, params, prompt_tokens, prompt_mask, batch, *, num
     rows = len(batch) * num_samples
     tokens, lengths = local_rows(out.tokens)[:rows], local_rows(out.lengths)[:rows]
     sampled = time.perf_counter()
+    return score_rows(out, tokens, lengths, batch, tokenizer=tokenizer, scorer=scorer, sample_seconds=sampled - start)
+
+
+def score_rows(output: SampleOutput, tokens: np.ndarray, lengths: np.ndarray, batch, *, tokenizer,
+               scorer: RewardScorer, sample_seconds: float) -> Rollout:
+    """Decode and score this process's rows (`tokens`, `lengths`, of `batch`'s prompts in order) of `output`."""
+    start = time.perf_counter()
     completions = tokenizer.batch_decode([row[:n] for row, n in zip(tokens, np.asarray(lengths), strict=True)],
                                          skip_special_tokens=True)
     scores = scorer.score(batch.questions, completions, batch.references)
-    return Rollout(out, completions, scores, sampled - start, time.perf_counter() - sampled)
+    return Rollout(output, completions, scores, sample_seconds, time.perf_counter() - start)
 
 
 def reward_table(scores: RewardResult, output: SampleOutput, reward: RewardConfig, max_new_tokens: int) -> np.ndarray:

@@ -5,7 +5,8 @@
       if k % v == 0: behaviour <- current                        the only weight sync (v = 1: no copy; adaptive
                                                                   v: when Theorem 1 says so, jgrpo.behaviour_refresh)
       prompts <- next batch of B (a new epoch first swaps the reference when grpo.swap_reference)
-      completions, lp_alpha <- sample(behaviour, prompts, G each)    (jitted, SAMPLE_RULES layout)
+      completions, lp_alpha <- sample(behaviour, prompts, G each)    (jitted, SAMPLE_RULES layout; with
+                                  rollout.mode=window, at the refresh for all v iterations: jgrpo.rollout_source)
       rewards <- verifiable reward (host)       (dynamic sampling: more prompts for groups with signal)
       A <- group advantages (device)
       lp_ref <- logprobs(reference) if beta > 0 ; lp_k <- logprobs(current) if the ratio mode needs it
@@ -30,12 +31,12 @@ from jgrpo.behaviour_refresh import RefreshPolicy
 from jgrpo.checkpoint import Checkpointer, PreemptionFlag, RunCounters, TrainState
 from jgrpo.config import Config, ConfigError
 from jgrpo.config_loading import to_dict
-from jgrpo.data import bucketed_length, build_prompt_iterator, pad_id_for
+from jgrpo.data import build_prompt_iterator, pad_id_for
 from jgrpo.dynamic_sampling import Round, fill_batch
 from jgrpo.evaluator import Evaluator
 from jgrpo.fingerprint import fingerprint
 from jgrpo.frozen_base import FrozenBase
-from jgrpo.host_arrays import global_max, to_global_rows
+from jgrpo.host_arrays import to_global_rows
 from jgrpo.mesh import (
     SAMPLE_RULES,
     TRAIN_RULES,
@@ -43,6 +44,7 @@ from jgrpo.mesh import (
     make_mesh,
     mesh_platform,
     param_copier,
+    replicated,
     replicated_key,
 )
 from jgrpo.metrics import MetricsLogger
@@ -51,7 +53,7 @@ from jgrpo.models.hf import load_model, load_tokenizer
 from jgrpo.models.llm import param_logical_axes
 from jgrpo.optim import learning_rate_schedule, make_optimizer
 from jgrpo.rewards import RewardScorer
-from jgrpo.rollout import prompt_arrays, reward_table, sample_and_score
+from jgrpo.rollout_source import DataExhausted, RolloutSource, sample_root
 from jgrpo.sampler import stop_ids_for
 from jgrpo.sampling_methods import SamplingMethod
 from jgrpo.train_step import StepFunctions
@@ -62,10 +64,6 @@ log = logging.getLogger(__name__)
 
 class TrainingDiverged(RuntimeError):
     """Too many optimiser steps in a row had a non-finite loss or gradient."""
-
-
-class DataExhausted(RuntimeError):
-    """The prompt iterator has no batch left (data.epochs epochs consumed)."""
 
 
 class Trainer:
@@ -91,6 +89,11 @@ class Trainer:
         self.stop_ids = stop_ids_for(self.tokenizer, config.sampler.stop_token_ids)
         self.method = SamplingMethod.from_config(config.sampler, mesh_platform(self.mesh))
         self.data = build_prompt_iterator(config, self.tokenizer)
+        self.scorer = RewardScorer(config.reward)
+        root = jax.jit(lambda: sample_root(config.run.seed), out_shardings=replicated(self.mesh))()
+        self.rollouts = RolloutSource(config, data=self.data, graphdef=self.graphdef, tokenizer=self.tokenizer,
+                                      scorer=self.scorer, method=self.method, stop_ids=self.stop_ids,
+                                      pad_id=self.pad_id, mesh=self.mesh, root=root)
         self.total_iterations = min(config.run.iterations, len(self.data))
         if self.total_iterations < config.run.iterations:
             log.warning("the data has %d batches (data.epochs=%d), fewer than run.iterations=%d: stopping there",
@@ -113,7 +116,6 @@ class Trainer:
         if config.reward.overlong_buffer > config.sampler.max_new_tokens:
             raise ConfigError(f"reward.overlong_buffer={config.reward.overlong_buffer} is longer than "
                               f"sampler.max_new_tokens={config.sampler.max_new_tokens}")
-        self.scorer = RewardScorer(config.reward)
         self.refresh_policy = RefreshPolicy(g)
         # The reference is the initial params (a copy: the current params are donated to every update) until a
         # swap replaces it; without beta there is no reference at all. LoRA's is the base alone (no adapters), or
@@ -165,7 +167,7 @@ class Trainer:
         self.state = restored
         if restored.reference is not None:  # swapped before: the initial params are no longer the reference
             self.initial_reference = None
-        self.data.set_state(restored.data_state)
+        self.rollouts.set_data_state(restored.data_state)
         log.info("resumed from iteration %d (epoch %d) in %s", restored.iteration, restored.epoch, self.run_dir)
         return True
 
@@ -220,7 +222,7 @@ class Trainer:
         if not (force or self.checkpointer.should_save(it, last=it == self.total_iterations)):
             return 0.0
         t = time.perf_counter()
-        self.state.data_state = self.data.get_state()
+        self.state.data_state = self.rollouts.data_state()
         self.checkpointer.save(self.state)
         return time.perf_counter() - t
 
@@ -241,49 +243,26 @@ class Trainer:
         log.info("iteration %d: behaviour <- current params (%s)", k + 1, why)
         return True
 
-    def _next_batch(self):
-        try:
-            batch = next(self.data)
-        except StopIteration:
-            raise DataExhausted(f"the prompt data is exhausted after {self.state.iteration} iterations "
-                               f"(data.epochs={self.config.data.epochs}); raise data.epochs") from None
-        if batch.epoch > self.state.epoch:  # the previous epoch is complete (paper Algorithm 1, outer loop)
+    def _enter_epoch(self, batch) -> None:
+        """A batch of a new epoch: the previous one is complete (paper Algorithm 1, outer loop)."""
+        if batch.epoch > self.state.epoch:
             self.state.epoch = batch.epoch
             if self.config.grpo.swap_reference and self.config.grpo.beta > 0:
                 self.state.reference = self.steps.copy_params(self.state.params)
                 self.initial_reference = None  # not a fourth copy of the params for the rest of the run
                 log.info("epoch %d: reference <- current params", batch.epoch)
-        return batch
-
-    def _prompt_arrays(self, batch):
-        c = self.config
-        counters = self.state.counters
-        longest = max(len(ids) for ids in batch.token_ids)
-        width = global_max(max(counters.prompt_width, bucketed_length(longest, c.sampler.prompt_bucket)))
-        if counters.prompt_width and width > counters.prompt_width:
-            log.warning("prompt width grows from %d to %d tokens: the step functions compile again",
-                        counters.prompt_width, width)
-        counters.prompt_width = width
-        return prompt_arrays(batch.token_ids, width=width, pad_id=self.pad_id, mesh=self.mesh,
-                             global_prompts=c.data.batch_size)
-
-    def _sample_round(self, sample_params, batch, prompt_tokens, prompt_mask, key) -> Round:
-        c = self.config
-        rollout = sample_and_score(self.graphdef, sample_params, prompt_tokens, prompt_mask, batch,
-                                   num_samples=c.grpo.num_generations, method=self.method, key=key, sampler=c.sampler,
-                                   stop_ids=self.stop_ids, pad_id=self.pad_id, mesh=self.mesh,
-                                   tokenizer=self.tokenizer, scorer=self.scorer)
-        return Round(batch, rollout, reward_table(rollout.scores, rollout.output, c.reward, c.sampler.max_new_tokens))
 
     def _draw_round(self, sample_params) -> Round | None:
         """Dynamic sampling's next batch of prompts, sampled and scored; None when the data is exhausted."""
         try:
-            batch = self._next_batch()
+            batch = self.rollouts.next_batch(self.state.iteration)
         except DataExhausted as e:
             log.warning("dynamic sampling: %s", e)
             return None
+        self._enter_epoch(batch)
         self.state.rng, key = jax.random.split(self.state.rng)
-        return self._sample_round(sample_params, batch, *self._prompt_arrays(batch), key)
+        prompts = self.rollouts.prompt_arrays(batch, self.state.counters)
+        return self.rollouts.sample_round(sample_params, batch, *prompts, key)
 
     def train_iteration(self, logger: MetricsLogger | None = None) -> dict:
         """One iteration of the loop; returns its metrics record (without the iteration number)."""
@@ -301,20 +280,18 @@ class Trainer:
         sample_params = jax.block_until_ready(self.frozen.join_sample(sample_params))
         timings["weight_sync"] = time.perf_counter() - t
 
-        batch = self._next_batch()
-        prompt_tokens, prompt_mask = self._prompt_arrays(batch)
+        sampled = self.rollouts.first_round(sample_params, k, s.counters)
+        self._enter_epoch(sampled.batch)
+        prompt_tokens, prompt_mask = self.rollouts.prompt_arrays(sampled.batch, s.counters)
         if g.shuffles_minibatches:
-            s.rng, sample_key, shuffle_key = jax.random.split(s.rng, 3)
-        else:
-            s.rng, sample_key = jax.random.split(s.rng)
-        sampled = self._sample_round(sample_params, batch, prompt_tokens, prompt_mask, sample_key)
+            s.rng, shuffle_key = jax.random.split(s.rng)
         dynamic = {}
         if g.dynamic_sampling_rounds:  # DAPO: replace zero-variance groups by newly sampled groups with signal
             sampled, dynamic = fill_batch(sampled, functools.partial(self._draw_round, sample_params),
                                           group_size=G,
                                           rounds=g.dynamic_sampling_rounds, oversample=g.dynamic_sampling_oversample,
                                           per_reward=g.advantage_reward_normalisation == "per_reward", mesh=self.mesh)
-            prompt_tokens, prompt_mask = self._prompt_arrays(sampled.batch)
+            prompt_tokens, prompt_mask = self.rollouts.prompt_arrays(sampled.batch, s.counters)
         del sample_params
         batch, out, completions, result = sampled.batch, *sampled.rollout[:3]
         timings["sample"] = sampled.rollout.sample_seconds
@@ -359,7 +336,7 @@ class Trainer:
         lr = float(self.schedule(steps_before))
         lr_last = float(self.schedule(max(s.counters.optimizer_steps - 1, steps_before)))
         s.iteration = k + 1
-        s.data_state = self.data.get_state()
+        s.data_state = self.rollouts.data_state()
         eval_metrics = self._maybe_eval(timings)
         timings["checkpoint"] = self._save()
         timings["iteration"] = time.perf_counter() - t_start

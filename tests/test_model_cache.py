@@ -74,7 +74,7 @@ def test_cache_requires_index_and_matching_mask(model):
 
 def test_unrolled_decode_step_matches_full_forward(model):
     """models.decode (per-layer weights and [B, KVH, S, Dh] caches, as the sampler uses) == the scanned forward."""
-    from jgrpo.models.decode import decode_cache_from_prefill, decode_step, unstack_layers
+    from jgrpo.models.decode import decode_cache, decode_step, prompt_store, unstack_layers
 
     graphdef, params = model
     prompt_len, new_tokens, repeats = 5, 4, 2
@@ -92,15 +92,19 @@ def test_unrolled_decode_step_matches_full_forward(model):
     _, prefill = forward(graphdef, params, prompts, position_ids_from_mask(prompt_mask), prompt_mask,
                          init_cache(CFG, 2, prompt_len), 0)
     chunk_len = 3  # 4 fed slots in chunks of 3: two segments, the second one ragged
-    cache = decode_cache_from_prefill(prefill, repeats, 2, chunk_len)
+    store = prompt_store(prefill)
+    cache = decode_cache(jax.tree.map(lambda x: jnp.repeat(x, repeats, axis=1), store), 2, chunk_len)
     assert len(cache.k) == CFG.num_layers and len(cache.k[0]) == 3
     assert cache.k[0][0].shape == (4, CFG.num_kv_heads, prompt_len, CFG.head_dim)
     assert cache.k[0][1].shape == (4, CFG.num_kv_heads, chunk_len, CFG.head_dim)
-    step = jax.jit(decode_step, static_argnums=(0, 7))
+    step = jax.jit(decode_step, static_argnums=(0, 7, 9))
     layers = unstack_layers(params["layers"])
     row_prompt_mask = jnp.repeat(prompt_mask, repeats, 0)
     for slot, t in enumerate(range(prompt_len, S)):
         chunk, offset = divmod(slot, chunk_len)
-        hidden, cache = step(CFG, params, layers, tokens[:, t], positions[:, t], row_prompt_mask, cache, chunk,
-                             jnp.int32(offset))
+        # The real prompt slots and the generated slots up to this one, over the chunks read (0 .. chunk).
+        allowed = jnp.concatenate([row_prompt_mask, jnp.broadcast_to(jnp.arange((chunk + 1) * chunk_len) <= slot,
+                                                                      (4, (chunk + 1) * chunk_len))], axis=1)
+        hidden, cache = step(CFG, params, layers, tokens[:, t], positions[:, t], allowed, cache, chunk,
+                             jnp.int32(offset), chunk + 1)
         np.testing.assert_allclose(hidden, full[:, t], atol=1e-5, rtol=0)

@@ -3,8 +3,9 @@
 Iterations 2..5 cover every event of the loop after warm-up: a checkpoint save each, a behaviour refresh
 (v = 2: iterations 3 and 5 copy current -> behaviour), reference log-probs (beta > 0) and, off-policy, the
 recomputed lp_k and minibatch slicing; with dynamic sampling and adaptive v, extra sampling rounds and a
-refresh at every iteration. An XLA compilation in that window means a shape, dtype, sharding or
-static argument changed between iterations (each costs seconds to minutes on a real model). The failure
+refresh at every iteration; with continuous batching, slot refills; with `rollout.mode: window`, a window's
+pool sampled at each refresh and consumed in between. An XLA compilation in that window means a shape, dtype,
+sharding or static argument changed between iterations (each costs seconds to minutes on a real model). The failure
 message names what compiled (jax_log_compiles). Checkpoints are saved every iteration so that iteration 1
 also runs the save path once: its first call compiles small programs (the checksums of the saved trees and
 Orbax's per-device slices), one-time work like iteration 1's own compiles.
@@ -35,6 +36,10 @@ def compile_counter():
                  id="dynamic_sampling_adaptive_v"),
     pytest.param(["model.lora.rank=4", "grpo.behaviour_refresh=2", "grpo.beta=0.1", "grpo.swap_reference=true",
                   "data.num_examples=8", "data.epochs=3"], id="lora_v2_reference_swap"),
+    # Continuous batching: fewer slots than rows, so slots are refilled inside the sampling program.
+    pytest.param(["sampler.slots=4", "grpo.behaviour_refresh=2"], id="continuous_batching_v2"),
+    # The behaviour window: iterations 3 and 5 sample the next two iterations' prompts in one pool.
+    pytest.param(["rollout.mode=window", "grpo.behaviour_refresh=2"], id="window_v2"),
 ])
 def test_iterations_2_to_5_never_compile(tmp_path, compile_counter, caplog, overrides):
     config = load_config("configs/tiny.yaml", [f"run.output_dir={tmp_path}", SPACE_REWARD, "run.iterations=5",

@@ -57,22 +57,27 @@ def unstack_layers(layers: dict[str, jax.Array]) -> tuple[dict[str, jax.Array], 
     return tuple({name: w[i] for name, w in layers.items()} for i in range(num_layers))
 
 
-def decode_cache_from_prefill(cache: KVCache, repeats: int, chunks: int, chunk_len: int,
-                              stacked: bool = False) -> DecodeCache:
-    """A prefill cache [L, B, P, KVH, Dh] -> a DecodeCache of B * repeats rows with `chunks` empty chunks.
+def prompt_store(cache: KVCache) -> KVCache:
+    """A prefill cache [L, B, P, KVH, Dh] with the kv heads before the slots, [L, B, KVH, P, Dh]: the layout the
+    decode cache's prompt segments are copied from (once per slot that takes the prompt)."""
+    return KVCache(jnp.swapaxes(cache.k, 2, 3), jnp.swapaxes(cache.v, 2, 3))
 
-    Prompt b's keys and values are shared by rows b*repeats .. b*repeats + repeats - 1 (its G samples).
-    `stacked` (for `decode_step_scanned`): one entry whose segments keep the layer axis, [L, R, KVH, S_i, Dh].
+
+def decode_cache(prompts: KVCache, chunks: int, chunk_len: int, stacked: bool = False) -> DecodeCache:
+    """A DecodeCache whose prompt segments are `prompts` ([L, S, KVH, P, Dh], one prompt per slot, e.g. from
+    `prompt_store` gathered per slot) followed by `chunks` empty chunks of `chunk_len` slots.
+
+    `stacked` (for `decode_step_scanned`): one entry whose segments keep the layer axis, [L, S, KVH, S_i, Dh].
     """
 
-    def segments(stacked_cache):
-        prompt = jnp.repeat(jnp.swapaxes(stacked_cache, 2, 3), repeats, axis=1)  # [L, R, KVH, P, Dh]
+    def segments(prompt):
+        shape = prompt.shape[:-2] + (chunk_len, prompt.shape[-1])
         if stacked:
-            return ((prompt,) + (jnp.zeros(prompt.shape[:3] + (chunk_len, prompt.shape[-1]), prompt.dtype),) * chunks,)
-        empty = jnp.zeros(prompt.shape[1:3] + (chunk_len, prompt.shape[-1]), prompt.dtype)
+            return ((prompt,) + (jnp.zeros(shape, prompt.dtype),) * chunks,)
+        empty = jnp.zeros(shape[1:], prompt.dtype)
         return tuple((prompt[i],) + (empty,) * chunks for i in range(prompt.shape[0]))
 
-    return DecodeCache(segments(cache.k), segments(cache.v))
+    return DecodeCache(segments(prompts.k), segments(prompts.v))
 
 
 def _attend_one(q: jax.Array, ks: tuple[jax.Array, ...], vs: tuple[jax.Array, ...], allowed: jax.Array) -> jax.Array:
@@ -94,17 +99,10 @@ def _attend_one(q: jax.Array, ks: tuple[jax.Array, ...], vs: tuple[jax.Array, ..
     return out.reshape(B, 1, H, Dh)
 
 
-def _visible_slots(prompt_mask, chunk_len: int, chunk: int, offset) -> jax.Array:
-    """[B, P + (chunk + 1) * C] bool: the real prompt slots, every earlier chunk, slots <= offset of `chunk`."""
-    B = prompt_mask.shape[0]
-    return jnp.concatenate([prompt_mask.astype(bool), jnp.ones((B, chunk * chunk_len), bool),
-                            jnp.broadcast_to(jnp.arange(chunk_len) <= offset, (B, chunk_len))], axis=1)
-
-
-def _layer_step(cfg, p, x, cos, sin, allowed, k_segments, v_segments, chunk, offset, layer=None):
+def _layer_step(cfg, p, x, cos, sin, allowed, k_segments, v_segments, chunk, offset, visible, layer=None):
     """One layer for one new token: write its keys/values into generated chunk `chunk` at slot `offset` and
-    attend to the visible segments. Segments are one layer's [B, KVH, S_i, Dh], or with `layer` (a traced
-    index) the stacked [L, B, KVH, S_i, Dh], written and read at that layer."""
+    attend to the prompt and the first `visible` chunks. Segments are one layer's [B, KVH, S_i, Dh], or with
+    `layer` (a traced index) the stacked [L, B, KVH, S_i, Dh], written and read at that layer."""
     q, k, v = layer_qkv(cfg, p, x, cos, sin)  # q [B, 1, H, Dh]; k, v [B, 1, KVH, Dh]
     k_segments, v_segments = list(k_segments), list(v_segments)
     for segments, new in ((k_segments, k), (v_segments, v)):
@@ -112,13 +110,13 @@ def _layer_step(cfg, p, x, cos, sin, allowed, k_segments, v_segments, chunk, off
         new = jnp.swapaxes(new, 1, 2).astype(target.dtype)
         start = (0, 0, offset, 0) if layer is None else (layer, 0, 0, offset, 0)
         segments[1 + chunk] = jax.lax.dynamic_update_slice(target, new if layer is None else new[None], start)
-    visible = slice(0, chunk + 2)
     cdt = jnp.dtype(cfg.compute_dtype)
 
     def read(c):
         return (c if layer is None else c[layer]).astype(cdt)
 
-    attended = _attend_one(q, tuple(map(read, k_segments[visible])), tuple(map(read, v_segments[visible])), allowed)
+    read_k, read_v = (tuple(map(read, segments[:visible + 1])) for segments in (k_segments, v_segments))
+    attended = _attend_one(q, read_k, read_v, allowed)
     return layer_output(cfg, p, x, attended), tuple(k_segments), tuple(v_segments)
 
 
@@ -128,35 +126,36 @@ def decode_step(
     layers: tuple[dict[str, jax.Array], ...],  # from `unstack_layers(params["layers"])`
     tokens: jax.Array,  # [B] int32, the token fed this step
     positions: jax.Array,  # [B] int32, its rotary position
-    prompt_mask: jax.Array,  # [B, P] bool, True = a real prompt slot
+    allowed: jax.Array,  # [B, P + visible * C] bool: the prompt and visible chunk slots each row attends to
     cache: DecodeCache,
-    chunk: int,  # static: the generated chunk written this step; chunks after it are not read
-    offset: jax.Array,  # [] int32: the slot written inside that chunk
+    chunk: int,  # static: the generated chunk written this step
+    offset: jax.Array,  # [] int32: the slot written inside that chunk (the same for every row)
+    visible: int,  # static: the step reads the prompt and chunks 0 .. visible - 1 only
 ) -> tuple[jax.Array, DecodeCache]:
     """Feed one token per row: (final hidden state [B, D] after the final norm, the updated cache).
 
-    The token's keys/values go to slot `offset` of generated chunk `chunk`; it attends to the real prompt
-    slots, every slot of chunks before `chunk` and slots <= `offset` of chunk `chunk`. Chunks after it are
-    not touched, so a step's attention reads only the filled part of the cache.
+    The token's keys/values go to slot `offset` of generated chunk `chunk`; it attends to the slots `allowed`
+    marks among the prompt segment and the first `visible` chunks. Chunks after those are not read, so while the
+    cache fills up a step's attention reads only its filled part.
     """
     cdt = jnp.dtype(cfg.compute_dtype)
-    allowed = _visible_slots(prompt_mask, cache.k[0][1].shape[2], chunk, offset)
     cos, sin = rope_cos_sin(cfg, positions[:, None])  # [B, 1, Dh/2]
     x = jnp.take(params["embed"], tokens, axis=0).astype(cdt)[:, None, :]  # [B, 1, D]
     new_k, new_v = [], []
     for p, k_segments, v_segments in zip(layers, cache.k, cache.v, strict=True):  # unrolled over layers
         p = {name: w.astype(cdt) for name, w in p.items()}
-        x, k_segments, v_segments = _layer_step(cfg, p, x, cos, sin, allowed, k_segments, v_segments, chunk, offset)
+        x, k_segments, v_segments = _layer_step(cfg, p, x, cos, sin, allowed, k_segments, v_segments, chunk, offset,
+                                                   visible)
         new_k.append(k_segments)
         new_v.append(v_segments)
     hidden = rms_norm(x[:, 0], params["final_norm"], cfg.rms_norm_eps)
     return hidden, DecodeCache(tuple(new_k), tuple(new_v))
 
 
-def decode_step_scanned(cfg: LLMConfig, params: dict, tokens, positions, prompt_mask, cache: DecodeCache,
-                        chunk: int, offset) -> tuple[jax.Array, DecodeCache]:
+def decode_step_scanned(cfg: LLMConfig, params: dict, tokens, positions, allowed, cache: DecodeCache,
+                        chunk: int, offset, visible: int) -> tuple[jax.Array, DecodeCache]:
     """`decode_step` with the layers under one `lax.scan` over the stacked weights `params["layers"]` and a
-    stacked cache (`decode_cache_from_prefill(..., stacked=True)`), written in place in the scan's carry.
+    stacked cache (`decode_cache(..., stacked=True)`), written in place in the scan's carry.
 
     The program holds one layer instead of L (compile time flat in depth); whether reading a layer's weights and
     cache out of the stacked arrays costs a copy per layer and token depends on the backend (it does on CPU,
@@ -164,7 +163,6 @@ def decode_step_scanned(cfg: LLMConfig, params: dict, tokens, positions, prompt_
     """
     cdt = jnp.dtype(cfg.compute_dtype)
     (k_segments,), (v_segments,) = cache.k, cache.v
-    allowed = _visible_slots(prompt_mask, k_segments[1].shape[3], chunk, offset)
     cos, sin = rope_cos_sin(cfg, positions[:, None])
     x = jnp.take(params["embed"], tokens, axis=0).astype(cdt)[:, None, :]
 
@@ -172,7 +170,8 @@ def decode_step_scanned(cfg: LLMConfig, params: dict, tokens, positions, prompt_
         x, k_segments, v_segments = carry
         p, index = xs
         p = {name: w.astype(cdt) for name, w in p.items()}
-        return _layer_step(cfg, p, x, cos, sin, allowed, k_segments, v_segments, chunk, offset, layer=index), None
+        return _layer_step(cfg, p, x, cos, sin, allowed, k_segments, v_segments, chunk, offset, visible,
+                           layer=index), None
 
     xs = (params["layers"], jnp.arange(cfg.num_layers))
     (x, k_segments, v_segments), _ = jax.lax.scan(layer, (x, k_segments, v_segments), xs)

@@ -1,0 +1,172 @@
+"""Static vs continuous batching, side by side: useful tokens/s of the rollout sampler at the same slot count.
+
+SmolLM2-135M-Instruct (float32) answers GSM8K-style questions (tests/data/gsm8k_sample.jsonl, chat template)
+at temperature 1 with the tokenizer's stop ids and `--new` new tokens, so completion lengths are the model's
+own (a long tail), not forced. The same R = prompts x samples rows are sampled two ways with S slots:
+
+- static: R / S calls of `generate` with S rows each; a call decodes until its longest row stops;
+- continuous: one call with `slots=S`; a slot whose row stops takes the next pending row.
+
+Useful tokens = generated tokens up to and including each row's stop token. A second table forces every row
+to full length (no stop ids): there continuous batching has nothing to win, and the ratio shows its overhead.
+Both modes give every row the same key, so they sample the same tokens: the same useful work. Each mode runs
+once untimed (compilation), then `--repeats` times alternating with the other mode; the median is shown. The
+decode-step column counts the steps each mode needs for these lengths: their ratio bounds the gain.
+
+    python benchmarks/rollout.py                       # 16 prompts x 4 samples, 16 slots, 256 new tokens
+    python benchmarks/rollout.py --prompts 8 --new 128
+
+Prints the tables and the length histogram, then one JSON line with every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from hardware import usable_cores  # benchmarks/ is on sys.path when run as a script
+
+MODEL = "smollm2-135m-instruct"
+QUESTIONS = Path(__file__).resolve().parent.parent / "tests" / "data" / "gsm8k_sample.jsonl"
+# The system prompt of configs/paper_gsm8k_qwen05b_*.yaml: the completions the trainer would sample.
+SYSTEM = "Please reason step by step, and write the final answer as a number after '####'."
+
+
+@functools.cache
+def _model():
+    from jgrpo.models.hf import load_model, load_tokenizer
+
+    return load_tokenizer(MODEL), *load_model(MODEL)[:2]  # tokenizer, graphdef, params
+
+
+def _prompts(tokenizer, count: int) -> tuple[np.ndarray, np.ndarray]:
+    from jgrpo.data.prompts import chat_prompt_ids, left_pad, pad_id_for
+
+    questions = [json.loads(line)["question"] for line in QUESTIONS.read_text().splitlines() if line.strip()]
+    ids = [chat_prompt_ids(tokenizer, questions[i % len(questions)], SYSTEM) for i in range(count)]
+    return left_pad(ids, pad_id=pad_id_for(tokenizer), bucket=16)
+
+
+def runner(mode: str, *, prompts: int, samples: int, slots: int, new: int, forced: bool):
+    """A function key -> outputs that samples every row once in `mode` (compiled by a first call here).
+
+    Static calls number their prompts by their place in the whole set (`prompt_index`), so both modes give
+    every row the same key and therefore the same tokens and lengths: the two modes do the same useful work.
+    """
+    import jax
+
+    from jgrpo.data.prompts import pad_id_for
+    from jgrpo.sampler import SamplingMethod, generate, stop_ids_for
+
+    tokenizer, graphdef, params = _model()
+    tokens, mask = _prompts(tokenizer, prompts)
+    stops = () if forced else stop_ids_for(tokenizer)
+    run = functools.partial(generate, graphdef, params, num_samples=samples, max_new_tokens=new,
+                            method=SamplingMethod(temperature=1.0), stop_ids=stops, pad_id=pad_id_for(tokenizer))
+    per_call = slots // samples  # static: prompts per call, so that a call has `slots` rows
+
+    def once(key):
+        if mode == "continuous":
+            return [run(tokens, mask, key=key, slots=slots)]
+        return [run(tokens[i:i + per_call], mask[i:i + per_call], key=key, prompt_index=np.arange(i, i + per_call))
+                for i in range(0, prompts, per_call)]
+
+    jax.block_until_ready(once(jax.random.key(0)))  # compile
+    return once
+
+
+def timed(once, seed: int) -> tuple[float, np.ndarray]:
+    import jax
+
+    start = time.perf_counter()
+    outs = jax.block_until_ready(once(jax.random.key(seed)))
+    return time.perf_counter() - start, np.concatenate([np.asarray(o.lengths) for o in outs])
+
+
+def decode_steps(lengths, slots: int) -> tuple[int, int]:
+    """(static, continuous) decode steps for these row lengths: static runs each batch of `slots` rows to its
+    longest row; continuous refills a slot as soon as its row stops, until every row is done."""
+    static = sum(int(max(lengths[i:i + slots])) - 1 for i in range(0, len(lengths), slots))
+    left = [int(n) - 1 for n in lengths[slots:]][::-1]  # decode steps each pending row needs
+    busy = [int(n) - 1 for n in lengths[:slots]]
+    steps = 0
+    while any(busy) or left:
+        steps += 1
+        busy = [max(b - 1, 0) for b in busy]
+        for i in [i for i, b in enumerate(busy) if b == 0]:
+            if left:
+                busy[i] = left.pop()
+    return static, steps
+
+
+def histogram(lengths, new: int, bins: int = 8) -> str:
+    edges = np.linspace(0, new, bins + 1).astype(int)
+    counts, _ = np.histogram(lengths, bins=edges)
+    width = max(counts.max(), 1)
+    return "\n".join(f"  {lo + 1:4d}-{hi:4d} {'#' * int(40 * c / width):40s} {c}"
+                     for lo, hi, c in zip(edges[:-1], edges[1:], counts, strict=True))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--samples", type=int, default=4, help="completions per prompt")
+    p.add_argument("--slots", type=int, default=16, help="rows decoded at once, both modes")
+    p.add_argument("--new", type=int, default=256, help="max new tokens")
+    p.add_argument("--forced-new", type=int, default=128, help="new tokens of the forced-length table (0 = skip)")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per mode, alternating (the median is shown)")
+    args = p.parse_args()
+    if args.slots % args.samples or args.prompts % (args.slots // args.samples):
+        sys.exit("--slots must be a multiple of --samples, and --prompts a multiple of slots / samples")
+
+    load = os.getloadavg()[0]
+    print(f"{usable_cores()} cores, load average {load:.1f}; {args.prompts} prompts x {args.samples} samples = "
+          f"{args.prompts * args.samples} rows, {args.slots} slots", file=sys.stderr)
+    shape = dict(prompts=args.prompts, samples=args.samples, slots=args.slots)
+    results = {}
+    for forced, new in ((False, args.new), (True, args.forced_new)):
+        if new == 0:
+            continue
+        table = "forced" if forced else "stops"
+        runs = {mode: runner(mode, **shape, new=new, forced=forced) for mode in ("static", "continuous")}
+        times = {mode: [] for mode in runs}
+        for repeat in range(args.repeats):  # alternating, so a shared machine's load hits both modes alike
+            for mode, once in runs.items():
+                seconds, lengths = timed(once, 1 + repeat)
+                times[mode].append(seconds)
+                results.setdefault(table, {}).setdefault("lengths", []).append(lengths.tolist())
+        results[table]["seconds"] = {mode: float(np.median(t)) for mode, t in times.items()}
+        results[table]["all_seconds"] = times
+    for table in results.values():  # same keys in both modes: the same rows, so the same lengths
+        pairs = table["lengths"]
+        assert all(pairs[i] == pairs[i + 1] for i in range(0, len(pairs), 2)), "the two modes sampled differently"
+
+    print("\n| lengths | mode | seconds (median) | useful tokens | useful tokens/s | vs static | decode steps |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for table, r in results.items():
+        lengths = np.asarray(r["lengths"][0])
+        steps = dict(zip(("static", "continuous"), decode_steps(lengths, args.slots), strict=True))
+        label = "model's own" if table == "stops" else f"forced {args.forced_new}"
+        for mode, seconds in r["seconds"].items():
+            print(f"| {label} | {mode} | {seconds:.1f} | {lengths.sum()} | {lengths.sum() / seconds:.1f} | "
+                  f"{r['seconds']['static'] / seconds:.2f}x | {steps[mode]} |")
+        r["decode_steps"] = steps
+    lengths = np.asarray(results["stops"]["lengths"][0])
+    print(f"\nCompletion lengths at temperature 1 (stop ids, at most {args.new} new tokens; first repeat):")
+    print(histogram(lengths, args.new))
+    print(f"  mean {lengths.mean():.0f}, median {np.median(lengths):.0f}, max {lengths.max()}, "
+          f"{(lengths == args.new).mean():.0%} truncated; the decode steps bound continuous batching's gain at "
+          f"{results['stops']['decode_steps']['static'] / results['stops']['decode_steps']['continuous']:.2f}x")
+    print(json.dumps({"args": vars(args), "load_average": load,
+                      "results": {t: {k: v for k, v in r.items() if k != "lengths"} for t, r in results.items()},
+                      "lengths": results["stops"]["lengths"][0]}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,151 @@
+"""Where each iteration's scored samples come from (`rollout.mode`): the prompt batches, their keys, the sampler.
+
+- `sync`: the trainer samples an iteration's batch when it reaches that iteration.
+- `window` (fixed v > 1): at a behaviour refresh, the batches of the v iterations that behaviour policy serves
+  are drawn at once and sampled in one slot pool (`sampler.slots`, default one iteration's rows), so no slot
+  idles between iterations and one batch's long tail overlaps the next batch's start. This is the paper's
+  Algorithm 1 exactly: the same behaviour params sample the same prompts with the same keys, so the tokens are
+  those `sync` draws (tested). On devices that train as well, XLA runs one program at a time: the gain is the
+  fuller pool, not an overlap of sampling and training.
+
+Keys: iteration k samples with `fold_in(sample_root, k)`, and sample g of prompt b of its batch draws token t
+with `fold_in(fold_in(that, b * G + g), t)` (`slot_decoding.sample`): keyed by (iteration, prompt, sample, step),
+never by the order of sampling, so a window and the iterations one at a time give the same tokens.
+
+Checkpoints in `window` mode keep the prompt iterator's state at the window's start: a run resumed inside a
+window draws the window's batches again, samples the whole window again (same params, keys and shapes: the
+same bits) and skips the iterations it already trained on. A new epoch's reference swap happens when the
+trainer reaches that epoch's batch (`Trainer._enter_epoch`), not when the window reads ahead.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+
+import jax
+import numpy as np
+
+from jgrpo.data import bucketed_length
+from jgrpo.dynamic_sampling import Round
+from jgrpo.host_arrays import global_max, local_rows, process_rank, to_global_rows
+from jgrpo.mesh import SAMPLE_RULES
+from jgrpo.rollout import prompt_arrays, reward_table, sample_and_score, score_rows
+from jgrpo.sampler import SampleOutput, decode_options, generate
+
+log = logging.getLogger(__name__)
+
+SAMPLE_STREAM = 0x53414D50  # folded into the run's seed: the sample keys' own stream, apart from the rng's
+
+
+class DataExhausted(RuntimeError):
+    """The prompt iterator has no batch left (data.epochs epochs consumed)."""
+
+
+def sample_root(seed: int) -> jax.Array:
+    """The root of every iteration's sample key (host-local; `Trainer` keeps a mesh-replicated copy)."""
+    return jax.random.fold_in(jax.random.key(seed), SAMPLE_STREAM)
+
+
+class RolloutSource:
+    """The trainer's prompts and samples: batches from the data iterator, padded, sampled and scored."""
+
+    def __init__(self, config, *, data, graphdef, tokenizer, scorer, method, stop_ids, pad_id, mesh, root):
+        self.config, self.data, self.graphdef, self.tokenizer = config, data, graphdef, tokenizer
+        self.scorer, self.method, self.stop_ids, self.pad_id, self.mesh = scorer, method, stop_ids, pad_id, mesh
+        self.root = root  # mesh-replicated sample_root(run.seed)
+        self.window: collections.deque[Round] = collections.deque()  # sampled rounds not trained on yet
+        self.window_start = None  # the iterator's state before the current window's batches
+
+    def sample_key(self, iteration: int) -> jax.Array:
+        return jax.random.fold_in(self.root, iteration)
+
+    def next_batch(self, iteration: int):
+        try:
+            return next(self.data)
+        except StopIteration:
+            raise DataExhausted(f"the prompt data is exhausted after {iteration} iterations "
+                                f"(data.epochs={self.config.data.epochs}); raise data.epochs") from None
+
+    def prompt_arrays(self, batch, counters):
+        """`batch` padded to the run's prompt width (which only grows: `counters.prompt_width`), as global arrays."""
+        c = self.config
+        longest = max(len(ids) for ids in batch.token_ids)
+        width = global_max(max(counters.prompt_width, bucketed_length(longest, c.sampler.prompt_bucket)))
+        if counters.prompt_width and width > counters.prompt_width:
+            log.warning("prompt width grows from %d to %d tokens: the step functions compile again",
+                        counters.prompt_width, width)
+        counters.prompt_width = width
+        return prompt_arrays(batch.token_ids, width=width, pad_id=self.pad_id, mesh=self.mesh,
+                             global_prompts=c.data.batch_size)
+
+    def sample_round(self, params, batch, prompt_tokens, prompt_mask, key) -> Round:
+        c = self.config
+        rollout = sample_and_score(self.graphdef, params, prompt_tokens, prompt_mask, batch,
+                                   num_samples=c.grpo.num_generations, method=self.method, key=key, sampler=c.sampler,
+                                   stop_ids=self.stop_ids, pad_id=self.pad_id, mesh=self.mesh,
+                                   tokenizer=self.tokenizer, scorer=self.scorer)
+        return Round(batch, rollout, reward_table(rollout.scores, rollout.output, c.reward, c.sampler.max_new_tokens))
+
+    def first_round(self, params, iteration: int, counters) -> Round:
+        """Iteration `iteration`'s batch, sampled with `params` (the behaviour policy) and scored."""
+        if self.config.rollout.mode == "sync":
+            batch = self.next_batch(iteration)
+            return self.sample_round(params, batch, *self.prompt_arrays(batch, counters), self.sample_key(iteration))
+        if not self.window:
+            v = self.config.grpo.behaviour_refresh
+            first = iteration - iteration % v  # a resumed run starts inside a window: sample all of it again
+            self.window_start = self.data.get_state()
+            batches = []
+            for _ in range(v):
+                try:
+                    batches.append(next(self.data))
+                except StopIteration:
+                    break
+            if len(batches) <= iteration - first:
+                raise DataExhausted(f"the prompt data is exhausted after {iteration} iterations "
+                                    f"(data.epochs={self.config.data.epochs}); raise data.epochs")
+            self.window.extend(self._sample_window(params, batches, first)[iteration - first:])
+        return self.window.popleft()
+
+    def data_state(self) -> dict:
+        """The iterator state a checkpoint keeps: inside a window, the window's start (its batches are in flight)."""
+        return self.window_start if self.window else self.data.get_state()
+
+    def set_data_state(self, state: dict) -> None:
+        self.data.set_state(state)
+        self.window.clear()
+
+    def _sample_window(self, params, batches, first: int) -> list[Round]:
+        """Batches of iterations first, first + 1, ... sampled in one slot pool; one scored Round per batch."""
+        c, G = self.config, self.config.grpo.num_generations
+        B, local = c.data.batch_size, len(batches[0])
+        start = time.perf_counter()
+        longest = max(len(ids) for b in batches for ids in b.token_ids)
+        tokens, mask = prompt_arrays([ids for b in batches for ids in b.token_ids],
+                                     width=global_max(bucketed_length(longest, c.sampler.prompt_bucket)),
+                                     pad_id=self.pad_id, mesh=self.mesh, global_prompts=len(batches) * B)
+        # Each prompt's iteration key and its index in that iteration's global batch, next to it on its process.
+        keys = np.concatenate([np.repeat(np.asarray(jax.random.key_data(jax.random.fold_in(sample_root(
+            c.run.seed), first + j)))[None], local, axis=0) for j in range(len(batches))])
+        index = np.tile(process_rank(self.mesh) * local + np.arange(local), len(batches))
+        rows = len(batches) * B * G
+        out = generate(self.graphdef, params, tokens, mask, num_samples=G, max_new_tokens=c.sampler.max_new_tokens,
+                       method=self.method, stop_ids=self.stop_ids,
+                       key=to_global_rows(keys, self.mesh, SAMPLE_RULES, len(batches) * B),
+                       prompt_index=to_global_rows(index.astype(np.int32), self.mesh, SAMPLE_RULES, len(batches) * B),
+                       mesh=self.mesh, rules=SAMPLE_RULES, pad_id=self.pad_id,
+                       **{**decode_options(c.sampler), "slots": c.sampler.slots or B * G})
+        fields = [local_rows(x) for x in jax.block_until_ready(out)]  # this process's rows, batch after batch
+        seconds = time.perf_counter() - start
+        per_batch = local * G
+        rounds = []
+        for j, batch in enumerate(batches):
+            part = [x[j * per_batch:(j + 1) * per_batch] for x in fields]
+            output = SampleOutput(*(to_global_rows(x, self.mesh, SAMPLE_RULES, rows // len(batches)) for x in part))
+            rollout = score_rows(output, part[0], part[3], batch, tokenizer=self.tokenizer, scorer=self.scorer,
+                                 sample_seconds=seconds if j == 0 else 0.0)
+            rounds.append(Round(batch, rollout,
+                                reward_table(rollout.scores, output, c.reward, c.sampler.max_new_tokens)))
+        return rounds
