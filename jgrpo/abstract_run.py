@@ -155,7 +155,7 @@ def abstract_run(config: Config, devices: list, *, train_rules: Rules = TRAIN_RU
                           logprob_chunk=m.logprob_chunk,
                           new_tokens=c.sampler.max_new_tokens, share_prompts=m.share_prompts,
                           skip_empty_steps=c.optim.skip_empty_steps, rules=train_rules,
-                          reward_weights=c.reward.component_weights())
+                          reward_weights=c.reward.component_weights(), on_policy=c.samples_on_policy)
     opt_state = _abstract(jax.eval_shape(optimizer.init, shapes), steps.opt_shardings)
     return AbstractRun(mesh, cfg, graphdef, params, sample_params, opt_state, steps, base, sample_base)
 
@@ -184,12 +184,14 @@ def program_names(config: Config) -> tuple[str, ...]:
     names = ["sample", "assemble"]
     if g.beta > 0:
         names.append("ref_logprobs")
-    if lp_k_source(g) == "computed":
+    if lp_k_source(g, config.samples_on_policy) == "computed":
         names.append("lp_k")
     names.append("update")
     # The sampling copy: the behaviour copy every v iterations, or each iteration when v = 1 and the sampler's
     # weights dtype differs (with equal dtypes, v = 1 reshards the current params by device_put).
-    if g.keeps_behaviour_copy or config.sampler.weights_dtype != config.model.param_dtype:
+    # Async rollouts publish such a copy every rollout.publish_every iterations.
+    if (g.keeps_behaviour_copy or config.rollout.mode == "async"
+            or config.sampler.weights_dtype != config.model.param_dtype):
         names.append("behaviour")
     if config.run.eval_every:
         names.append("eval")
@@ -223,7 +225,7 @@ def lower_iteration(config: Config, devices: list, *, names: tuple[str, ...] | N
         resident["sample_base"] = per_chip_bytes(run.sample_base) if run.sample_base is not None else 0
     if g.beta > 0:  # a copy of the initial params; with LoRA the base itself, or a frozen adapter copy after a swap
         resident["reference"] = resident["params"] if run.base is None or g.swap_reference else 0
-    if g.keeps_behaviour_copy:
+    if g.keeps_behaviour_copy or c.rollout.mode == "async":  # async: the published copy the producer samples with
         resident["behaviour"] = per_chip_bytes(sample_params)
     sampling_base = resident.get("sample_base") or resident.get("base", 0)
     whole, sample_whole = run.whole(), run.whole(sample=True)
@@ -271,6 +273,7 @@ def lower_iteration(config: Config, devices: list, *, names: tuple[str, ...] | N
         copy = param_copier(jax.tree.map(lambda x: x.sharding, sample_params), c.sampler.weights_dtype)
         # Adaptive v plans for the worst case, a refresh every iteration.
         every = g.behaviour_refresh if isinstance(g.behaviour_refresh, int) else 1
+        every = c.rollout.publish_every if c.rollout.mode == "async" else every
         programs.append(Program("behaviour", copy.lower(params), resident["params"], runs=1 / every))
     if wanted("eval"):
         eval_batch = c.run.eval_batch_size or B

@@ -54,6 +54,8 @@ class RunCounters:
     empty_steps: int = 0  # steps with nothing in the loss (skipped with optim.skip_empty_steps)
     behaviour_refreshes: int = 0  # behaviour <- current copies so far (v > 1 or adaptive)
     refresh_requested: int = 0  # adaptive v: why the next iteration refreshes (REFRESH_REASONS), 0 = not
+    batches_drawn: int = 0  # async rollouts: prompt batches taken from the data (trained or dropped)
+    stale_dropped: int = 0  # async rollouts: batches dropped as staler than rollout.max_staleness
 
     @classmethod
     def from_json(cls, saved: dict) -> RunCounters:

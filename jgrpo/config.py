@@ -66,12 +66,19 @@ class MeshConfig:
     data: int = 1
     fsdp: int = -1
     tensor: int = 1
+    # Placement. 0 = the sampler and the trainer share every device. n > 0 = disaggregated: the first n devices
+    # form the sampler's sub-mesh and the rest the trainer's, each with the axes above (the -1 axis absorbs its
+    # devices); each publish of the weights is one resharding copy between them (`time/weight_sync`). One
+    # process only (a sub-mesh's programs would have to be launched in the same order by every process).
+    rollout_devices: int = 0
 
     def __post_init__(self):
         sizes = {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}
         for name, size in sizes.items():
             _check(size == -1 or size >= 1, f"mesh.{name}", size, "a positive integer or -1")
         _check(list(sizes.values()).count(-1) <= 1, "mesh", sizes, "at most one axis may be -1")
+        _check(self.rollout_devices >= 0, "mesh.rollout_devices", self.rollout_devices,
+               "0 (shared devices) or the number of devices for the sampler")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -122,7 +129,22 @@ class RolloutConfig:
     # sync: sample each iteration's batch when the trainer reaches it. window: at each behaviour refresh, sample
     # the batches of the v iterations that behaviour serves together in one slot pool (sampler.slots; default
     # one iteration's rows); the same tokens as sync, needs a fixed grpo.behaviour_refresh and no dynamic sampling.
-    mode: Literal["sync", "window"] = "sync"
+    # async: a producer thread keeps sampling with the newest published params while the trainer trains; each
+    # batch carries the version (iteration) of the params that sampled it, and its staleness when trained is at
+    # most max_staleness (grpo.behaviour_refresh does not apply: leave it at 1). jgrpo/async_rollouts.py.
+    mode: Literal["sync", "window", "async"] = "sync"
+    # async: the trainer publishes its params to the producer after every this many iterations.
+    publish_every: int = 1
+    # async: the most iterations a batch's sampling params may lag the params it trains (0 = on-policy: the
+    # producer waits for every publish, which is exactly sync at v = 1). Older batches are dropped, counted.
+    max_staleness: int = 1
+
+    def __post_init__(self):
+        _check(self.publish_every >= 1, "rollout.publish_every", self.publish_every, "a positive integer")
+        _check(self.max_staleness >= 0, "rollout.max_staleness", self.max_staleness, ">= 0")
+        _check(self.max_staleness >= self.publish_every - 1, "rollout.max_staleness", self.max_staleness,
+               f">= rollout.publish_every - 1 = {self.publish_every - 1}: params published every "
+               f"{self.publish_every} iterations are that stale at the last iteration before the next publish")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -426,3 +448,17 @@ class Config:
             _check(not self.grpo.dynamic_sampling_rounds, "rollout.mode", "window",
                    "it needs grpo.dynamic_sampling_rounds=0 (dynamic sampling draws extra rounds for a short "
                    "batch)")
+        if self.rollout.mode == "async":
+            _check(self.grpo.behaviour_refresh == 1, "grpo.behaviour_refresh", self.grpo.behaviour_refresh,
+                   "1 with rollout.mode=async: the producer samples with the newest published params "
+                   "(rollout.publish_every, rollout.max_staleness), there is no behaviour copy to refresh")
+            _check(not self.grpo.dynamic_sampling_rounds, "rollout.mode", "async",
+                   "it needs grpo.dynamic_sampling_rounds=0 (the producer's batches are fixed when sampled)")
+        if self.mesh.rollout_devices:
+            _check(self.model.lora.rank == 0, "mesh.rollout_devices", self.mesh.rollout_devices,
+                   "0 with LoRA (model.lora.rank > 0): the frozen base would need a copy on the sampler's devices")
+
+    @property
+    def samples_on_policy(self) -> bool:
+        """Whether every batch is sampled by the params it trains (v = 1 and not async): then lp_alpha is pi_k."""
+        return self.grpo.behaviour_refresh == 1 and self.rollout.mode != "async"

@@ -75,6 +75,26 @@ def make_mesh(config: MeshConfig, devices: list | None = None) -> Mesh:
     return Mesh(grid, MESH_AXES)
 
 
+def make_meshes(config: MeshConfig) -> tuple[Mesh, Mesh]:
+    """(the trainer's mesh, the sampler's mesh): one mesh over every device when `mesh.rollout_devices` is 0,
+    else the first rollout_devices devices for the sampler and the rest for the trainer (disaggregated)."""
+    n = config.rollout_devices
+    if not n:
+        mesh = make_mesh(config)
+        return mesh, mesh
+    devices = jax.devices()
+    if jax.process_count() > 1:
+        raise ValueError(f"mesh.rollout_devices={n} needs one process (this run has {jax.process_count()}): every "
+                         "process would have to launch each sub-mesh's programs in the same order")
+    if n >= len(devices):
+        raise ValueError(f"mesh.rollout_devices={n} leaves no device for the trainer ({len(devices)} devices)")
+    try:
+        return make_mesh(config, devices[n:]), make_mesh(config, devices[:n])
+    except ValueError as e:
+        raise ValueError(f"mesh.rollout_devices={n} splits {len(devices)} devices into {n} for the sampler and "
+                         f"{len(devices) - n} for the trainer: {e}") from None
+
+
 def mesh_platform(mesh: Mesh) -> str:
     """The platform of the mesh's devices ("cpu", "tpu", "gpu"; a deviceless TPU topology is "tpu")."""
     return mesh.devices.flat[0].platform
@@ -142,20 +162,22 @@ def row_sharding(mesh: Mesh, rules: Rules, shape: tuple[int, ...], row_axis: int
     return NamedSharding(mesh, logical_to_spec(tuple(logical), rules, tuple(shape), mesh))
 
 
-def param_copier(shardings, dtype: str | None = None):
+def param_copier(shardings, dtype: str | None = None, *, other_devices: bool = False):
     """A jitted copy of a param pytree onto `shardings` (None: where it is), floating leaves cast to `dtype`.
 
     Always new buffers, never the inputs forwarded, so a copy (behaviour, reference, sampling weights)
-    survives the train step's donation of the current params.
+    survives the train step's donation of the current params. `other_devices`: `shardings` lie on another
+    sub-mesh (`make_meshes`): cast where the params are, then one transfer (a jit cannot span both).
     """
     target = None if dtype is None else jax.numpy.dtype(dtype)
 
-    def leaf(x):
-        if target is not None and jax.numpy.issubdtype(x.dtype, jax.numpy.floating) and x.dtype != target:
-            return x.astype(target)
-        return jax.numpy.copy(x)
+    def cast(x):
+        return x.astype(target) if target is not None and jax.numpy.issubdtype(x.dtype, jax.numpy.floating) else x
 
-    return jax.jit(lambda params: jax.tree.map(leaf, params), out_shardings=shardings)
+    if other_devices:
+        cast_all = jax.jit(lambda params: jax.tree.map(cast, params))
+        return lambda params: jax.device_put(cast_all(params), shardings)
+    return jax.jit(lambda params: jax.tree.map(lambda x: jax.numpy.copy(cast(x)), params), out_shardings=shardings)
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -68,8 +68,9 @@ class RolloutSource:
             raise DataExhausted(f"the prompt data is exhausted after {iteration} iterations "
                                 f"(data.epochs={self.config.data.epochs}); raise data.epochs") from None
 
-    def prompt_arrays(self, batch, counters):
-        """`batch` padded to the run's prompt width (which only grows: `counters.prompt_width`), as global arrays."""
+    def prompt_arrays(self, batch, counters, mesh=None):
+        """`batch` padded to the run's prompt width (which only grows: `counters.prompt_width`), as global arrays
+        on `mesh` (default the sampler's)."""
         c = self.config
         longest = max(len(ids) for ids in batch.token_ids)
         width = global_max(max(counters.prompt_width, bucketed_length(longest, c.sampler.prompt_bucket)))
@@ -77,7 +78,7 @@ class RolloutSource:
             log.warning("prompt width grows from %d to %d tokens: the step functions compile again",
                         counters.prompt_width, width)
         counters.prompt_width = width
-        return prompt_arrays(batch.token_ids, width=width, pad_id=self.pad_id, mesh=self.mesh,
+        return prompt_arrays(batch.token_ids, width=width, pad_id=self.pad_id, mesh=mesh or self.mesh,
                              global_prompts=c.data.batch_size)
 
     def sample_round(self, params, batch, prompt_tokens, prompt_mask, key) -> Round:

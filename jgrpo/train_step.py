@@ -50,11 +50,13 @@ from jgrpo.sampling_methods import SamplingMethod
 LpKSource = Literal["computed", "behaviour", "self"]
 
 
-def lp_k_source(grpo: GRPOConfig) -> LpKSource:
+def lp_k_source(grpo: GRPOConfig, on_policy: bool | None = None) -> LpKSource:
+    """`on_policy`: whether the sampling params are always pi_k (default: v = 1; `Config.samples_on_policy` also
+    knows async rollouts, whose batches may be stale at v = 1)."""
     if grpo.m2po_tau is not None:  # M2PO's mask needs pi_k / alpha over the whole batch before the first update
         return "computed"
     updates_per_batch = grpo.inner_steps * grpo.num_minibatches
-    on_policy = not grpo.keeps_behaviour_copy
+    on_policy = not grpo.keeps_behaviour_copy if on_policy is None else on_policy
     if updates_per_batch == 1:
         return "behaviour" if on_policy else "self"
     # Masked IS needs the trainer's own pi_k even at v = 1: lp_alpha in its place would never drop anything.
@@ -111,7 +113,8 @@ class StepFunctions:
     def __init__(self, *, graphdef, params, mesh: Mesh, grpo: GRPOConfig, optimizer: optax.GradientTransformation,
                  method: SamplingMethod, logprob_chunk: int, new_tokens: int, share_prompts: bool = True,
                  skip_empty_steps: bool = True, rules: Rules = TRAIN_RULES,
-                 reward_weights: tuple[float, ...] | None = None, frozen: dict | None = None):
+                 reward_weights: tuple[float, ...] | None = None, frozen: dict | None = None,
+                 on_policy: bool | None = None):
         """`params` are what trains (with LoRA the adapters only); `frozen` is the LoRA base, passed to every
         program that runs the model (`jgrpo.frozen_base`), never trained, donated or copied."""
         self.graphdef, self.mesh, self.grpo, self.optimizer = graphdef, mesh, grpo, optimizer
@@ -119,7 +122,7 @@ class StepFunctions:
         self.method, self.chunk, self.new_tokens = method, logprob_chunk, new_tokens
         self.share_prompts, self.skip_empty_steps, self.rules = share_prompts, skip_empty_steps, rules
         self.chunks = grpo.num_minibatches * grpo.micro_batches
-        self.lp_k_source = lp_k_source(grpo)
+        self.lp_k_source = lp_k_source(grpo, on_policy)
         # Log-probs shard the vocabulary over the axes that shard the weights (`token_logprobs`): rows over the
         # data axis only, vocabulary over fsdp and tensor. Constraints where a dimension does not divide are
         # dropped by logical_to_spec (then XLA chooses, as without them).

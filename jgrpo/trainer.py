@@ -27,7 +27,6 @@ import jax
 import jax.numpy as jnp
 from etils import epath
 
-from jgrpo.behaviour_refresh import RefreshPolicy
 from jgrpo.checkpoint import Checkpointer, PreemptionFlag, RunCounters, TrainState
 from jgrpo.config import Config, ConfigError
 from jgrpo.config_loading import to_dict
@@ -40,22 +39,21 @@ from jgrpo.host_arrays import to_global_rows
 from jgrpo.mesh import (
     SAMPLE_RULES,
     TRAIN_RULES,
-    logical_shardings,
-    make_mesh,
+    make_meshes,
     mesh_platform,
-    param_copier,
     replicated,
     replicated_key,
+    row_sharding,
 )
 from jgrpo.metrics import MetricsLogger
 from jgrpo.models.attention_backends import resolve_attention
 from jgrpo.models.hf import load_model, load_tokenizer
-from jgrpo.models.llm import param_logical_axes
 from jgrpo.optim import learning_rate_schedule, make_optimizer
 from jgrpo.rewards import RewardScorer
 from jgrpo.rollout_source import DataExhausted, RolloutSource, sample_root
 from jgrpo.sampler import stop_ids_for
 from jgrpo.sampling_methods import SamplingMethod
+from jgrpo.sampling_policy import SamplingPolicy
 from jgrpo.train_step import StepFunctions
 from jgrpo.trainer_metrics import count_updates, iteration_metrics, sample_dump
 
@@ -75,7 +73,11 @@ class Trainer:
             raise ValueError("sampler.temperature=0 (greedy) cannot train: GRPO needs G different samples per "
                              "prompt and finite log-probs; use a temperature > 0")
         self.run_dir = epath.Path(config.run.output_dir)  # a local folder or a bucket (gs://...)
-        self.mesh = make_mesh(config.mesh)
+        # The trainer's mesh, and the sampler's: the same one, or disjoint sub-meshes (`mesh.rollout_devices`).
+        self.mesh, self.sample_mesh = make_meshes(config.mesh)
+        if config.rollout.mode == "async" and jax.process_count() > 1:
+            raise ConfigError(f"rollout.mode=async needs one process (this run has {jax.process_count()}): the "
+                              "producer thread's programs would reach the processes in different orders")
         m = config.model
         self.graphdef, params, self.model_config = load_model(
             m.name, param_dtype=m.param_dtype, compute_dtype=m.compute_dtype, remat=m.remat, mesh=self.mesh,
@@ -90,10 +92,10 @@ class Trainer:
         self.method = SamplingMethod.from_config(config.sampler, mesh_platform(self.mesh))
         self.data = build_prompt_iterator(config, self.tokenizer)
         self.scorer = RewardScorer(config.reward)
-        root = jax.jit(lambda: sample_root(config.run.seed), out_shardings=replicated(self.mesh))()
+        root = jax.jit(lambda: sample_root(config.run.seed), out_shardings=replicated(self.sample_mesh))()
         self.rollouts = RolloutSource(config, data=self.data, graphdef=self.graphdef, tokenizer=self.tokenizer,
                                       scorer=self.scorer, method=self.method, stop_ids=self.stop_ids,
-                                      pad_id=self.pad_id, mesh=self.mesh, root=root)
+                                      pad_id=self.pad_id, mesh=self.sample_mesh, root=root)
         self.total_iterations = min(config.run.iterations, len(self.data))
         if self.total_iterations < config.run.iterations:
             log.warning("the data has %d batches (data.epochs=%d), fewer than run.iterations=%d: stopping there",
@@ -107,16 +109,15 @@ class Trainer:
                                    optimizer=optimizer, method=self.method, logprob_chunk=m.logprob_chunk,
                                    new_tokens=config.sampler.max_new_tokens, share_prompts=m.share_prompts,
                                    skip_empty_steps=config.optim.skip_empty_steps,
-                                   reward_weights=config.reward.component_weights(), frozen=self.frozen.train)
+                                   reward_weights=config.reward.component_weights(), frozen=self.frozen.train,
+                                   on_policy=config.samples_on_policy)
         self.steps.check_rows(config.data.batch_size * g.num_generations)
-        self.sample_shardings = logical_shardings(param_logical_axes(params), self.mesh, SAMPLE_RULES,
-                                                  shapes=params)
-        # A real copy (new buffers) even where the two layouts agree: the current params get donated.
-        self._copy_to_sample_layout = param_copier(self.sample_shardings, config.sampler.weights_dtype)
+        self.sampling = SamplingPolicy(config, params, rollouts=self.rollouts, frozen=self.frozen,
+                                       train_mesh=self.mesh, sample_mesh=self.sample_mesh)
+        self.sample_shardings = self.sampling.shardings
         if config.reward.overlong_buffer > config.sampler.max_new_tokens:
             raise ConfigError(f"reward.overlong_buffer={config.reward.overlong_buffer} is longer than "
                               f"sampler.max_new_tokens={config.sampler.max_new_tokens}")
-        self.refresh_policy = RefreshPolicy(g)
         # The reference is the initial params (a copy: the current params are donated to every update) until a
         # swap replaces it; without beta there is no reference at all. LoRA's is the base alone (no adapters), or
         # with swaps a frozen copy of the adapters (B = 0: the base exactly), so a swap changes no program.
@@ -151,32 +152,20 @@ class Trainer:
         own = self.state.reference if self.state.reference is not None else self.initial_reference
         return self.frozen.join(own)
 
-    @property
-    def behaviour(self):
-        """The params that sample: the separate copy when v > 1, else the current params themselves."""
-        return self.state.behaviour if self.config.grpo.keeps_behaviour_copy else self.state.params
-
     def maybe_resume(self) -> bool:
         """Restore the latest complete checkpoint of the run directory (if any and checkpoint.resume)."""
         if not self.config.checkpoint.resume:
             return False
-        target = TrainState(**{**vars(self.state), "behaviour": self.sample_layout_abstract()})
+        target = TrainState(**{**vars(self.state), "behaviour": self.sampling.abstract_copy(self.state.params)})
         restored = self.checkpointer.restore(target)
         if restored is None:
             return False
         self.state = restored
         if restored.reference is not None:  # swapped before: the initial params are no longer the reference
             self.initial_reference = None
-        self.rollouts.set_data_state(restored.data_state)
+        self.sampling.set_data_state(restored.data_state)
         log.info("resumed from iteration %d (epoch %d) in %s", restored.iteration, restored.epoch, self.run_dir)
         return True
-
-    def sample_layout_abstract(self):
-        """The behaviour copy's shapes, dtypes (`sampler.weights_dtype` for floating leaves) and shardings."""
-        dtype = jnp.dtype(self.config.sampler.weights_dtype)
-        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(
-            x.shape, dtype if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype, sharding=s),
-            self.state.params, self.sample_shardings)
 
     # ---------------------------------------------------------------- loop
 
@@ -208,12 +197,16 @@ class Trainer:
             self._save(force=True)
         finally:
             self.preemption.uninstall()
+            summary = self.sampling.stop()
+            if summary:
+                logger.write(summary)
             self.checkpointer.close()
             logger.close()
         return status
 
     def close(self) -> None:
-        """Finish any background checkpoint write and stop the reward workers."""
+        """Stop the rollout producer, finish any background checkpoint write and stop the reward workers."""
+        self.sampling.stop()
         self.checkpointer.close()
         self.scorer.close()
 
@@ -222,26 +215,9 @@ class Trainer:
         if not (force or self.checkpointer.should_save(it, last=it == self.total_iterations)):
             return 0.0
         t = time.perf_counter()
-        self.state.data_state = self.rollouts.data_state()
+        self.state.data_state = self.sampling.data_state()
         self.checkpointer.save(self.state)
         return time.perf_counter() - t
-
-    def _refresh_behaviour(self, k: int) -> bool:
-        """behaviour <- current when `RefreshPolicy.due` (a copy in the sampling layout, which survives the
-        donated updates); returns whether this iteration samples from a fresh copy."""
-        s = self.state
-        if not self.config.grpo.keeps_behaviour_copy:  # on-policy: the current params sample
-            s.behaviour_version = k
-            return False
-        why = self.refresh_policy.due(k, s.behaviour_version, s.behaviour is not None, s.counters.refresh_requested)
-        if why is None:
-            return False
-        s.behaviour = self._copy_to_sample_layout(s.params)
-        s.behaviour_version = k
-        s.counters.behaviour_refreshes += 1
-        s.counters.refresh_requested = 0
-        log.info("iteration %d: behaviour <- current params (%s)", k + 1, why)
-        return True
 
     def _enter_epoch(self, batch) -> None:
         """A batch of a new epoch: the previous one is complete (paper Algorithm 1, outer loop)."""
@@ -271,18 +247,9 @@ class Trainer:
         timings = {}
         t_start = time.perf_counter()
 
-        t = time.perf_counter()
-        refreshed = self._refresh_behaviour(k)
-        if g.behaviour_refresh == 1 and c.sampler.weights_dtype != c.model.param_dtype:
-            sample_params = self._copy_to_sample_layout(self.behaviour)
-        else:  # the behaviour copy is in the sampling layout already; v = 1 reshards the current params
-            sample_params = jax.device_put(self.behaviour, self.sample_shardings)
-        sample_params = jax.block_until_ready(self.frozen.join_sample(sample_params))
-        timings["weight_sync"] = time.perf_counter() - t
-
-        sampled = self.rollouts.first_round(sample_params, k, s.counters)
+        sampled, sample_params, refreshed, rollout_metrics = self.sampling.first_round(s, k, timings)
         self._enter_epoch(sampled.batch)
-        prompt_tokens, prompt_mask = self.rollouts.prompt_arrays(sampled.batch, s.counters)
+        prompt_tokens, prompt_mask = self.rollouts.prompt_arrays(sampled.batch, s.counters, self.mesh)
         if g.shuffles_minibatches:
             s.rng, shuffle_key = jax.random.split(s.rng)
         dynamic = {}
@@ -291,9 +258,11 @@ class Trainer:
                                           group_size=G,
                                           rounds=g.dynamic_sampling_rounds, oversample=g.dynamic_sampling_oversample,
                                           per_reward=g.advantage_reward_normalisation == "per_reward", mesh=self.mesh)
-            prompt_tokens, prompt_mask = self.rollouts.prompt_arrays(sampled.batch, s.counters)
+            prompt_tokens, prompt_mask = self.rollouts.prompt_arrays(sampled.batch, s.counters, self.mesh)
         del sample_params
         batch, out, completions, result = sampled.batch, *sampled.rollout[:3]
+        if self.sample_mesh is not self.mesh:  # disaggregated: the samples move to the trainer's devices
+            out = jax.device_put(out, jax.tree.map(lambda x: row_sharding(self.mesh, SAMPLE_RULES, x.shape), out))
         timings["sample"] = sampled.rollout.sample_seconds
 
         t = time.perf_counter()
@@ -329,14 +298,15 @@ class Trainer:
         steps_before = s.counters.optimizer_steps
         skipped, empty = count_updates(s.counters, update_metrics, skip_empty=c.optim.skip_empty_steps,
                                         iteration=k + 1)
-        s.counters.refresh_requested, why = self.refresh_policy.request(update_metrics)  # (adaptive v only)
+        s.counters.refresh_requested, why = self.sampling.refresh_policy.request(update_metrics)  # (adaptive v only)
         if why:
             log.info("iteration %d: %s: the behaviour policy refreshes before the next sampling", k + 1, why)
         # The rates of this iteration's first and last applied updates (the schedule counts applied steps only).
         lr = float(self.schedule(steps_before))
         lr_last = float(self.schedule(max(s.counters.optimizer_steps - 1, steps_before)))
         s.iteration = k + 1
-        s.data_state = self.rollouts.data_state()
+        s.data_state = self.sampling.data_state()
+        self.sampling.after_iteration(s, timings)
         eval_metrics = self._maybe_eval(timings)
         timings["checkpoint"] = self._save()
         timings["iteration"] = time.perf_counter() - t_start
@@ -348,6 +318,7 @@ class Trainer:
         )
         record.update(eval_metrics)
         record.update(dynamic)
+        record.update(rollout_metrics)
         record.update({"epoch": s.epoch, "behaviour_version": s.behaviour_version, "optim/steps":
                        s.counters.optimizer_steps, "nonfinite/skipped": skipped,
                        "nonfinite/total": s.counters.nonfinite_total, "loss/empty_steps": empty,

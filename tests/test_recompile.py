@@ -4,7 +4,8 @@ Iterations 2..5 cover every event of the loop after warm-up: a checkpoint save e
 (v = 2: iterations 3 and 5 copy current -> behaviour), reference log-probs (beta > 0) and, off-policy, the
 recomputed lp_k and minibatch slicing; with dynamic sampling and adaptive v, extra sampling rounds and a
 refresh at every iteration; with continuous batching, slot refills; with `rollout.mode: window`, a window's
-pool sampled at each refresh and consumed in between. An XLA compilation in that window means a shape, dtype,
+pool sampled at each refresh and consumed in between; with `async`, the producer thread's sampling from each
+published copy; with `mesh.rollout_devices`, copies and samples crossing between the two sub-meshes. An XLA compilation in that window means a shape, dtype,
 sharding or static argument changed between iterations (each costs seconds to minutes on a real model). The failure
 message names what compiled (jax_log_compiles). Checkpoints are saved every iteration so that iteration 1
 also runs the save path once: its first call compiles small programs (the checksums of the saved trees and
@@ -40,6 +41,10 @@ def compile_counter():
     pytest.param(["sampler.slots=4", "grpo.behaviour_refresh=2"], id="continuous_batching_v2"),
     # The behaviour window: iterations 3 and 5 sample the next two iterations' prompts in one pool.
     pytest.param(["rollout.mode=window", "grpo.behaviour_refresh=2"], id="window_v2"),
+    # Async rollouts: the producer thread samples with a new published copy at every iteration.
+    pytest.param(["rollout.mode=async", "rollout.max_staleness=1"], id="async"),
+    # The sampler on devices 0-3, the trainer on 4-7: the behaviour copy crosses sub-meshes at each refresh.
+    pytest.param(["mesh.rollout_devices=4", "grpo.behaviour_refresh=2"], id="split_placement_v2"),
 ])
 def test_iterations_2_to_5_never_compile(tmp_path, compile_counter, caplog, overrides):
     config = load_config("configs/tiny.yaml", [f"run.output_dir={tmp_path}", SPACE_REWARD, "run.iterations=5",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 from collections.abc import Sequence
 
 import numpy as np
@@ -52,6 +53,9 @@ class RewardScorer:
         self._paths = [reward_path(get_reward(name)) for name in self.names]
         self._pool = RewardWorkerPool(sorted(set(self._paths)), num_workers=config.num_workers,
                                       timeout_s=config.timeout_s)
+        # One call at a time: async rollouts score in their producer thread while the evaluator scores in the
+        # trainer's, and the pool's workers answer one request at a time.
+        self._lock = threading.Lock()
 
     def close(self) -> None:
         self._pool.close()
@@ -76,7 +80,8 @@ class RewardScorer:
         group = n // len(prompts)
         calls = [(path, prompts[i // group], completions[i], references[i // group])
                  for path in self._paths for i in range(n)]
-        outcomes = self._pool.run(calls)
+        with self._lock:
+            outcomes = self._pool.run(calls)
         per_function, failures, timeouts = {}, {}, {}
         for f, name in enumerate(self.names):
             chunk = outcomes[f * n : (f + 1) * n]

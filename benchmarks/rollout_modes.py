@@ -1,0 +1,117 @@
+"""Iteration time of the rollout modes, side by side: sync vs window vs async, on shared devices and split 4+4.
+
+The real SmolLM2-135M-Instruct trains on the quickstart's task (2-digit addition, G = 8, temperature 0.7) on an
+emulated 8-device CPU mesh (fsdp over all 8, or `mesh.rollout_devices=4`: sampler on devices 0-3, trainer on
+4-7), v = 4 for sync and window, `rollout.max_staleness` (default 2, publish every iteration) for async. Each
+configuration runs in its own process for 2 v iterations; the first v (compilation, the first window) are
+warm-up and the wall-clock of the last v is reported, per iteration, with the trainer's phase times (sample,
+update, weight sync; async: the trainer's wait for the producer and the producer's idle time). No checkpoints,
+no evaluation.
+
+    python benchmarks/rollout_modes.py                          # all six, ~15 min on 2 cores
+    python benchmarks/rollout_modes.py --new 64 --prompts 4     # longer completions
+
+On a host whose cores are shared by all 8 emulated devices, sampling and training compete for the same
+cores even on disjoint sub-meshes: the overlap async makes is capped by the cores, not the devices (see
+docs/benchmarks.md for the pod-scale estimate). Prints a table, then one JSON line with every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from hardware import usable_cores  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+MODES = ("sync", "window", "async")
+PLACEMENTS = {"shared": 0, "split 4+4": 4}
+
+
+def overrides(args, mode: str, rollout_devices: int, run_dir: str) -> list[str]:
+    common = [f"run.output_dir={run_dir}", f"run.iterations={2 * args.v}", "run.eval_before=false",
+              "run.eval_every=0", "checkpoint.every=1000000", "logging.progress_bar=false", "logging.samples_every=0",
+              f"data.batch_size={args.prompts}", f"sampler.max_new_tokens={args.new}",
+              f"mesh.rollout_devices={rollout_devices}", f"rollout.mode={mode}"]
+    if mode == "async":
+        return [*common, "grpo.behaviour_refresh=1", f"rollout.max_staleness={args.max_staleness}"]
+    return [*common, f"grpo.behaviour_refresh={args.v}"]
+
+
+def child(args) -> None:
+    """One configuration in this process: train, then print the warm iterations' figures as JSON."""
+    from jgrpo.config_loading import load_config
+    from jgrpo.trainer import Trainer
+
+    with tempfile.TemporaryDirectory() as run_dir:
+        config = load_config(str(ROOT / "configs/quickstart.yaml"), overrides(args, args.child, args.devices, run_dir))
+        trainer = Trainer(config)
+        try:
+            assert trainer.run() == "done"
+        finally:
+            trainer.close()
+        records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    warm = [r for r in records if r["iteration"] > args.v]  # the first v: compilation and the first window
+    phases = {}
+    for key in ("time/iteration", "time/sample", "time/update", "time/weight_sync", "rollout/trainer_wait",
+                "rollout/producer_idle", "rollout/staleness"):
+        values = [r[key] for r in warm if key in r]
+        if values:
+            phases[key] = statistics.mean(values)
+    print(json.dumps(phases))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--v", type=int, default=4)
+    p.add_argument("--max-staleness", type=int, default=2)
+    p.add_argument("--prompts", type=int, default=4, help="prompts per iteration (x G = 8 rows)")
+    p.add_argument("--new", type=int, default=32, help="max new tokens")
+    p.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
+    p.add_argument("--devices", type=int, default=0, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        child(args)
+        return
+    env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8"}
+    print(f"{usable_cores()} cores, load average {os.getloadavg()[0]:.1f}; 8 emulated devices, {args.prompts} "
+          f"prompts x 8 samples, {args.new} new tokens, v = {args.v}, async max_staleness {args.max_staleness}",
+          file=sys.stderr)
+    results = {}
+    for placement, devices in PLACEMENTS.items():
+        for mode in MODES:
+            start = time.perf_counter()
+            cmd = [sys.executable, __file__, "--child", mode, "--devices", str(devices), "--v", str(args.v),
+                   "--max-staleness", str(args.max_staleness), "--prompts", str(args.prompts), "--new", str(args.new)]
+            done = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT)
+            if done.returncode:
+                results[f"{placement}/{mode}"] = {"error": done.stderr.strip().splitlines()[-1]}
+            else:
+                results[f"{placement}/{mode}"] = json.loads(done.stdout.strip().splitlines()[-1])
+            print(f"{placement} {mode}: {time.perf_counter() - start:.0f} s", file=sys.stderr)
+    base = results["shared/sync"].get("time/iteration")
+    print("\n| placement | mode | s / iteration | vs shared sync | sample | update | weight sync | trainer waits "
+          "| producer idle | staleness |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for name, r in results.items():
+        placement, mode = name.split("/")
+        if "error" in r:
+            print(f"| {placement} | {mode} | failed: {r['error']} |||||||")
+            continue
+        cells = [r.get(k) for k in ("time/sample", "time/update", "time/weight_sync", "rollout/trainer_wait",
+                                    "rollout/producer_idle", "rollout/staleness")]
+        text = " | ".join("" if c is None else f"{c:.2f}" for c in cells)
+        print(f"| {placement} | {mode} | {r['time/iteration']:.2f} | {base / r['time/iteration']:.2f}x | {text} |")
+    print(json.dumps({"args": vars(args), "results": results}))
+
+
+if __name__ == "__main__":
+    main()
