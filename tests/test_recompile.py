@@ -1,15 +1,15 @@
 """Nothing compiles after the first iteration: iterations 2..5 of configs/tiny.yaml, on- and off-policy.
 
-Iterations 2..5 cover every event of the loop after warm-up: a checkpoint save each, a behaviour refresh
-(v = 2: iterations 3 and 5 copy current -> behaviour), reference log-probs (beta > 0) and, off-policy, the
-recomputed lp_k and minibatch slicing; with dynamic sampling and adaptive v, extra sampling rounds and a
-refresh at every iteration; with continuous batching, slot refills; with `rollout.mode: window`, a window's
-pool sampled at each refresh and consumed in between; with `async`, the producer thread's sampling from each
-published copy; with `mesh.rollout_devices`, copies and samples crossing between the two sub-meshes. An XLA compilation in that window means a shape, dtype,
-sharding or static argument changed between iterations (each costs seconds to minutes on a real model). The failure
-message names what compiled (jax_log_compiles). Checkpoints are saved every iteration so that iteration 1
-also runs the save path once: its first call compiles small programs (the checksums of the saved trees and
-Orbax's per-device slices), one-time work like iteration 1's own compiles.
+Iterations 2..5 cover every event of the loop after warm-up: a checkpoint save each, a behaviour refresh (v = 2:
+iterations 3 and 5 copy current -> behaviour), reference log-probs (beta > 0) and, off-policy, the recomputed lp_k
+and minibatch slicing; with dynamic sampling and adaptive v, extra sampling rounds and a refresh at every
+iteration; with continuous batching, slot refills; with `rollout.mode: window`, a window's pool sampled at each
+refresh and consumed in between; with `async`, the producer thread's sampling from each published copy; with
+`mesh.rollout_devices`, copies and samples crossing between the two sub-meshes. An XLA compilation in that window
+means a shape, dtype, sharding or static argument changed between iterations (each costs seconds to minutes on a
+real model). The failure message names what compiled (jax_log_compiles). Checkpoints are saved every iteration so
+that iteration 1 also runs the save path once: its first call compiles small programs (the checksums of the saved
+trees and Orbax's per-device slices), one-time work like iteration 1's own compiles.
 """
 
 import logging
