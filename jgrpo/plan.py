@@ -74,6 +74,8 @@ def report_lines(topology: str, chip: Chip, plan: dict, hbm_gib: float) -> list[
         worst = next(p for p in plan["programs"] if p["name"] == plan["peak_program"])
         lines.append("largest buffers: " + ", ".join(f"{k} {v / GIB:.2f} GiB" for k, v in largest)
                      + f", '{worst['name']}' temporaries {worst['temp_bytes'] / GIB:.2f} GiB")
+    lines += [f"'{p['name']}' was refused by XLA's TPU compiler ({p['refused']}): its cost is unknown"
+              for p in plan["programs"] if p.get("refused")]
     lines.append(f"at best (roofline per chip: {chip.bf16_tflops:g} TFLOP/s, HBM {chip.hbm_gbps:g} GB/s, ICI "
                  f"{chip.ici_gbps:g} GB/s): "
                  f"{speed['iteration_s']:.2f} s per iteration (sampling {speed['sample_s']:.2f} s, training "

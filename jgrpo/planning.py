@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
+import re
 import time
 
 from jgrpo.abstract_run import Iteration, lower_iteration, parameter_count, program_names
@@ -42,6 +43,9 @@ class ProgramReport:
     loops: dict = dataclasses.field(default_factory=dict)  # collectives and big copies inside its loops
     # HBM bytes of the costliest single trip of a top-level loop (the sampler: its last decode step)
     step_bytes: float = 0.0
+    # XLA's reason when the TPU compiler refused the program for memory (then temp_bytes is what it asked
+    # for, and there is no cost: the plan does not fit)
+    refused: str = ""
 
     @property
     def live_bytes(self) -> int:
@@ -50,10 +54,31 @@ class ProgramReport:
         return extra_args + self.temp_bytes + self.output_bytes - self.alias_bytes
 
 
+# How XLA's TPU compiler refuses a program bigger than HBM, e.g. "RESOURCE_EXHAUSTED: Ran out of memory on HBM,
+# the total memory required for HLO temporaries (23.63G) exceeds available HBM (15.75G)."
+_REFUSAL = re.compile(r"RESOURCE_EXHAUSTED:.*?\(([\d.]+)([KMGT]?)\) exceeds available HBM", re.DOTALL)
+
+
+def refused_bytes(message: str) -> int | None:
+    """The bytes a compile error says the program needed beyond HBM, or None when it is not such a refusal."""
+    match = _REFUSAL.search(message)
+    if match is None:
+        return None
+    return int(float(match[1]) * 1024 ** " KMGT".index(match[2] or " "))
+
+
 def compile_program(name: str, lowered, resident_argument_bytes: int = 0, runs: float = 1.0) -> ProgramReport:
-    """Compile `lowered` (one of `lower_iteration`'s programs) and measure it (per chip)."""
+    """Compile `lowered` (one of `lower_iteration`'s programs) and measure it (per chip). A program the TPU
+    compiler refuses for memory is reported with the temporaries it asked for (and `refused`), not raised."""
     start = time.perf_counter()
-    compiled = lowered.compile()
+    try:
+        compiled = lowered.compile()
+    except Exception as e:  # noqa: BLE001 - XLA raises its runtime error type; only a memory refusal is ours
+        needed = refused_bytes(str(e))
+        if needed is None:
+            raise
+        return ProgramReport(name, time.perf_counter() - start, 0, 0, needed, 0, 0, runs=runs,
+                             refused=str(e).strip().splitlines()[0])
     seconds = time.perf_counter() - start
     memory = compiled.memory_analysis()
     text = compiled.as_text()
