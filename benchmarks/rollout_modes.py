@@ -1,17 +1,20 @@
-"""Iteration time of the rollout modes, side by side: sync vs window vs async, on shared devices and split 4+4.
+"""Iteration time of the rollout modes, side by side: sync vs window vs async, on shared devices and split in half.
 
 The real SmolLM2-135M-Instruct trains on the quickstart's task (2-digit addition, G = 8, temperature 0.7) on an
-emulated 8-device CPU mesh (fsdp over all 8, or `mesh.rollout_devices=4`: sampler on devices 0-3, trainer on
-4-7), v = 4 for sync and window, `rollout.max_staleness` (default 2, publish every iteration) for async. Each
-configuration runs in its own process for 2 v iterations; the first v (compilation, the first window) are
-warm-up and the wall-clock of the last v is reported, per iteration, with the trainer's phase times (sample,
-update, weight sync; async: the trainer's wait for the producer and the producer's idle time). No checkpoints,
-no evaluation.
+emulated CPU mesh of `--devices` devices (default 4; fsdp over all, or `mesh.rollout_devices` = half: the
+sampler on the first half, the trainer on the rest), v = 4 for sync and window, `rollout.max_staleness`
+(default 2, publish every iteration) for async. Each configuration runs in its own process for 2 v
+iterations; the first v (compilation, the first window) are warm-up and the wall-clock of the last v is
+reported, per iteration, with the trainer's phase times (sample, update, weight sync; async: the trainer's
+wait for the producer and the producer's idle time). No checkpoints, no evaluation.
 
-    python benchmarks/rollout_modes.py                          # all six, ~15 min on 2 cores
+    python benchmarks/rollout_modes.py                          # all six, ~20 min on 2 cores
     python benchmarks/rollout_modes.py --new 64 --prompts 4     # longer completions
+    python benchmarks/rollout_modes.py --devices 8              # the 8-device mesh, split 4+4 (> 18 GB RAM)
 
-On a host whose cores are shared by all 8 emulated devices, sampling and training compete for the same
+Every emulated device holds its own copies of what is replicated on it, so memory grows with the device count:
+8 devices took SmolLM2's runs past 18 GB of resident memory on a 24 GB host. On a host whose cores are shared
+by all the emulated devices, sampling and training compete for the same
 cores even on disjoint sub-meshes: the overlap async makes is capped by the cores, not the devices (see
 docs/benchmarks.md for the pod-scale estimate). Prints a table, then one JSON line with every figure.
 """
@@ -33,7 +36,6 @@ from hardware import usable_cores  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 MODES = ("sync", "window", "async")
-PLACEMENTS = {"shared": 0, "split 4+4": 4}
 
 
 def overrides(args, mode: str, rollout_devices: int, run_dir: str) -> list[str]:
@@ -52,7 +54,8 @@ def child(args) -> None:
     from jgrpo.trainer import Trainer
 
     with tempfile.TemporaryDirectory() as run_dir:
-        config = load_config(str(ROOT / "configs/quickstart.yaml"), overrides(args, args.child, args.devices, run_dir))
+        config = load_config(str(ROOT / "configs/quickstart.yaml"),
+                             overrides(args, args.child, args.rollout_devices, run_dir))
         trainer = Trainer(config)
         try:
             assert trainer.run() == "done"
@@ -76,21 +79,29 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=4, help="prompts per iteration (x G = 8 rows)")
     p.add_argument("--new", type=int, default=32, help="max new tokens")
     p.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
-    p.add_argument("--devices", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--devices", type=int, default=4, help="emulated CPU devices (even: the split is half + half)")
+    p.add_argument("--rollout-devices", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
         child(args)
         return
-    env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8"}
-    print(f"{usable_cores()} cores, load average {os.getloadavg()[0]:.1f}; 8 emulated devices, {args.prompts} "
-          f"prompts x 8 samples, {args.new} new tokens, v = {args.v}, async max_staleness {args.max_staleness}",
+    if args.devices < 2 or args.devices % 2:
+        sys.exit("--devices must be even and at least 2 (the split placement gives each side half)")
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={args.devices}"
+    env = {**os.environ, "XLA_FLAGS": flags}
+    half = args.devices // 2
+    placements = {"shared": 0, f"split {half}+{half}": half}
+    print(f"{usable_cores()} cores, load average {os.getloadavg()[0]:.1f}; {args.devices} emulated devices, "
+          f"{args.prompts} prompts x 8 samples, {args.new} new tokens, v = {args.v}, "
+          f"async max_staleness {args.max_staleness}",
           file=sys.stderr)
     results = {}
-    for placement, devices in PLACEMENTS.items():
+    for placement, rollout_devices in placements.items():
         for mode in MODES:
             start = time.perf_counter()
-            cmd = [sys.executable, __file__, "--child", mode, "--devices", str(devices), "--v", str(args.v),
-                   "--max-staleness", str(args.max_staleness), "--prompts", str(args.prompts), "--new", str(args.new)]
+            cmd = [sys.executable, __file__, "--child", mode, "--rollout-devices", str(rollout_devices),
+                   "--v", str(args.v), "--max-staleness", str(args.max_staleness), "--prompts", str(args.prompts),
+                   "--new", str(args.new)]
             done = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT)
             if done.returncode:
                 results[f"{placement}/{mode}"] = {"error": done.stderr.strip().splitlines()[-1]}

@@ -103,7 +103,8 @@ class SamplerConfig:
     draw: Literal["auto", "inverse_cdf", "gumbel", "categorical"] = "auto"
     # Rows decoded at once. 0 = all of the batch's rows (static batching: the batch decodes until its longest
     # row stops); fewer = continuous batching: a slot whose row stops takes the next pending row, so a long
-    # tail of completion lengths does not leave slots decoding padding (docs/configuration.md). Same samples.
+    # tail of completion lengths does not leave slots decoding padding (docs/configuration.md). Same samples
+    # up to float rounding.
     slots: int = 0
 
     def __post_init__(self):
@@ -123,7 +124,8 @@ class RolloutConfig:
 
     # sync: sample each iteration's batch when the trainer reaches it. window: at each behaviour refresh, sample
     # the batches of the v iterations that behaviour serves together in one slot pool (sampler.slots; default
-    # one iteration's rows); the same tokens as sync, needs a fixed grpo.behaviour_refresh and no dynamic sampling.
+    # one iteration's rows); sync's tokens up to float rounding, needs a fixed grpo.behaviour_refresh and no
+    # dynamic sampling.
     # async: a producer thread keeps sampling with the newest published params while the trainer trains; each
     # batch carries the version (iteration) of the params that sampled it, and its staleness when trained is at
     # most max_staleness (grpo.behaviour_refresh does not apply: leave it at 1). jgrpo/async_rollouts.py.

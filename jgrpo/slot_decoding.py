@@ -22,7 +22,12 @@ Rows are served by Q queues, one per shard of the row axis (queue q owns rows q*
 so every refill, gather and output write stays on the device that holds the row: nothing crosses devices.
 
 Randomness: row r draws its token t with `fold_in(fold_in(key, r), t)`, whatever slot it runs in and
-whatever else is in flight: the same key gives the same tokens with any slot count (tested).
+whatever else is in flight: the same key gives the same tokens with any slot count, up to float rounding.
+The rounding is not the same (a step's matmuls see S rows instead of R; a refilled row's columns lie rotated
+in the ring, so its attention sums in another order): on SmolLM2 log-probs differ by ~1e-5, and over many
+tokens at temperature 1 a draw within rounding of a boundary can flip and the row go its own way, as static
+batching does at another batch size. Tested: identical on the tiny model, and on SmolLM2 the trainer's
+log-probs of the tokens, with most rows identical to static (tests/test_sampler_smollm2.py).
 """
 
 from __future__ import annotations
