@@ -14,9 +14,9 @@ wait for the producer and the producer's idle time). No checkpoints, no evaluati
 
 Every emulated device holds its own copies of what is replicated on it, so memory grows with the device count:
 8 devices took SmolLM2's runs past 18 GB of resident memory on a 24 GB host. On a host whose cores are shared
-by all the emulated devices, sampling and training compete for the same
-cores even on disjoint sub-meshes: the overlap async makes is capped by the cores, not the devices (see
-docs/benchmarks.md for the pod-scale estimate). Prints a table, then one JSON line with every figure.
+by all the emulated devices, sampling and training compete for the same cores even on disjoint sub-meshes:
+the overlap async makes is capped by the cores, not the devices (see docs/benchmarks.md for the pod-scale
+estimate). Prints a table, then one JSON line with every figure.
 """
 
 from __future__ import annotations
