@@ -26,14 +26,17 @@ from jgrpo.metrics import MetricsLogger, read_jsonl, read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 # A reward with spread inside each group (the tiny model never solves additions, which would leave every
-# advantage 0 and the params unchanged), v = 2 so a behaviour copy is saved and restored across processes,
+# advantage 0 and the params unchanged), v = 5 so a behaviour copy is saved at 3 and restored across processes,
 # and beta > 0 so the reference model is in play.
-# Rounding differences (the two runs sum in other orders) must stay too small to change a sampled token, or
-# the runs part ways for good. Measured: Adam turns a gradient entry that is ~0 up to rounding into a step of
-# +-lr with a sign that depends on the order, so eps is raised from 1e-8 (below it steps stay proportional to
-# the gradient); and at lr 1e-3 params ~6e-7 apart after 2 iterations already drew one different token in
-# iteration 3 (from bit-identical params the two layouts draw the same tokens), so lr is 1e-4.
-OVERRIDES = ["reward.functions=[test_trainer_rewards:space_fraction]", "grpo.behaviour_refresh=2", "grpo.beta=0.04",
+# The two layouts sum in other orders, so their params part by rounding; sampling from params that differ by
+# rounding can flip a draw (a uniform within rounding of a CDF boundary) and then the runs part for good: on
+# one machine params ~1e-7 apart after 2 updates drew another token in iteration 3, on another they did not.
+# With v = 5 every iteration samples from the behaviour copy of the initial params, bit-identical in both
+# layouts, so both draw the same tokens on any machine and only the updates' rounding remains (a resume that
+# lost the behaviour copy would sample iterations 4-5 from other params and fail). Adam turns a gradient entry
+# that is ~0 up to rounding into a step of +-lr with a sign that depends on the order, so eps is raised from
+# 1e-8 (below it steps stay proportional to the gradient).
+OVERRIDES = ["reward.functions=[test_trainer_rewards:space_fraction]", "grpo.behaviour_refresh=5", "grpo.beta=0.04",
              "optim.eps=1e-5", "optim.learning_rate=1e-4", "checkpoint.every=3", "logging.samples_every=0"]
 
 
