@@ -1,8 +1,15 @@
 """Static vs continuous batching, side by side: useful tokens/s of the rollout sampler at the same slot count.
 
-SmolLM2-135M-Instruct (float32) answers GSM8K-style questions (tests/data/gsm8k_sample.jsonl, chat template)
-at temperature 1 with the tokenizer's stop ids and `--new` new tokens, so completion lengths are the model's
-own (a long tail), not forced. The same R = prompts x samples rows are sampled two ways with S slots:
+SmolLM2-135M-Instruct (float32) answers prompts at temperature 1 with the tokenizer's stop ids and `--new` new
+tokens, so completion lengths are the model's own, not forced. `--task` picks the prompts, i.e. the length
+distribution:
+
+- gsm8k: GSM8K-style questions (tests/data/gsm8k_sample.jsonl) with the paper configs' system prompt ("reason
+  step by step"); SmolLM2 rambles, so most rows run to the limit;
+- arithmetic: the quickstart's own prompts (2-digit additions, " Answer with the number only."): most rows
+  stop after a few tokens, a tail runs long.
+
+The same R = prompts x samples rows are sampled two ways with S slots:
 
 - static: R / S calls of `generate` with S rows each; a call decodes until its longest row stops;
 - continuous: one call with `slots=S`; a slot whose row stops takes the next pending row.
@@ -17,8 +24,8 @@ tokens are its own; the table counts the rows whose tokens differ. Each mode run
 once untimed (compilation), then `--repeats` times alternating with the other mode; the median is shown. The
 decode-step column counts the steps each mode needs for these lengths: their ratio bounds the gain.
 
-    python benchmarks/rollout.py                       # 16 prompts x 4 samples, 16 slots, 256 new tokens
-    python benchmarks/rollout.py --prompts 8 --new 128
+    python benchmarks/rollout.py                       # gsm8k, 16 prompts x 4 samples, 16 slots, 256 new tokens
+    python benchmarks/rollout.py --task arithmetic --prompts 8 --new 128
 
 Prints the tables and the length histogram, then one JSON line with every figure.
 """
@@ -40,6 +47,8 @@ MODEL = "smollm2-135m-instruct"
 QUESTIONS = Path(__file__).resolve().parent.parent / "tests" / "data" / "gsm8k_sample.jsonl"
 # The system prompt of configs/paper_gsm8k_qwen05b_*.yaml: the completions the trainer would sample.
 SYSTEM = "Please reason step by step, and write the final answer as a number after '####'."
+# configs/quickstart.yaml's instruction (no system prompt).
+ARITHMETIC_SUFFIX = " Answer with the number only."
 
 
 @functools.cache
@@ -49,15 +58,20 @@ def _model():
     return load_tokenizer(MODEL), *load_model(MODEL)[:2]  # tokenizer, graphdef, params
 
 
-def _prompts(tokenizer, count: int) -> tuple[np.ndarray, np.ndarray]:
+def _prompts(tokenizer, task: str, count: int) -> tuple[np.ndarray, np.ndarray]:
     from jgrpo.data.prompts import chat_prompt_ids, left_pad, pad_id_for
+    from jgrpo.data.tasks import arithmetic_examples
 
-    questions = [json.loads(line)["question"] for line in QUESTIONS.read_text().splitlines() if line.strip()]
-    ids = [chat_prompt_ids(tokenizer, questions[i % len(questions)], SYSTEM) for i in range(count)]
+    if task == "gsm8k":
+        questions = [json.loads(line)["question"] for line in QUESTIONS.read_text().splitlines() if line.strip()]
+        ids = [chat_prompt_ids(tokenizer, questions[i % len(questions)], SYSTEM) for i in range(count)]
+    else:
+        problems = arithmetic_examples(digits=2, operators="+", split="train", count=count, seed=0)
+        ids = [chat_prompt_ids(tokenizer, e.question + ARITHMETIC_SUFFIX) for e in problems]
     return left_pad(ids, pad_id=pad_id_for(tokenizer), bucket=16)
 
 
-def runner(mode: str, *, prompts: int, samples: int, slots: int, new: int, forced: bool):
+def runner(mode: str, *, task: str, prompts: int, samples: int, slots: int, new: int, forced: bool):
     """A function key -> outputs that samples every row once in `mode` (compiled by a first call here).
 
     Static calls number their prompts by their place in the whole set (`prompt_index`), so both modes give
@@ -69,7 +83,7 @@ def runner(mode: str, *, prompts: int, samples: int, slots: int, new: int, force
     from jgrpo.sampler import SamplingMethod, generate, stop_ids_for
 
     tokenizer, graphdef, params = _model()
-    tokens, mask = _prompts(tokenizer, prompts)
+    tokens, mask = _prompts(tokenizer, task, prompts)
     stops = () if forced else stop_ids_for(tokenizer)
     run = functools.partial(generate, graphdef, params, num_samples=samples, max_new_tokens=new,
                             method=SamplingMethod(temperature=1.0), stop_ids=stops, pad_id=pad_id_for(tokenizer))
@@ -121,6 +135,7 @@ def histogram(lengths, new: int, bins: int = 8) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--task", choices=("gsm8k", "arithmetic"), default="gsm8k", help="the prompts (see above)")
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--samples", type=int, default=4, help="completions per prompt")
     p.add_argument("--slots", type=int, default=16, help="rows decoded at once, both modes")
@@ -132,9 +147,9 @@ def main() -> None:
         sys.exit("--slots must be a multiple of --samples, and --prompts a multiple of slots / samples")
 
     load = os.getloadavg()[0]
-    print(f"{usable_cores()} cores, load average {load:.1f}; {args.prompts} prompts x {args.samples} samples = "
-          f"{args.prompts * args.samples} rows, {args.slots} slots", file=sys.stderr)
-    shape = dict(prompts=args.prompts, samples=args.samples, slots=args.slots)
+    print(f"{usable_cores()} cores, load average {load:.1f}; {args.task}: {args.prompts} prompts x {args.samples} "
+          f"samples = {args.prompts * args.samples} rows, {args.slots} slots", file=sys.stderr)
+    shape = dict(task=args.task, prompts=args.prompts, samples=args.samples, slots=args.slots)
     results = {}
     for forced, new in ((False, args.new), (True, args.forced_new)):
         if new == 0:

@@ -19,7 +19,9 @@ the ring: the first pass attends only to the chunks filled so far (at 64 rows x 
 every column was ~40% of a step on CPU). With S < rows, once the ring wraps every step reads all of it.
 
 Rows are served by Q queues, one per shard of the row axis (queue q owns rows q*R/Q .. and slots q*S/Q ..),
-so every refill, gather and output write stays on the device that holds the row: nothing crosses devices.
+so every refill, gather and output write stays on the device that holds the row. What crosses devices is one
+scalar per step (whether and how wide to refill: every device must take the same branch, and the same loop
+exit). The loops are bounded by counters at the worst case, every row running to N (see the laps below).
 
 Randomness: row r draws its token t with `fold_in(fold_in(key, r), t)`, whatever slot it runs in and
 whatever else is in flight: the same key gives the same tokens with any slot count, up to float rounding.
@@ -269,23 +271,26 @@ def sample(graphdef, params, prompt_tokens, prompt_mask, key, prompt_index=None,
     def finished(s: _State):
         return jnp.all(s.slots.done) & jnp.all(s.pending >= Rq)
 
-    def phase(chunk: int, visible: int, end):
-        def keep_going(s):
-            return (s.clock < end(s)) & ~finished(s)
-        return keep_going, lambda s: step(s, chunk, visible)
-
     with jax.named_scope("decode"):
         for chunk in range(plan.chunks):  # the first pass over the ring reads only the chunks written so far
-            state = jax.lax.while_loop(*phase(chunk, chunk + 1, lambda s, c=chunk: (c + 1) * C), state)
-        if S < R:  # later passes: every column may belong to a row in flight
+            state = jax.lax.while_loop(lambda s, c=chunk: (s.clock < (c + 1) * C) & ~finished(s),
+                                       lambda s, c=chunk: step(s, c, c + 1), state)
+        if S < R:  # later passes ("laps"): every column may belong to a row in flight
+            # Every loop is bounded by a counter, so the compiled program states its worst case (every row runs
+            # to N) and the planner can read its trip counts. A row needs at most N - 1 <= T steps after it
+            # starts and a free slot takes the next row at once, so the i-th row of a queue starts by step
+            # (i // S_q) T and every row is done after ceil(R_q / S_q) passes: the first, then the laps.
+            laps = -(-Rq // Sq) - 1
 
-            def lap(s):
-                base = s.clock  # a multiple of T
+            def lap(carry):
+                done_laps, s = carry
                 for chunk in range(plan.chunks):
-                    s = jax.lax.while_loop(*phase(chunk, plan.chunks, lambda _, c=chunk: base + (c + 1) * C), s)
-                return s
+                    s = jax.lax.while_loop(lambda c: (c[0] < C) & ~finished(c[1]),
+                                           lambda c, k=chunk: (c[0] + 1, step(c[1], k, plan.chunks)),
+                                           (jnp.int32(0), s))[1]
+                return done_laps + 1, s
 
-            state = jax.lax.while_loop(lambda s: ~finished(s), lap, state)
+            state = jax.lax.while_loop(lambda c: (c[0] < laps) & ~finished(c[1]), lap, (jnp.int32(0), state))[1]
 
     out = state.rows
     lengths = out.lengths.reshape(R)

@@ -73,6 +73,20 @@ def test_rows_that_stop_at_once_and_single_token_rows(llama):  # noqa: F811
                                                                              **one))
 
 
+def test_every_row_at_full_length_fits_the_bounded_laps(llama):  # noqa: F811
+    """The worst case the decode loops are bounded for: no stop ids, every row runs to N, in ceil(R/S) waves
+    (T = N - 1 exactly with chunks of 4, so a wave fills the ring to its last column)."""
+    graphdef, params = llama
+    tokens, mask = _prompts()
+    kwargs = dict(num_samples=2, max_new_tokens=9, method=SamplingMethod(temperature=1.0), stop_ids=(),
+                  key=jax.random.key(3), decode_chunk=4)
+    static = generate(graphdef, params, tokens, mask, **kwargs)
+    assert (np.asarray(static.lengths) == 9).all()
+    for slots in (1, 3):  # 8 waves of one row; 3 waves of 3, 3 and 2 rows
+        # Same tokens; log-probs within 1e-5 (one slot runs each row's matmuls alone: measured 2e-6 relative)
+        _assert_same(static, generate(graphdef, params, tokens, mask, slots=slots, **kwargs), rtol=1e-5)
+
+
 def test_bad_slot_count_is_named(llama):  # noqa: F811
     graphdef, params = llama
     with pytest.raises(ValueError, match="slots=0"):

@@ -122,3 +122,29 @@ def test_decode_loop_copies_no_weight_or_cache_and_the_check_can_fail(mesh):
     chunked = load_config("configs/tiny.yaml", TINY + ["sampler.decode_chunk=4", "sampler.decode_layers=unrolled"])
     lowered = lower_iteration(chunked, devices, names=("sample",)).programs[0].lowered
     assert sorted(trips for _, _, trips in loops(HloCost(lowered.compile().as_text()))) == [L, 4, 4]
+
+
+def test_continuous_decode_loops_are_bounded_by_the_worst_case_and_copy_free():
+    # Fewer slots than rows: after the first pass over the ring, laps refill slots as rows stop. Every loop is
+    # bounded by a counter at the worst case (every row runs to N), so the planner reads trip counts where a
+    # data-dependent bound would be unreadable: 16 rows in 8 slots (one per chip) are 2 waves = the first pass
+    # (two chunk loops of 4 steps) and 1 lap (the same two loops inside it). No copy of the cache per step, and
+    # each chip refills its own slots from its own rows: the one collective per step is a scalar all-reduce
+    # (which refill branch, if any, every chip takes: the branch must be the same on all of them).
+    devices, _ = topology_devices("v5e:2x4")
+    L = 2
+    for layers, per_step in (("unrolled", []), ("auto", [L] * 4)):  # scanned: one layer scan in each decode loop
+        config = load_config("configs/tiny.yaml", TINY + ["sampler.slots=8", "sampler.decode_chunk=4",
+                                                          f"sampler.decode_layers={layers}"])
+        cost = HloCost(lower_iteration(config, devices, names=("sample",)).programs[0].lowered.compile().as_text())
+        assert sorted(t for _, _, t in loops(cost)) == sorted([L, 4, 4, 1, 4, 4, *per_step])
+        assert big_copies_in_loops(cost, min_bytes=1024) == []
+        collectives = collectives_in_loops(cost)
+        assert len(collectives) == 4 and all(c.opcode == "all-reduce" and c.bytes == 4 for c in collectives)
+    # The behaviour window (v = 2): both iterations' 32 rows through one iteration's 16 slots, 7 columns in one
+    # chunk: the first pass and 1 lap. (Before the laps had counters, `jgrpo.plan` could not plan this.)
+    window = load_config("configs/tiny.yaml", TINY + ["rollout.mode=window", "grpo.behaviour_refresh=2",
+                                                      "sampler.decode_layers=unrolled"])
+    program = lower_iteration(window, devices, names=("sample",)).programs[0]
+    assert program.runs == 1 / 2
+    assert sorted(t for _, _, t in loops(HloCost(program.lowered.compile().as_text()))) == [1, L, 7, 7]
