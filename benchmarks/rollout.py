@@ -20,9 +20,11 @@ Both modes give every row the same key, so they sample the same distribution and
 same tokens. The rounding differs (a static call prefills fewer prompts at once; a continuous row attends over
 the ring in rotated order), so over hundreds of tokens at temperature 1 a draw within rounding of a boundary
 can flip and the row go its own way (static batching does the same at another batch size). Each mode's useful
-tokens are its own; the table counts the rows whose tokens differ. Each mode runs
-once untimed (compilation), then `--repeats` times alternating with the other mode; the median is shown. The
-decode-step column counts the steps each mode needs for these lengths: their ratio bounds the gain.
+tokens are its own; the table counts the rows whose tokens differ. Each mode runs once untimed (compilation),
+then `--repeats` times alternating with the other mode, repeat i with key i in both modes (different rows per
+repeat, the same rows for both modes): useful tokens/s is each repeat's own tokens over its own seconds (median
+shown), and the speed-up is the median of the paired repeats' ratios. The decode-step column counts the steps
+each mode needs for its lengths: at equal cost per step, their ratio bounds the gain.
 
     python benchmarks/rollout.py                       # gsm8k, 16 prompts x 4 samples, 16 slots, 256 new tokens
     python benchmarks/rollout.py --task arithmetic --prompts 8 --new 128
@@ -156,39 +158,46 @@ def main() -> None:
             continue
         table = "forced" if forced else "stops"
         runs = {mode: runner(mode, **shape, new=new, forced=forced) for mode in ("static", "continuous")}
-        r = results[table] = {"seconds": {}, "all_seconds": {m: [] for m in runs}, "lengths": {}, "differ": []}
-        for repeat in range(args.repeats):  # alternating, so a shared machine's load hits both modes alike
+        # Repeat i samples every row with key i in both modes (alternating, so a shared machine's load hits both
+        # alike); each repeat's useful tokens/s is its own tokens over its own seconds, and the ratio is paired.
+        r = results[table] = {"seconds": {m: [] for m in runs}, "useful_tokens": {m: [] for m in runs},
+                              "decode_steps": {m: [] for m in runs}, "lengths": {m: [] for m in runs}, "differ": []}
+        for repeat in range(args.repeats):
             tokens = {}
             for mode, once in runs.items():
                 seconds, lengths, tokens[mode] = timed(once, 1 + repeat)
-                r["all_seconds"][mode].append(seconds)
-                r["lengths"].setdefault(mode, lengths.tolist())  # the first repeat's
+                r["seconds"][mode].append(seconds)
+                r["useful_tokens"][mode].append(int(lengths.sum()))
+                r["decode_steps"][mode].append(decode_steps(lengths, args.slots)[mode == "continuous"])
+                r["lengths"][mode].append(lengths.tolist())
             r["differ"].append(int((tokens["static"] != tokens["continuous"]).any(axis=1).sum()))
-        r["seconds"] = {mode: float(np.median(t)) for mode, t in r["all_seconds"].items()}
-        r["useful_tokens_per_s"] = {mode: sum(r["lengths"][mode]) / s for mode, s in r["seconds"].items()}
+        speed = {m: [t / s for t, s in zip(r["useful_tokens"][m], r["seconds"][m], strict=True)] for m in runs}
+        r["useful_tokens_per_s"] = {m: float(np.median(v)) for m, v in speed.items()}
+        r["paired_ratios"] = [c / s for c, s in zip(speed["continuous"], speed["static"], strict=True)]
 
     rows = args.prompts * args.samples
-    print("\n| lengths | mode | seconds (median) | useful tokens | useful tokens/s | vs static | decode steps | "
+    print("\n| lengths | mode | seconds | useful tokens | useful tokens/s | vs static | decode steps | "
           "rows unlike static |")
     print("|---|---|---:|---:|---:|---:|---:|---:|")
     for table, r in results.items():
         label = "model's own" if table == "stops" else f"forced {args.forced_new}"
-        r["decode_steps"] = {m: decode_steps(np.asarray(r["lengths"][m]), args.slots)[m == "continuous"]
-                             for m in r["seconds"]}
-        speed = r["useful_tokens_per_s"]
-        for mode, seconds in r["seconds"].items():
-            differ = "" if mode == "static" else f"{max(r['differ'])} of {rows}"
-            print(f"| {label} | {mode} | {seconds:.1f} | {sum(r['lengths'][mode])} | {speed[mode]:.1f} | "
-                  f"{speed[mode] / speed['static']:.2f}x | {r['decode_steps'][mode]} | {differ} |")
-    lengths = np.asarray(results["stops"]["lengths"]["static"])
-    print(f"\nCompletion lengths at temperature 1 (stop ids, at most {args.new} new tokens; static, first repeat):")
+        for mode, speed in r["useful_tokens_per_s"].items():
+            ratio = "1.00x" if mode == "static" else \
+                f"{np.median(r['paired_ratios']):.2f}x ({', '.join(f'{x:.2f}' for x in r['paired_ratios'])})"
+            differ = "" if mode == "static" else " / ".join(str(d) for d in r["differ"]) + f" of {rows}"
+            cells = [" / ".join(f"{x:.1f}" for x in r["seconds"][mode]),
+                     " / ".join(str(x) for x in r["useful_tokens"][mode]), f"{speed:.1f}", ratio,
+                     " / ".join(str(x) for x in r["decode_steps"][mode]), differ]
+            print(f"| {label} | {mode} | " + " | ".join(cells) + " |")
+    print("(per repeat, separated by /; useful tokens/s: the median of the repeats; vs static: the median of the "
+          "paired repeats' ratios, each in brackets)")
+    lengths = np.concatenate(results["stops"]["lengths"]["static"])
+    print(f"\nCompletion lengths at temperature 1 (stop ids, at most {args.new} new tokens; static, all repeats):")
     print(histogram(lengths, args.new))
     print(f"  mean {lengths.mean():.0f}, median {np.median(lengths):.0f}, max {lengths.max()}, "
           f"{(lengths == args.new).mean():.0%} truncated; the decode steps bound continuous batching's gain at "
-          f"{np.divide(*decode_steps(lengths, args.slots)):.2f}x")
-    print(json.dumps({"args": vars(args), "load_average": load,
-                      "results": {t: {k: v for k, v in r.items() if k != "lengths"} for t, r in results.items()},
-                      "lengths": results["stops"]["lengths"]}))
+          f"{np.divide(*decode_steps(lengths, args.slots)):.2f}x on these rows (at equal cost per step)")
+    print(json.dumps({"args": vars(args), "load_average": load, "results": results}))
 
 
 if __name__ == "__main__":

@@ -103,8 +103,8 @@ class SamplerConfig:
     draw: Literal["auto", "inverse_cdf", "gumbel", "categorical"] = "auto"
     # Rows decoded at once. 0 = all of the batch's rows (static batching: the batch decodes until its longest
     # row stops); fewer = continuous batching: a slot whose row stops takes the next pending row, so a long
-    # tail of completion lengths does not leave slots decoding padding (docs/configuration.md). Same samples
-    # up to float rounding.
+    # tail of completion lengths does not leave slots decoding padding (docs/guide.md; measured in
+    # docs/benchmarks.md#rollout-engine). Same samples up to float rounding.
     slots: int = 0
 
     def __post_init__(self):
