@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(1, str(Path(__file__).parent.parent))  # this checkout's jgrpo, installed or not (children too)
 from hardware import usable_cores  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
