@@ -29,7 +29,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jgrpo.mesh import SAMPLE_RULES, Rules, logical_shardings, logical_to_spec, mesh_platform, row_sharding
 from jgrpo.models.attention_backends import mesh_context
 from jgrpo.models.decode import DecodeCache, resolve_decode_layers
-from jgrpo.models.llm import merge_model, param_logical_axes
+from jgrpo.models.llm import model_config, param_logical_axes
 from jgrpo.sampling_methods import SamplingMethod
 from jgrpo.slot_decoding import Plan, SampleOutput, decode_chunking, sample
 
@@ -200,7 +200,7 @@ def generate(
     longest = _check_prompts(prompt_tokens, prompt_mask)
     stop_ids = tuple(sorted({int(i) for i in stop_ids}))
     batch, prompt_len = prompt_tokens.shape
-    cfg = merge_model(graphdef, params).cfg
+    cfg = model_config(graphdef, params)
     limit = getattr(cfg, "max_position_embeddings", None)
     if limit and (longest or prompt_len) + max_new_tokens > limit:
         raise ValueError(

@@ -32,7 +32,7 @@ from jgrpo.diagnostics import extreme_kind, finalize_metrics
 from jgrpo.logprobs import token_logprobs
 from jgrpo.mesh import TRAIN_RULES, Rules, logical_shardings, logical_to_spec, param_copier, replicated, row_sharding
 from jgrpo.models.attention_backends import mesh_context
-from jgrpo.models.llm import abstract_model, merge_model, param_logical_axes, position_ids_from_mask
+from jgrpo.models.llm import abstract_model, merge_model, model_config, param_logical_axes, position_ids_from_mask
 from jgrpo.models.lora import is_adapter, join_adapters, without_lora
 from jgrpo.models.shared_prompt import forward_shared_prompts
 from jgrpo.objectives import grpo_loss, step_has_signal, step_normaliser
@@ -134,7 +134,7 @@ class StepFunctions:
             optimizer, lambda _, sharding: sharding, abstract_opt, self.param_shardings,
             transform_non_params=lambda _: replicated(mesh),
         )
-        cfg = merge_model(graphdef, join_adapters(params, frozen)).cfg
+        cfg = model_config(graphdef, join_adapters(params, frozen))
         # The reference of a LoRA run is the base alone: the same model without adapter leaves.
         self.base_graphdef = abstract_model(without_lora(cfg))[0] if cfg.lora_rank else None
         # Programs that run the model are traced in the mesh context where the attention kernel needs it.

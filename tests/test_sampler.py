@@ -162,6 +162,30 @@ def test_same_seed_same_output_and_seeds_differ(llama):
     assert (np.asarray(a.tokens[0]) != np.asarray(a.tokens[1])).any()  # the G samples of a prompt differ
 
 
+def test_sampling_keeps_no_reference_to_the_params(llama):
+    """Params handed to `generate` are freed when the caller drops them, without waiting for Python's cycle
+    collector: the async producer samples every iteration with a fresh published copy, and copies held by
+    reference cycles until a full collection piled up (one per iteration: SmolLM2's run reached 24 GB and was
+    killed). Building the model object from concrete params made such a cycle (flax's recursive flatten)."""
+    import gc
+    import weakref
+
+    graphdef, params = llama
+    tokens, mask = _prompts()
+    copy = jax.tree.map(jnp.copy, params)
+    refs = [weakref.ref(x) for x in jax.tree.leaves(copy)]
+    gc.disable()
+    try:
+        out = generate(graphdef, copy, tokens, mask, key=jax.random.key(0), num_samples=2, max_new_tokens=4,
+                       method=SamplingMethod(temperature=1.0), stop_ids=())
+        jax.block_until_ready(out)
+        del copy, out
+        alive = sum(r() is not None for r in refs)
+    finally:
+        gc.enable()
+    assert alive == 0, f"{alive} of {len(refs)} param arrays outlive the call"
+
+
 def test_shared_prefill_equals_repeated_prompts(llama):
     """G samples from one prefill == G copies of the prompt each prefilled: same rows, same keys, same draws."""
     graphdef, params = llama

@@ -369,6 +369,13 @@ def merge_model(graphdef: nnx.GraphDef, params: dict) -> LLM:
     return nnx.merge(graphdef, params)
 
 
+def model_config(graphdef: nnx.GraphDef, params: dict) -> LLMConfig:
+    """The model's config, from a model built of shapes only. Merging concrete params outside jit leaves
+    reference cycles that hold every param array until Python's next full collection (flax 0.12's recursive
+    flatten), so a caller's freed param copy would stay in memory."""
+    return merge_model(graphdef, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)).cfg
+
+
 def forward(graphdef, params, tokens, positions, kv_mask, cache=None, cache_index=None):
     """Pure form of `LLM.__call__` for use inside jit."""
     return merge_model(graphdef, params)(tokens, positions, kv_mask, cache, cache_index)
