@@ -8,7 +8,7 @@ iterations; the first v (compilation, the first window) are warm-up and the wall
 reported, per iteration, with the trainer's phase times (sample, update, weight sync; async: the trainer's
 wait for the producer and the producer's idle time). No checkpoints, no evaluation.
 
-    python benchmarks/rollout_modes.py                          # all six, ~20 min on 2 cores
+    python benchmarks/rollout_modes.py                          # all six, ~20-25 min on 2 cores
     python benchmarks/rollout_modes.py --new 64 --prompts 4     # longer completions
     python benchmarks/rollout_modes.py --devices 8              # the 8-device mesh, split 4+4 (> 18 GB RAM)
 
@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -70,6 +71,7 @@ def child(args) -> None:
         values = [r[key] for r in warm if key in r]
         if values:
             phases[key] = statistics.mean(values)
+    phases["peak_memory_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux: KiB
     print(json.dumps(phases))
 
 
@@ -111,17 +113,18 @@ def main() -> None:
             print(f"{placement} {mode}: {time.perf_counter() - start:.0f} s", file=sys.stderr)
     base = results["shared/sync"].get("time/iteration")
     print("\n| placement | mode | s / iteration | vs shared sync | sample | update | weight sync | trainer waits "
-          "| producer idle | staleness |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| producer idle | staleness | peak memory |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, r in results.items():
         placement, mode = name.split("/")
         if "error" in r:
-            print(f"| {placement} | {mode} | failed: {r['error']} |||||||")
+            print(f"| {placement} | {mode} | failed: {r['error']} |||||||||")
             continue
         cells = [r.get(k) for k in ("time/sample", "time/update", "time/weight_sync", "rollout/trainer_wait",
                                     "rollout/producer_idle", "rollout/staleness")]
         text = " | ".join("" if c is None else f"{c:.2f}" for c in cells)
-        print(f"| {placement} | {mode} | {r['time/iteration']:.2f} | {base / r['time/iteration']:.2f}x | {text} |")
+        print(f"| {placement} | {mode} | {r['time/iteration']:.2f} | {base / r['time/iteration']:.2f}x | {text} "
+              f"| {r['peak_memory_gb']:.1f} GB |")
     print(json.dumps({"args": vars(args), "results": results}))
 
 
