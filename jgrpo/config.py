@@ -101,6 +101,9 @@ class SamplerConfig:
     # How a token is drawn from the processed distribution (same distribution, different cost per backend):
     # inverse_cdf, gumbel or categorical; auto = by platform (docs/configuration.md).
     draw: Literal["auto", "inverse_cdf", "gumbel", "categorical"] = "auto"
+    # How the top-k / top-p thresholds are found (same tokens kept): sort (lax.top_k) or bisect (32 passes over
+    # the row, no sort); auto = by platform (docs/configuration.md).
+    threshold_search: Literal["auto", "sort", "bisect"] = "auto"
     # Rows decoded at once. 0 = all of the batch's rows (static batching: the batch decodes until its longest
     # row stops); fewer = continuous batching: a slot whose row stops takes the next pending row, so a long
     # tail of completion lengths does not leave slots decoding padding (docs/guide.md; measured in

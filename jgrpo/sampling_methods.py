@@ -25,6 +25,9 @@ from jgrpo.platform_defaults import resolve
 DRAWS = ("inverse_cdf", "gumbel", "categorical")
 # What `sampler.draw: auto` picks by platform (reasons: docs/configuration.md).
 DRAW_AUTO = {"cpu": "inverse_cdf", "tpu": "categorical", "gpu": "categorical", "other": "inverse_cdf"}
+THRESHOLD_SEARCHES = ("sort", "bisect")
+# What `sampler.threshold_search: auto` picks (XLA:CPU sorts the whole row even for lax.top_k(x, 3)).
+THRESHOLD_SEARCH_AUTO = {"cpu": "bisect", "tpu": "sort", "gpu": "sort", "other": "sort"}
 
 
 def resolve_draw(choice: str, platform: str) -> str:
@@ -39,6 +42,9 @@ class SamplingMethod:
     `draw` is how one token is drawn from the processed distribution: the same distribution whichever it is
     (tested), a different cost per backend: `inverse_cdf` (one uniform per row, a two-level CDF walk),
     `gumbel` (argmax of log-probs plus V Gumbel numbers per row) or `categorical` (jax.random.categorical).
+    `threshold_search` is how the top-k and top-p thresholds are found: `sort` (lax.top_k, then a cumulative
+    sum of the ranked probabilities) or `bisect` (32 halvings of the float's ordered bit pattern, each one
+    count or masked sum over the row): the same threshold up to the order of a float sum (tested).
     """
 
     temperature: float = 1.0
@@ -46,6 +52,7 @@ class SamplingMethod:
     top_p: float = 1.0
     min_p: float = 0.0
     draw: str = "inverse_cdf"
+    threshold_search: str = "sort"
 
     def __post_init__(self):
         if not (isinstance(self.temperature, int | float) and math.isfinite(self.temperature)
@@ -59,12 +66,16 @@ class SamplingMethod:
             raise ValueError(f"min_p={self.min_p!r}: must be in [0, 1) (0 = off)")
         if self.draw not in DRAWS:
             raise ValueError(f"draw={self.draw!r}: must be one of {DRAWS}")
+        if self.threshold_search not in THRESHOLD_SEARCHES:
+            raise ValueError(f"threshold_search={self.threshold_search!r}: must be one of {THRESHOLD_SEARCHES}")
 
     @classmethod
     def from_config(cls, config, platform: str) -> SamplingMethod:
-        """From a `jgrpo.config.SamplerConfig`, its `draw` resolved for devices of `platform`."""
+        """From a `jgrpo.config.SamplerConfig`, its "auto" switches resolved for devices of `platform`."""
+        search = resolve("sampler.threshold_search", config.threshold_search, THRESHOLD_SEARCHES,
+                         THRESHOLD_SEARCH_AUTO, platform)
         return cls(temperature=config.temperature, top_k=config.top_k, top_p=config.top_p, min_p=config.min_p,
-                   draw=resolve_draw(config.draw, platform))
+                   draw=resolve_draw(config.draw, platform), threshold_search=search)
 
     @property
     def is_greedy(self) -> bool:
@@ -98,13 +109,18 @@ class SamplingMethod:
         scaled = logits if self.temperature == 1 else logits / jnp.float32(self.temperature)
         threshold = jnp.full(logits.shape[:-1], -jnp.inf, jnp.float32)  # [...]
         top_k = self.top_k if 0 < self.top_k < vocab else 0
-        if top_k or self.top_p < 1:
-            # Descending logits: only the top k when top-k is on (cheap), the whole vocab for plain top-p.
+        if (top_k or self.top_p < 1) and self.threshold_search == "bisect":
+            threshold = _bisected_threshold(scaled, top_k, self.top_p)
+        elif top_k or self.top_p < 1:
+            # Descending logits: only the top k when top-k is on, the whole vocab for plain top-p.
             ranked = jax.lax.top_k(scaled, top_k or vocab)[0]  # [..., K]
             if top_k:
                 threshold = ranked[..., -1]
             if self.top_p < 1:
-                threshold = jnp.maximum(threshold, _nucleus_threshold(ranked, self.top_p))
+                # Renormalised over every token the top-k kept: ties at the k-th beyond the k ranked ones too.
+                kept = jnp.where(scaled >= threshold[..., None], scaled, -jnp.inf)
+                log_norm = jax.nn.logsumexp(kept, axis=-1, keepdims=True) if top_k else None
+                threshold = jnp.maximum(threshold, _nucleus_threshold(ranked, self.top_p, log_norm))
         if self.min_p > 0:
             # p_i >= min_p * p_max  <=>  logit_i >= logit_max + log(min_p); renormalising changes neither side.
             threshold = jnp.maximum(threshold, jnp.max(scaled, axis=-1) + jnp.float32(math.log(self.min_p)))
@@ -128,16 +144,57 @@ class SamplingMethod:
         return tokens, chosen
 
 
-def _nucleus_threshold(ranked: jax.Array, top_p: float) -> jax.Array:
+def _nucleus_threshold(ranked: jax.Array, top_p: float, log_norm: jax.Array | None = None) -> jax.Array:
     """Smallest logit of the nucleus: the shortest prefix of the descending `ranked` with mass >= top_p.
 
     A token is kept when the probability mass strictly before it is < top_p (transformers' rule),
-    so the most likely token is always kept.
+    so the most likely token is always kept. `log_norm` [..., 1]: the log normaliser when `ranked` is a prefix
+    of the distribution's support (default: `ranked` is all of it).
     """
-    probs = jax.nn.softmax(ranked, axis=-1)  # [..., K]
+    probs = jax.nn.softmax(ranked, axis=-1) if log_norm is None else jnp.exp(ranked - log_norm)  # [..., K]
     mass_before = jnp.cumsum(probs, axis=-1) - probs
     num_kept = jnp.sum(mass_before < top_p, axis=-1, keepdims=True)  # [..., 1], >= 1
     return jnp.take_along_axis(ranked, num_kept - 1, axis=-1)[..., 0]
+
+
+def _ordered_bits(x: jax.Array) -> jax.Array:
+    """float32 -> uint32 in the same order (negative floats' bits reversed), so a threshold is a 32-bit search."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(1 << 31))
+
+
+def _bisected_threshold(scaled: jax.Array, top_k: int, top_p: float) -> jax.Array:
+    """The top-k and top-p thresholds of `_nucleus_threshold` on top of lax.top_k, found without sorting.
+
+    The k-th largest logit is the largest t with count(x >= t) >= k; the nucleus's smallest logit is the
+    smallest t with mass(x > t) < top_p (the mass strictly before it is < top_p, ties kept), the mass taken
+    over the top-k renormalised distribution. Both conditions are monotone in t, so each is 32 halvings of the
+    uint32 range of `_ordered_bits`, exact for the count (ties included), the sum's order aside for the mass.
+    """
+    keys = _ordered_bits(scaled)  # [..., V]
+
+    def search(holds_at, lo, hi, want_largest: bool):
+        # Invariant: the answer is in [lo, hi]. Largest t that holds: mid rounds up; smallest: mid rounds down.
+        def halve(_, bounds):
+            lo, hi = bounds
+            mid = lo + (hi - lo) // 2 + (hi - lo) % 2 if want_largest else lo + (hi - lo) // 2
+            ok = holds_at(mid)
+            return (jnp.where(ok, mid, lo), jnp.where(ok, hi, mid - 1)) if want_largest else \
+                (jnp.where(ok, lo, mid + 1), jnp.where(ok, mid, hi))
+        return jax.lax.fori_loop(0, 32, halve, (lo, hi))[0]
+
+    lowest, highest = jnp.min(keys, axis=-1), jnp.max(keys, axis=-1)
+    kth = lowest
+    if top_k:
+        kth = search(lambda t: jnp.sum(keys >= t[..., None], axis=-1) >= top_k, lowest, highest, True)
+    if top_p < 1:
+        inside = keys >= kth[..., None]
+        probs = jax.nn.softmax(jnp.where(inside, scaled, -jnp.inf), axis=-1)
+        mass_above = lambda t: jnp.sum(jnp.where(keys > t[..., None], probs, 0.0), axis=-1)  # noqa: E731
+        kth = search(lambda t: mass_above(t) < top_p, kth, highest, False)
+    # Back to the float (the search stops only at keys the row attains: it is one of the row's logits).
+    bits = jnp.where(kth >> 31 == 1, kth & jnp.uint32(0x7FFFFFFF), ~kth)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
 def _argmax(x: jax.Array) -> jax.Array:

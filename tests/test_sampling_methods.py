@@ -45,18 +45,31 @@ HAND_DERIVED = [
 ]
 
 
+SEARCHES = ["sort", "bisect"]
+
+
+@pytest.mark.parametrize("search", SEARCHES)
 @pytest.mark.parametrize("method,expected", HAND_DERIVED, ids=str)
-def test_process_logits_hand_derived(method, expected):
-    logprobs = method.process_logits(LOGITS)
+def test_process_logits_hand_derived(method, expected, search):
+    logprobs = dataclasses.replace(method, threshold_search=search).process_logits(LOGITS)
     assert logprobs.dtype == jnp.float32
     np.testing.assert_allclose(np.exp(np.asarray(logprobs)), expected, rtol=1e-6, atol=1e-7)
     outside = np.asarray(expected) == 0
     assert np.all(np.isneginf(np.asarray(logprobs)[outside]))  # -inf, not a tiny number, outside the support
 
 
-def test_ties_at_a_threshold_are_kept():
+@pytest.mark.parametrize("search", SEARCHES)
+def test_ties_at_a_threshold_are_kept(search):
     logits = jnp.array([1.0, 1.0, 1.0, 0.0])
-    np.testing.assert_allclose(probs_of(SamplingMethod(top_k=2), logits), [1 / 3, 1 / 3, 1 / 3, 0], rtol=1e-6)
+    top_k = SamplingMethod(top_k=2, threshold_search=search)
+    np.testing.assert_allclose(probs_of(top_k, logits), [1 / 3, 1 / 3, 1 / 3, 0], rtol=1e-6)
+    # Top-p renormalises over all the top-k kept, ties included: on [2, 1, 1, 1] p = e^2 / (e^2 + 3e) = .4754
+    # and .1749 each, so the mass before the second token is .4754 < .6 and the nucleus keeps the tied 1s.
+    # (Over the k = 2 ranked logits alone the first token would hold .7311 and the nucleus would stop there.)
+    both = SamplingMethod(top_k=2, top_p=0.6, threshold_search=search)
+    e, e2 = np.e, np.e ** 2
+    np.testing.assert_allclose(probs_of(both, jnp.array([2.0, 1.0, 1.0, 1.0, 0.0, -1.0])),
+                               [e2 / (e2 + 3 * e), *[e / (e2 + 3 * e)] * 3, 0, 0], rtol=1e-6)
     # Greedy breaks ties towards the lowest id, in both process_logits and next_tokens.
     greedy = SamplingMethod(temperature=0)
     np.testing.assert_array_equal(probs_of(greedy, logits), [1, 0, 0, 0])
@@ -92,9 +105,10 @@ def _hf_reference(method, logits):
     ],
     ids=str,
 )
-def test_matches_transformers_warpers(method):
+@pytest.mark.parametrize("search", SEARCHES)
+def test_matches_transformers_warpers(method, search):
     logits = jax.random.normal(jax.random.key(3), (6, 64)) * 3  # [rows, V]
-    ours = np.asarray(method.process_logits(logits))
+    ours = np.asarray(dataclasses.replace(method, threshold_search=search).process_logits(logits))
     theirs = _hf_reference(method, logits)
     np.testing.assert_array_equal(np.isneginf(ours), np.isneginf(theirs))  # identical supports
     kept = ~np.isneginf(theirs)
@@ -225,10 +239,34 @@ def test_bad_settings_are_named(kwargs, match):
         SamplingMethod(**kwargs)
 
 
+@pytest.mark.parametrize("method", [SamplingMethod(top_k=1), SamplingMethod(top_k=50), SamplingMethod(top_p=0.9),
+                                    SamplingMethod(top_p=1e-6), SamplingMethod(temperature=0.7, top_k=7, top_p=0.95),
+                                    SamplingMethod(top_k=20, top_p=0.7, min_p=0.01)], ids=str)
+def test_bisected_thresholds_are_the_sorted_ones(method):
+    # Rows with ties (rounded logits), with -inf entries (a masked vocabulary) and one all-equal row; both
+    # searches must keep exactly the same tokens with the same log-probs.
+    logits = np.array(jax.random.normal(jax.random.key(5), (24, 300)) * 3)
+    logits[:8] = np.round(logits[:8])
+    logits[8:16, :150] = -np.inf
+    logits[16] = 0.0
+    by_sort = np.asarray(dataclasses.replace(method, threshold_search="sort").process_logits(jnp.asarray(logits)))
+    by_bisection = np.asarray(jax.jit(dataclasses.replace(method, threshold_search="bisect").process_logits)(logits))
+    np.testing.assert_array_equal(np.isneginf(by_bisection), np.isneginf(by_sort))
+    kept = ~np.isneginf(by_sort)
+    np.testing.assert_allclose(by_bisection[kept], by_sort[kept], atol=1e-6, rtol=0)
+
+
 def test_from_config():
     config = SamplerConfig(temperature=0.7, top_k=50, top_p=0.9, min_p=0.05)
     assert SamplingMethod.from_config(config, "cpu") == SamplingMethod(temperature=0.7, top_k=50, top_p=0.9,
-                                                                       min_p=0.05, draw="inverse_cdf")
+                                                                       min_p=0.05, draw="inverse_cdf",
+                                                                       threshold_search="bisect")
     assert SamplingMethod.from_config(dataclasses.replace(config, draw="gumbel"), "tpu").draw == "gumbel"
+    assert SamplingMethod.from_config(config, "cpu").threshold_search == "bisect"  # auto: by platform
+    assert SamplingMethod.from_config(config, "tpu").threshold_search == "sort"
+    assert SamplingMethod.from_config(dataclasses.replace(config, threshold_search="bisect"), "gpu") \
+        .threshold_search == "bisect"
+    with pytest.raises(ValueError, match="threshold_search"):
+        SamplingMethod(threshold_search="heap")
     with pytest.raises(ValueError, match="draw"):
         SamplingMethod(draw="alias")
