@@ -29,14 +29,13 @@ OVERRIDES = [
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory):
+def env():
     env = dict(os.environ)
     env.update(
         JAX_PLATFORMS="cpu",
         XLA_FLAGS="--xla_force_host_platform_device_count=8",
         PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), env.get("PYTHONPATH", "")]),
-        # Shared by this module's processes: only the first one compiles.
-        JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("xla_cache")),
+        # JAX_COMPILATION_CACHE_DIR: the suite's (tests/conftest.py), inherited: only the first process compiles.
     )
     return env
 

@@ -41,12 +41,12 @@ OVERRIDES = ["reward.functions=[test_trainer_rewards:space_fraction]", "grpo.beh
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory):
+def env():
     env = {k: v for k, v in os.environ.items() if not k.startswith("JGRPO_")}
     env.update(
         JAX_PLATFORMS="cpu",
         PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), env.get("PYTHONPATH", "")]),
-        JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("xla_cache")),  # the resumed pair reuses it
+        # JAX_COMPILATION_CACHE_DIR: the suite's (tests/conftest.py): the resumed pair reuses the first's programs.
     )
     return env
 
