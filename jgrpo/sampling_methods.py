@@ -118,8 +118,10 @@ class SamplingMethod:
                 threshold = ranked[..., -1]
             if self.top_p < 1:
                 # Renormalised over every token the top-k kept: ties at the k-th beyond the k ranked ones too.
-                kept = jnp.where(scaled >= threshold[..., None], scaled, -jnp.inf)
-                log_norm = jax.nn.logsumexp(kept, axis=-1, keepdims=True) if top_k else None
+                log_norm = None
+                if top_k:
+                    kept = jnp.where(scaled >= threshold[..., None], scaled, -jnp.inf)
+                    log_norm = jax.nn.logsumexp(kept, axis=-1, keepdims=True)
                 threshold = jnp.maximum(threshold, _nucleus_threshold(ranked, self.top_p, log_norm))
         if self.min_p > 0:
             # p_i >= min_p * p_max  <=>  logit_i >= logit_max + log(min_p); renormalising changes neither side.
