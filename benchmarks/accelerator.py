@@ -36,6 +36,7 @@ sys.path.insert(1, str(Path(__file__).parent.parent))  # jgrpo from this checkou
 from iteration import bench_jgrpo as bench_iteration  # noqa: E402 - benchmarks/ modules import nothing heavy
 from train_step import jgrpo_step_setup, synthetic_batch  # noqa: E402
 
+from jgrpo.config_errors import exits_on_user_error  # noqa: E402
 from jgrpo.roofline import CHIPS  # noqa: E402 - no jax import
 
 # Published dense bf16 FLOP/s and HBM bytes/s by device kind (a substring of jax's device_kind): NVIDIA's data
@@ -166,6 +167,7 @@ def iteration(refresh: int, dry: bool) -> dict:
                 **bench_iteration(args, refresh, 3 if dry else 6, Path(run_dir))}
 
 
+@exits_on_user_error
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="directory for accelerator.json (written as figures arrive)")
@@ -209,4 +211,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -25,6 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jgrpo  # noqa: E402, F401 - first: it keeps jax on the CPU quietly where libtpu has no TPU
+from jgrpo.config_errors import exits_on_user_error  # noqa: E402
 
 
 def _cpu_seconds() -> float:
@@ -75,6 +76,7 @@ def _measure(state, compress: bool) -> dict:
     return {"blocking_s": blocking, "total_s": total, "cpu_s": cpu, "mb": size / 1e6}
 
 
+@exits_on_user_error
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=2, help="saves per setting (the best is reported)")

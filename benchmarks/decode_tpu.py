@@ -24,6 +24,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from jgrpo.abstract_run import lower_iteration, per_chip_bytes  # noqa: E402 - settles JAX_PLATFORMS first
+from jgrpo.config_errors import exits_on_user_error  # noqa: E402
 from jgrpo.config_loading import load_config  # noqa: E402
 from jgrpo.data import bucketed_length  # noqa: E402
 from jgrpo.plan import GIB, topology_devices  # noqa: E402
@@ -85,6 +86,7 @@ def measure_draws(topology: str = "v5e:2x2", vocab: int = 151936, rows=(16, 256)
     return results
 
 
+@exits_on_user_error
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", nargs="+", default=RUNS, help="CONFIG@TOPOLOGY pairs")
@@ -118,4 +120,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

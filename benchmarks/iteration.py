@@ -33,6 +33,8 @@ from hardware import usable_cores  # noqa: E402
 from sampler import MESSAGES, TUNIX_CONFIG_FROM_HF, ensure_tunix_venv  # noqa: E402
 from train_step import add_batch_arguments  # noqa: E402 - the sampler benchmark owns the Tunix virtualenv
 
+from jgrpo.config_errors import exits_on_user_error  # noqa: E402
+
 PHASES = ("sample", "reward", "logprobs", "update", "weight_sync", "checkpoint")
 
 
@@ -133,6 +135,7 @@ def bench_tunix(args) -> dict:
             "total_s": result["total_s"]}
 
 
+@exits_on_user_error
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_batch_arguments(p)
@@ -194,4 +197,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -15,10 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import sys
 
 import jax
 import jax.numpy as jnp
 
+from jgrpo.config_errors import exits_on_user_error  # noqa: E402
 from jgrpo.logprobs import token_logprobs
 
 
@@ -47,6 +49,7 @@ def compiled_memory(fn, batch, length, dim, vocab, dtype) -> dict:
     return {"temp_bytes": int(stats.temp_size_in_bytes), "peak_bytes": int(peak)}
 
 
+@exits_on_user_error
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch", type=int, default=8)
@@ -81,4 +84,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

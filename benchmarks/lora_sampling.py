@@ -28,6 +28,8 @@ import jgrpo  # noqa: F401 - first: it keeps jax on the CPU quietly where libtpu
 sys.path.insert(0, str(Path(__file__).parent))
 from sampler import MODEL, PROMPT_WIDTH, prompts  # noqa: E402
 
+from jgrpo.config_errors import exits_on_user_error  # noqa: E402
+
 
 def _timed(fn, repeats: int) -> float:
     import jax
@@ -41,6 +43,7 @@ def _timed(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+@exits_on_user_error
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--configs", default="32x128", help="comma-separated ROWSxNEW_TOKENS")
@@ -94,4 +97,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -32,6 +32,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from train_step import add_batch_arguments, build_model, jgrpo_step_setup, synthetic_batch  # noqa: E402
 
+from jgrpo.config_errors import exits_on_user_error  # noqa: E402
+
 MiB = 2**20
 
 
@@ -139,6 +141,7 @@ def torch_peak_bytes(args) -> dict:
     return json.loads(lines[-1][len("RESULT "):])
 
 
+@exits_on_user_error
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_batch_arguments(p)
@@ -198,4 +201,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -45,6 +45,8 @@ from pathlib import Path
 import numpy as np
 from hardware import usable_cores  # benchmarks/ is on sys.path when run as a script
 
+from jgrpo.config_errors import exits_on_user_error  # noqa: E402
+
 MODEL = "smollm2-135m-instruct"
 QUESTIONS = Path(__file__).resolve().parent.parent / "tests" / "data" / "gsm8k_sample.jsonl"
 # The system prompt of configs/paper_gsm8k_qwen05b_*.yaml: the completions the trainer would sample.
@@ -135,6 +137,7 @@ def histogram(lengths, new: int, bins: int = 8) -> str:
                      for lo, hi, c in zip(edges[:-1], edges[1:], counts, strict=True))
 
 
+@exits_on_user_error
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--task", choices=("gsm8k", "arithmetic"), default="gsm8k", help="the prompts (see above)")
@@ -146,7 +149,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3, help="timed runs per mode, alternating (the median is shown)")
     args = p.parse_args()
     if args.slots % args.samples or args.prompts % (args.slots // args.samples):
-        sys.exit("--slots must be a multiple of --samples, and --prompts a multiple of slots / samples")
+        p.error("--slots must be a multiple of --samples, and --prompts a multiple of slots / samples")
 
     load = os.getloadavg()[0]
     print(f"{usable_cores()} cores, load average {load:.1f}; {args.task}: {args.prompts} prompts x {args.samples} "
@@ -201,4 +204,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

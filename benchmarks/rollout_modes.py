@@ -36,6 +36,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(1, str(Path(__file__).parent.parent))  # this checkout's jgrpo, installed or not (children too)
 from hardware import usable_cores  # noqa: E402
 
+from jgrpo.config_errors import exits_on_user_error  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 MODES = ("sync", "window", "async")
 
@@ -75,6 +77,7 @@ def child(args) -> None:
     print(json.dumps(phases))
 
 
+@exits_on_user_error
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--v", type=int, default=4)
@@ -89,7 +92,7 @@ def main() -> None:
         child(args)
         return
     if args.devices < 2 or args.devices % 2:
-        sys.exit("--devices must be even and at least 2 (the split placement gives each side half)")
+        p.error("--devices must be even and at least 2 (the split placement gives each side half)")
     flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={args.devices}"
     env = {**os.environ, "XLA_FLAGS": flags}
     half = args.devices // 2
@@ -129,4 +132,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -32,6 +32,8 @@ from pathlib import Path
 
 from hardware import matmul_peak_flops, usable_cores  # benchmarks/ is on sys.path when run as a script
 
+from jgrpo.config_errors import exits_on_user_error  # noqa: E402
+
 MODEL = "smollm2-135m-instruct"
 MESSAGES = [
     "What is the capital of France?",
@@ -204,6 +206,7 @@ def bench_tunix(rows: int, new: int, venv: Path) -> float:
     return json.loads(lines[-1][len("RESULT "):])[f"{rows}x{new}"]
 
 
+@exits_on_user_error
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--configs", default="32x128,32x256,64x128,64x256", help="comma-separated ROWSxNEW_TOKENS")
@@ -265,4 +268,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -18,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+from jgrpo.config_errors import exits_on_user_error  # noqa: E402
 from jgrpo.sampling_methods import SamplingMethod  # noqa: E402
 
 METHODS = {"top_k=3": dict(top_k=3), "top_k=50": dict(top_k=50), "top_p=0.9": dict(top_p=0.9),
@@ -34,6 +35,7 @@ def seconds(fn, x, repeats: int) -> float:
     return statistics.median(times)
 
 
+@exits_on_user_error
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=192)
@@ -56,4 +58,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

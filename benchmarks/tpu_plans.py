@@ -20,6 +20,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from jgrpo.config_errors import exits_on_user_error  # noqa: E402
 from jgrpo.config_loading import load_config  # noqa: E402
 from jgrpo.plan import GIB, plan_iteration, topology_devices  # noqa: E402 - settles JAX_PLATFORMS first
 from jgrpo.roofline import roofline  # noqa: E402
@@ -58,6 +59,7 @@ def write(rows: list[str], stamp: str, page: str = PAGE) -> None:
     open(page, "w").write(text[:start] + body + text[end:])
 
 
+@exits_on_user_error
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--configs", nargs="*", default=None)

@@ -32,6 +32,8 @@ import time
 import numpy as np
 from hardware import matmul_peak_flops, usable_cores  # benchmarks/ is on sys.path when run as a script
 
+from jgrpo.config_errors import exits_on_user_error  # noqa: E402
+
 BETA, CLIP_EPS, LR = 0.04, 0.2, 1e-6
 # Random-weight stand-ins for models the hub would serve (unreachable offline): name -> LLMConfig fields.
 RANDOM_MODELS = {
@@ -220,6 +222,7 @@ def matmul_peak_tflops(dtype: str, size: int = 2048, repeats: int = 5) -> float:
     return matmul_peak_flops(dtype, size, repeats) / 1e12
 
 
+@exits_on_user_error
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_batch_arguments(p, model_help=f"built-in name / HF dir, or a random preset: {', '.join(RANDOM_MODELS)}")
@@ -288,4 +291,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -37,7 +37,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
-from jgrpo.config import Config  # noqa: E402
+from jgrpo.config import Config, ConfigError  # noqa: E402
 from jgrpo.data import bucketed_length  # noqa: E402
 from jgrpo.frozen_base import sample_layout  # noqa: E402
 from jgrpo.mesh import (  # noqa: E402
@@ -69,14 +69,14 @@ def topology_devices(name: str) -> tuple[list, Chip]:
     """The devices of TPU topology `name` (deviceless) and its chip, or a ValueError naming the choices."""
     chip_name = name.split(":", 1)[0]
     if ":" not in name or chip_name not in CHIPS:
-        raise ValueError(f"unknown TPU topology '{name}': use <chip>:<shape> with chip one of {sorted(CHIPS)}, "
+        raise ConfigError(f"unknown TPU topology '{name}': use <chip>:<shape> with chip one of {sorted(CHIPS)}, "
                          f"e.g. {', '.join(EXAMPLE_TOPOLOGIES)}")
     try:
         from jax.experimental import topologies
 
         topology = topologies.get_topology_desc(topology_name=name, platform="tpu")
     except Exception as e:  # noqa: BLE001 - libtpu missing, or a shape the chip does not come in
-        raise ValueError(f"cannot describe TPU topology '{name}' ({type(e).__name__}: {e}); libtpu must be installed "
+        raise ConfigError(f"cannot describe TPU topology '{name}' ({type(e).__name__}: {e}); libtpu must be installed "
                          f"(pip install \"jax[tpu]\"); examples that work: {', '.join(EXAMPLE_TOPOLOGIES)}") from e
     return list(topology.devices), CHIPS[chip_name]
 

@@ -35,6 +35,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from jgrpo.config import CheckpointConfig
+from jgrpo.config_errors import UserError
 from jgrpo.fingerprint import fingerprint
 
 log = logging.getLogger(__name__)
@@ -89,13 +90,38 @@ class CheckpointError(RuntimeError):
     """No checkpoint in the run directory could be restored."""
 
 
-class IncompatibleCheckpoint(CheckpointError):
-    """A readable checkpoint this version cannot continue (never quarantined as corrupt: it is not)."""
+class IncompatibleCheckpoint(CheckpointError, UserError):
+    """A readable checkpoint this run cannot continue (never quarantined as corrupt: it is not)."""
+
+
+class CheckpointNotFound(CheckpointError, UserError):
+    """The step asked for (`--step N`) is not in the run directory."""
 
 
 def _abstract(tree):
     """Arrays -> ShapeDtypeStructs that keep the sharding, so restore places each leaf where it belongs."""
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), tree)
+
+
+def latest_data_state(run_dir) -> dict | None:
+    """The data iterator state of the newest checkpoint in `run_dir`, read without any array (None when there is
+    no checkpoint or it cannot be read: the full restore then decides), so a resume onto other data can be
+    refused before a model loads."""
+    directory = epath.Path(run_dir) / "checkpoints"
+    if not directory.is_dir():
+        return None
+    try:
+        manager = ocp.CheckpointManager(directory if "://" in str(directory) else directory.absolute(),
+                                        options=ocp.CheckpointManagerOptions(read_only=True, create=False))
+        try:
+            step = manager.latest_step()
+            if step is None:
+                return None
+            return manager.restore(step, args=ocp.args.Composite(data=ocp.args.JsonRestore()))["data"]
+        finally:
+            manager.close()
+    except Exception:  # noqa: BLE001 - unreadable here means: let the restore itself report it (or fall back)
+        return None
 
 
 class _ArrayHandler(ocp.StandardCheckpointHandler):
@@ -228,7 +254,7 @@ class Checkpointer:
         steps = sorted(self.manager.all_steps(), reverse=True)
         if step is not None:
             if step not in steps:
-                raise CheckpointError(f"no checkpoint for step {step} in {self.directory}; found {sorted(steps)}")
+                raise CheckpointNotFound(f"no checkpoint for step {step} in {self.directory}; found {sorted(steps)}")
             return read(step)
         failures = []
         for candidate in steps:

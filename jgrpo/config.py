@@ -304,6 +304,11 @@ class Config:
     run: RunConfig = dataclasses.field(default_factory=RunConfig)
 
     def __post_init__(self):
+        rows, g = self.data.batch_size * self.grpo.num_generations, self.grpo
+        _check(rows % (g.num_minibatches * g.micro_batches) == 0, "grpo.micro_batches", g.micro_batches,
+               f"data.batch_size * grpo.num_generations = {self.data.batch_size} * {g.num_generations} = {rows} "
+               f"rows must split into grpo.num_minibatches * grpo.micro_batches = {g.num_minibatches} * "
+               f"{g.micro_batches} equal parts")
         if self.rollout.mode == "window":
             _check(isinstance(self.grpo.behaviour_refresh, int), "rollout.mode", "window",
                    "it needs a fixed grpo.behaviour_refresh, not adaptive (a window is the v iterations one behaviour "

@@ -125,7 +125,8 @@ def parse_overrides(overrides: list[str]) -> dict:
     tree: dict = {}
     for item in overrides:
         if "=" not in item:
-            raise ConfigError(f"override '{item}' must look like section.field=value")
+            raise ConfigError(f"override '{item}' has no '=': overrides look like section.field=value "
+                              "(e.g. grpo.beta=0.0), after the config file")
         key, raw = item.split("=", 1)
         try:
             value = yaml.safe_load(raw) if raw != "" else ""
@@ -142,16 +143,39 @@ def _merge(base: dict, extra: dict) -> dict:
     return out
 
 
+def _read_yaml(path) -> Any:
+    """The parsed file ({} when empty); a syntax error names the file, line, column and the parser's reason."""
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"cannot read config file {path}: {e}") from None
+    try:
+        loaded = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}: line {mark.line + 1}, column {mark.column + 1}" if mark else str(path)
+        reason = getattr(e, "problem", None) or str(e).splitlines()[0]
+        context, opened = getattr(e, "context", None), getattr(e, "context_mark", None)
+        if context and opened:
+            context += f" that starts at line {opened.line + 1}, column {opened.column + 1}"
+        raise ConfigError(f"{where}: invalid YAML: {reason}" + (f" ({context})" if context else "")
+                          + ". Check the indentation (spaces, not tabs) and the brackets and quotes there") from None
+    return {} if loaded is None else loaded
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Defaults <- YAML file <- dotted overrides, validated and typed."""
     tree: dict = {}
     if path is not None:
         path = epath.Path(path)  # a local file or one in a bucket (a run directory's config.yaml)
         if not path.is_file():
-            raise ConfigError(f"config file not found: {path}")
-        loaded = yaml.safe_load(path.read_text()) or {}
+            raise ConfigError(f"config file not found: {path} (configs/ holds the shipped ones, e.g. "
+                              "configs/tiny.yaml)")
+        loaded = _read_yaml(path)
         if not isinstance(loaded, dict):
-            raise ConfigError(f"{path}: the top level must be a mapping of sections")
+            kind = "a list" if isinstance(loaded, list) else f"a single {type(loaded).__name__} value"
+            raise ConfigError(f"{path}: the file is {kind}; a config file must be a mapping of sections "
+                              "(model:, sampler:, grpo:, ...), as in configs/tiny.yaml")
         tree = loaded
     tree = _merge(tree, parse_overrides(overrides or []))
     return _build(Config, tree)

@@ -20,6 +20,8 @@ from collections.abc import Mapping
 
 import jax
 
+from jgrpo.config_errors import ConfigError
+
 log = logging.getLogger(__name__)
 
 ENV_COORDINATOR = "JGRPO_COORDINATOR"
@@ -36,18 +38,18 @@ def settings_from_env(environ: Mapping[str, str] | None = None) -> tuple[str, in
         return None
     missing = [name for name in names if not given[name]]
     if missing:
-        raise ValueError(f"multi-process run: {', '.join(missing)} not set (set all of {', '.join(names)})")
+        raise ConfigError(f"multi-process run: {', '.join(missing)} not set (set all of {', '.join(names)})")
     coordinator = given[ENV_COORDINATOR]
     host, _, port = coordinator.rpartition(":")
     if not host or not port.isdigit():
-        raise ValueError(f"{ENV_COORDINATOR}={coordinator!r} is not host:port (e.g. 10.0.0.2:8476)")
+        raise ConfigError(f"{ENV_COORDINATOR}={coordinator!r} is not host:port (e.g. 10.0.0.2:8476)")
     try:
         count, index = int(given[ENV_NUM_PROCESSES]), int(given[ENV_PROCESS_ID])
     except ValueError:
-        raise ValueError(f"{ENV_NUM_PROCESSES}={given[ENV_NUM_PROCESSES]!r} and {ENV_PROCESS_ID}="
+        raise ConfigError(f"{ENV_NUM_PROCESSES}={given[ENV_NUM_PROCESSES]!r} and {ENV_PROCESS_ID}="
                          f"{given[ENV_PROCESS_ID]!r} must be integers") from None
     if count < 1 or not 0 <= index < count:
-        raise ValueError(f"{ENV_PROCESS_ID}={index} must be in [0, {ENV_NUM_PROCESSES}={count})")
+        raise ConfigError(f"{ENV_PROCESS_ID}={index} must be in [0, {ENV_NUM_PROCESSES}={count})")
     return coordinator, count, index
 
 

@@ -19,6 +19,7 @@ import jax
 from etils import epath
 
 from jgrpo import distributed
+from jgrpo.config_errors import PathError, exits_on_user_error
 from jgrpo.evaluator import Evaluator
 from jgrpo.mesh import mesh_platform
 from jgrpo.models.attention_backends import resolve_attention
@@ -39,7 +40,8 @@ def load_for_eval(target: str, overrides: list[str], step: int | None = None):
     path = epath.Path(target)  # a local run directory or a bucket (gs://...), as train writes it
     run_dir = path if path.is_dir() else None
     if run_dir is not None and not (run_dir / "config.yaml").is_file():
-        raise FileNotFoundError(f"{run_dir} is not a run directory (no config.yaml)")
+        raise PathError(f"{run_dir} is not a run directory (no config.yaml): give a run directory of "
+                        "python -m jgrpo.train or a config file")
     config = load_config(run_dir / "config.yaml" if run_dir else path, overrides)
     mesh = make_mesh(config.mesh)
     m = config.model
@@ -58,10 +60,11 @@ def load_for_eval(target: str, overrides: list[str], step: int | None = None):
             params = join_adapters(trained, base)
             source = f"{run_dir} at iteration {iteration}"
     elif step is not None:
-        raise FileNotFoundError(f"--step {step} given but {target} has no checkpoints")
+        raise PathError(f"--step {step} given but {target} has no checkpoints")
     return config, graphdef, params, load_tokenizer(m.name), mesh, source
 
 
+@exits_on_user_error
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m jgrpo.eval", description=__doc__.split("\n\n")[0])
     parser.add_argument("target", help="a run directory (evaluates its checkpoint) or a config file")
@@ -70,16 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     setup_logging()
     enable_compilation_cache()
-    try:
-        distributed.initialize()
-    except ValueError as e:
-        print(f"distributed setup error: {e}", file=sys.stderr)
-        return 2
-    try:
-        config, graphdef, params, tokenizer, mesh, source = load_for_eval(args.target, args.overrides, args.step)
-    except (FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    distributed.initialize()
+    config, graphdef, params, tokenizer, mesh, source = load_for_eval(args.target, args.overrides, args.step)
     evaluator = Evaluator(config, graphdef, tokenizer, mesh)
     try:
         metrics = evaluator.evaluate(params)

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from etils import epath
 
+from jgrpo.config_errors import ConfigError, PathError, exits_on_user_error
 from jgrpo.process_setup import setup_logging
 
 
@@ -37,15 +38,16 @@ def export_run(run_dir: str | Path, out_dir: str | Path, step: int | None = None
 
     run_dir = epath.Path(run_dir)  # a local run directory or a bucket (gs://...), as train writes it
     if not (run_dir / "config.yaml").is_file():
-        raise FileNotFoundError(f"{run_dir} is not a run directory (no config.yaml)")
+        raise PathError(f"{run_dir} is not a run directory (no config.yaml)")
     config = load_config(run_dir / "config.yaml")
     if not (run_dir / "checkpoints").is_dir():
-        raise FileNotFoundError(f"{run_dir} has no checkpoints to export")
+        raise PathError(f"{run_dir} has no checkpoints to export")
     m = config.model
     hf_config = json.loads((resolve_model_dir(m.name) / "config.json").read_text())
     cfg = llm_config_from_hf(hf_config, param_dtype=m.param_dtype, compute_dtype=m.compute_dtype)
     if adapters_only and not m.lora.rank:
-        raise ValueError(f"{run_dir} trained full params (model.lora.rank=0): it has no adapters to export")
+        raise ConfigError(f"--adapters-only: {run_dir} trained full params (model.lora.rank=0): it has no adapters "
+                          "to export")
     base, base_id = None, None
     if m.lora.rank:  # the checkpoint holds adapters: read them for this base only
         base = load_params(resolve_model_dir(m.name), cfg)
@@ -61,7 +63,7 @@ def export_run(run_dir: str | Path, out_dir: str | Path, step: int | None = None
     checkpointer = Checkpointer(run_dir, config.checkpoint, read_only=True, base=base_id)
     restored = checkpointer.restore_params(abstract, step=step)
     if restored is None:
-        raise FileNotFoundError(f"{run_dir / 'checkpoints'} holds no checkpoint")
+        raise PathError(f"{run_dir / 'checkpoints'} holds no checkpoint")
     params, iteration = restored
     if adapters_only:
         export_peft(params, cfg, out_dir, base_model=m.name)
@@ -73,6 +75,7 @@ def export_run(run_dir: str | Path, out_dir: str | Path, step: int | None = None
     return Path(out_dir), iteration
 
 
+@exits_on_user_error
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m jgrpo.export", description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dir", help="training run directory")
@@ -82,11 +85,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="a LoRA run: write its adapters as a PEFT directory instead of the merged model")
     args = parser.parse_args(argv)
     setup_logging()
-    try:
-        out, iteration = export_run(args.run_dir, args.out_dir, args.step, adapters_only=args.adapters_only)
-    except (FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    out, iteration = export_run(args.run_dir, args.out_dir, args.step, adapters_only=args.adapters_only)
     print(f"exported iteration {iteration} of {args.run_dir} to {out}")
     return 0
 

@@ -16,7 +16,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jgrpo.config import MeshConfig
+from jgrpo.config import ConfigError, MeshConfig
 
 MESH_AXES = ("data", "fsdp", "tensor")
 
@@ -46,19 +46,16 @@ SAMPLE_RULES: Rules = {
 def mesh_shape(config: MeshConfig, num_devices: int) -> tuple[int, int, int]:
     """Resolve the axis sizes (one may be -1) for `num_devices`, or fail naming the problem."""
     sizes = [config.data, config.fsdp, config.tensor]
+    named = " x ".join(f"mesh.{axis}={size}" for axis, size in zip(MESH_AXES, sizes, strict=True))
+    fix = "set the axis sizes so they multiply to the device count, or one of them to -1 (all remaining devices)"
     known = math.prod(s for s in sizes if s != -1)
     if -1 in sizes:
         if num_devices % known:
-            raise ValueError(
-                f"mesh {dict(zip(MESH_AXES, sizes, strict=True))}: the fixed axes use {known} devices, "
-                f"which does not divide the {num_devices} available"
-            )
+            raise ConfigError(f"{named}: the fixed axes use {known} devices, which does not divide the "
+                              f"{num_devices} available; {fix}")
         sizes[sizes.index(-1)] = num_devices // known
     if math.prod(sizes) != num_devices:
-        raise ValueError(
-            f"mesh {dict(zip(MESH_AXES, sizes, strict=True))} needs {math.prod(sizes)} devices "
-            f"but {num_devices} are available"
-        )
+        raise ConfigError(f"{named} needs {math.prod(sizes)} devices but {num_devices} are available; {fix}")
     return tuple(sizes)
 
 
@@ -84,14 +81,14 @@ def make_meshes(config: MeshConfig) -> tuple[Mesh, Mesh]:
         return mesh, mesh
     devices = jax.devices()
     if jax.process_count() > 1:
-        raise ValueError(f"mesh.rollout_devices={n} needs one process (this run has {jax.process_count()}): every "
+        raise ConfigError(f"mesh.rollout_devices={n} needs one process (this run has {jax.process_count()}): every "
                          "process would have to launch each sub-mesh's programs in the same order")
     if n >= len(devices):
-        raise ValueError(f"mesh.rollout_devices={n} leaves no device for the trainer ({len(devices)} devices)")
+        raise ConfigError(f"mesh.rollout_devices={n} leaves no device for the trainer ({len(devices)} devices)")
     try:
         return make_mesh(config, devices[n:]), make_mesh(config, devices[:n])
-    except ValueError as e:
-        raise ValueError(f"mesh.rollout_devices={n} splits {len(devices)} devices into {n} for the sampler and "
+    except ConfigError as e:
+        raise ConfigError(f"mesh.rollout_devices={n} splits {len(devices)} devices into {n} for the sampler and "
                          f"{len(devices) - n} for the trainer: {e}") from None
 
 

@@ -27,6 +27,7 @@ from jgrpo.abstract_run import (  # noqa: F401 - re-exported for callers of the 
     per_chip_bytes,
     topology_devices,
 )
+from jgrpo.config_errors import UserError, exits_on_user_error
 from jgrpo.config_loading import load_config
 from jgrpo.planning import GIB, fit, plan_iteration  # noqa: F401 - plan_iteration re-exported
 from jgrpo.roofline import Chip, roofline
@@ -88,6 +89,7 @@ def report_lines(topology: str, chip: Chip, plan: dict, hbm_gib: float) -> list[
     return lines
 
 
+@exits_on_user_error
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m jgrpo.plan", description=__doc__.split("\n\n")[0])
     parser.add_argument("config", help="a YAML config, e.g. configs/paper_gsm8k_qwen05b_on_policy.yaml")
@@ -106,8 +108,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             cache: dict = {}  # compiled programs, shared with the search below
             plan = plan_iteration(config, devices, cache=cache)
-        except ValueError as e:
-            raise SystemExit(f"{topology}: {e}") from None
+        except UserError as e:  # e.g. a mesh this slice cannot hold: say which topology
+            raise type(e)(f"{topology}: {e}") from None
         plan["roofline"] = roofline(plan, chip)
         hbm = args.hbm_gib if args.hbm_gib is not None else chip.hbm_gib
         print("\n".join(report_lines(topology, chip, plan, hbm)), flush=True)
@@ -130,7 +132,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except ValueError as e:  # bad topology, model or config: one clear line
-        sys.exit(f"error: {e}")
+    sys.exit(main())

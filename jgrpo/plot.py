@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 from etils import epath
 
+from jgrpo.config_errors import PathError, exits_on_user_error
 from jgrpo.metrics import METRICS_FILE, read_metrics
 
 PANELS = (
@@ -76,7 +77,7 @@ def plot_runs(run_dirs: list[str | Path], out_file: str | Path, smooth: int = 1,
     for run_dir in run_dirs:
         records = read_metrics(run_dir)
         if not records:
-            raise FileNotFoundError(f"{epath.Path(run_dir) / METRICS_FILE}: no metrics (is it a jgrpo run directory?)")
+            raise PathError(f"{epath.Path(run_dir) / METRICS_FILE}: no metrics (is it a jgrpo run directory?)")
         runs.append((epath.Path(run_dir).name or str(run_dir), [with_training_time(r) for r in records]))
 
     columns = 3
@@ -113,6 +114,7 @@ def plot_runs(run_dirs: list[str | Path], out_file: str | Path, smooth: int = 1,
     return out_file
 
 
+@exits_on_user_error
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m jgrpo.plot", description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dirs", nargs="+", help="training run directories (each with metrics.jsonl)")
@@ -120,11 +122,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smooth", type=int, default=1, help="moving-average window in iterations")
     parser.add_argument("--x", choices=tuple(X_AXES), default="iteration", help="x axis: iteration or wallclock")
     args = parser.parse_args(argv)
-    try:
-        out = plot_runs(args.run_dirs, args.output, smooth=args.smooth, x_axis=args.x)
-    except FileNotFoundError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    if args.smooth < 1:
+        parser.error(f"--smooth={args.smooth} must be >= 1 (1 = no smoothing)")
+    out = plot_runs(args.run_dirs, args.output, smooth=args.smooth, x_axis=args.x)
     print(f"wrote {out}")
     return 0
 

@@ -13,7 +13,8 @@ import time
 
 import jax
 
-from jgrpo.config import SamplerConfig
+from jgrpo.config import ConfigError, SamplerConfig
+from jgrpo.config_errors import exits_on_user_error
 from jgrpo.data.prompts import chat_prompt_ids, left_pad, pad_id_for
 from jgrpo.models.attention_backends import resolve_attention
 from jgrpo.models.hf import load_model, load_tokenizer
@@ -39,34 +40,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+@exits_on_user_error
 def main(argv=None) -> int:
     args = parse_args(argv)
-    try:
-        config = SamplerConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                               max_new_tokens=args.max_new_tokens, stop_token_ids=tuple(args.stop_id))
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    config = SamplerConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                           max_new_tokens=args.max_new_tokens, stop_token_ids=tuple(args.stop_id))
     if args.num_samples < 1:
-        print(f"error: --num-samples={args.num_samples} must be >= 1", file=sys.stderr)
-        return 2
+        raise ConfigError(f"--num-samples={args.num_samples} must be >= 1")
     platform = jax.devices()[0].platform
-    try:
-        tokenizer = load_tokenizer(args.model)
-        graphdef, params, _ = load_model(args.model, param_dtype=args.dtype, compute_dtype=args.dtype,
-                                         attention=resolve_attention("auto", platform))
-    except FileNotFoundError as e:  # an unknown model, an unreachable hub id: its message says what to do
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    tokenizer = load_tokenizer(args.model)
+    graphdef, params, _ = load_model(args.model, param_dtype=args.dtype, compute_dtype=args.dtype,
+                                     attention=resolve_attention("auto", platform))
     pad_id = pad_id_for(tokenizer)
     stop_ids = stop_ids_for(tokenizer, config.stop_token_ids)
-    try:
-        prompt_ids = [chat_prompt_ids(tokenizer, text, args.system) for text in args.prompt]
-        tokens, mask = left_pad(prompt_ids, pad_id=pad_id, bucket=config.prompt_bucket,
-                                max_length=args.max_prompt_length)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    prompt_ids = [chat_prompt_ids(tokenizer, text, args.system) for text in args.prompt]
+    tokens, mask = left_pad(prompt_ids, pad_id=pad_id, bucket=config.prompt_bucket,
+                            max_length=args.max_prompt_length)
     start = time.perf_counter()
     out = generate(graphdef, params, tokens, mask, num_samples=args.num_samples,
                    max_new_tokens=config.max_new_tokens, method=SamplingMethod.from_config(config, platform),

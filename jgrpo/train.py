@@ -15,6 +15,7 @@ from pathlib import Path
 
 import yaml
 
+from jgrpo.config_errors import exits_on_user_error
 from jgrpo.process_setup import enable_compilation_cache, setup_logging
 
 EXIT_DIVERGED = 3
@@ -36,42 +37,35 @@ def _report_config_change(run_dir: Path, config_dict: dict) -> None:
         logging.getLogger("jgrpo.train").warning("config differs from %s: %s", saved_file, "; ".join(changes))
 
 
+@exits_on_user_error
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m jgrpo.train", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m jgrpo.train", description=__doc__.split("\n\n")[0],
+                                     epilog="A mistake in the config, a path or the data is reported as one "
+                                            "'error:' paragraph (exit status 2); JGRPO_DEBUG=1 adds the traceback.")
     parser.add_argument("config", help="YAML config file (see configs/)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. grpo.beta=0.0 run.iterations=20")
     args = parser.parse_args(argv)
     setup_logging()
+    from jgrpo.config_loading import load_config, save_config, to_dict
+
+    config = load_config(args.config, args.overrides)  # before the heavy imports: a typo fails at once
     enable_compilation_cache()
 
     import jax
     from etils import epath
 
     from jgrpo import distributed
-    from jgrpo.config import ConfigError
-    from jgrpo.config_loading import load_config, save_config, to_dict
-    from jgrpo.models.builtin import ModelNotFound
-    from jgrpo.trainer import Trainer, TrainingDiverged
+    from jgrpo.preflight import check_before_loading
 
-    try:
-        config = load_config(args.config, args.overrides)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
-    try:
-        distributed.initialize()
-    except ValueError as e:
-        print(f"distributed setup error: {e}", file=sys.stderr)
-        return 2
+    distributed.initialize()
+    check_before_loading(config)
+    from jgrpo.trainer import Trainer, TrainingDiverged  # the heavy imports (flax, orbax, optax) after the checks
+
     run_dir = epath.Path(config.run.output_dir)  # a local folder or a bucket (gs://...)
     if jax.process_index() == 0:
         _report_config_change(run_dir, to_dict(config))
         save_config(config, run_dir)
-    try:
-        trainer = Trainer(config)
-    except ModelNotFound as e:  # a user error with its own advice: no traceback
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    trainer = Trainer(config)
     try:
         status = trainer.run()
     except TrainingDiverged as e:

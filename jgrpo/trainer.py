@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from etils import epath
 
-from jgrpo.checkpoint import Checkpointer, PreemptionFlag, RunCounters, TrainState
+from jgrpo.checkpoint import Checkpointer, PreemptionFlag, RunCounters, TrainState, latest_data_state
 from jgrpo.config import Config, ConfigError
 from jgrpo.config_loading import to_dict
 from jgrpo.data import build_prompt_iterator, pad_id_for
@@ -49,6 +49,7 @@ from jgrpo.metrics import MetricsLogger
 from jgrpo.models.attention_backends import resolve_attention
 from jgrpo.models.hf import load_model, load_tokenizer
 from jgrpo.optim import learning_rate_schedule, make_optimizer
+from jgrpo.preflight import check_before_loading
 from jgrpo.rewards import RewardScorer
 from jgrpo.rollout_source import DataExhausted, RolloutSource, sample_root
 from jgrpo.sampler import stop_ids_for
@@ -69,9 +70,7 @@ class Trainer:
 
     def __init__(self, config: Config):
         self.config = config
-        if config.sampler.temperature == 0:
-            raise ValueError("sampler.temperature=0 (greedy) cannot train: GRPO needs G different samples per "
-                             "prompt and finite log-probs; use a temperature > 0")
+        check_before_loading(config)  # the cheap checks first: a bad invocation fails before any model loads
         self.run_dir = epath.Path(config.run.output_dir)  # a local folder or a bucket (gs://...)
         # The trainer's mesh, and the sampler's: the same one, or disjoint sub-meshes (`mesh.rollout_devices`).
         self.mesh, self.sample_mesh = make_meshes(config.mesh)
@@ -79,6 +78,15 @@ class Trainer:
             raise ConfigError(f"rollout.mode=async needs one process (this run has {jax.process_count()}): the "
                               "producer thread's programs would reach the processes in different orders")
         m = config.model
+        # Tokenizer, data and rewards before the weights: a bad data row or a resume onto other data fails in
+        # seconds, not after the model has loaded.
+        self.tokenizer = load_tokenizer(m.name)
+        self.pad_id = pad_id_for(self.tokenizer)
+        self.stop_ids = stop_ids_for(self.tokenizer, config.sampler.stop_token_ids)
+        self.data = build_prompt_iterator(config, self.tokenizer)
+        if config.checkpoint.resume and (saved := latest_data_state(self.run_dir)) is not None:
+            self.data.check_state(saved)
+        self.scorer = RewardScorer(config.reward)
         self.graphdef, params, self.model_config = load_model(
             m.name, param_dtype=m.param_dtype, compute_dtype=m.compute_dtype, remat=m.remat, mesh=self.mesh,
             rules=TRAIN_RULES, attention=resolve_attention(m.attention, mesh_platform(self.mesh)),
@@ -86,12 +94,7 @@ class Trainer:
         )
         # With LoRA the params that train (and every policy's own copy) are the adapters; the base is frozen.
         params, self.frozen = FrozenBase.split(params, m.lora.rank > 0, self.mesh, config.sampler.weights_dtype)
-        self.tokenizer = load_tokenizer(m.name)
-        self.pad_id = pad_id_for(self.tokenizer)
-        self.stop_ids = stop_ids_for(self.tokenizer, config.sampler.stop_token_ids)
         self.method = SamplingMethod.from_config(config.sampler, mesh_platform(self.mesh))
-        self.data = build_prompt_iterator(config, self.tokenizer)
-        self.scorer = RewardScorer(config.reward)
         root = jax.jit(lambda: sample_root(config.run.seed), out_shardings=replicated(self.sample_mesh))()
         self.rollouts = RolloutSource(config, data=self.data, graphdef=self.graphdef, tokenizer=self.tokenizer,
                                       scorer=self.scorer, method=self.method, stop_ids=self.stop_ids,
@@ -115,9 +118,6 @@ class Trainer:
         self.sampling = SamplingPolicy(config, params, rollouts=self.rollouts, frozen=self.frozen,
                                        train_mesh=self.mesh, sample_mesh=self.sample_mesh)
         self.sample_shardings = self.sampling.shardings
-        if config.reward.overlong_buffer > config.sampler.max_new_tokens:
-            raise ConfigError(f"reward.overlong_buffer={config.reward.overlong_buffer} is longer than "
-                              f"sampler.max_new_tokens={config.sampler.max_new_tokens}")
         # The reference is the initial params (a copy: the current params are donated to every update) until a
         # swap replaces it; without beta there is no reference at all. LoRA's is the base alone (no adapters), or
         # with swaps a frozen copy of the adapters (B = 0: the base exactly), so a swap changes no program.

@@ -71,8 +71,13 @@ def test_bad_values_name_field_value_and_allowed(override, pattern):
 def test_malformed_inputs(tmp_path):
     with pytest.raises(ConfigError, match="not found"):
         load_config(tmp_path / "missing.yaml")
-    with pytest.raises(ConfigError, match="top level must be a mapping"):
+    with pytest.raises(ConfigError, match="the file is a list; a config file must be a mapping of sections"):
         load_config(write(tmp_path, "- a\n- b\n"))
+    with pytest.raises(ConfigError, match=r"c\.yaml: line 3, column 5: invalid YAML: expected ',' or ']', but "
+                                          r"got ':' \(while parsing a flow sequence that starts at line 2, column 9\)"):
+        load_config(write(tmp_path, "model:\n  name: [tiny\ngrpo:\n  beta: 0.1\n"))
+    with pytest.raises(ConfigError, match="the file is a single int value"):
+        load_config(write(tmp_path, "3\n"))
     with pytest.raises(ConfigError, match="section.field=value"):
         load_config(None, ["grpo.beta"])
     with pytest.raises(ConfigError, match="expected a mapping"):

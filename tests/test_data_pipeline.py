@@ -3,6 +3,7 @@
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 
 from jgrpo.config import DataConfig
+from jgrpo.config_errors import DataError
 from jgrpo.data import PromptEncoder, build_prompt_iterator, left_pad, load_examples
 
 SAMPLE = str(Path(__file__).parent / "data" / "gsm8k_sample.jsonl")
@@ -53,13 +55,13 @@ def test_chat_template_with_system_prompt_and_suffix(tokenizer):
                     "number.<|im_end|>\n<|im_start|>assistant\n")
     example = load_examples(_config())[0][0]
     (record,), dropped, truncated = encoder.encode([example])
-    assert (dropped, truncated) == (0, 0)
+    assert (dropped, truncated) == ([], 0)
     assert record["token_ids"] == tokenizer(record["text"], add_special_tokens=False)["input_ids"]
     assert record["token_ids"][0] == tokenizer.convert_tokens_to_ids("<|im_start|>")  # no extra BOS in front
     assert record["reference"]["answer"] == "14"
 
 
-def test_long_prompts_are_dropped_and_counted_or_left_truncated(tokenizer):
+def test_long_prompts_are_dropped_and_counted_or_left_truncated(tokenizer, caplog):
     full = list(_iterator(tokenizer, max_prompt_length=1000, epochs=1, batch_size=1))
     lengths = sorted(len(b.token_ids[0]) for b in full)
     limit = lengths[len(lengths) // 2]
@@ -69,6 +71,12 @@ def test_long_prompts_are_dropped_and_counted_or_left_truncated(tokenizer):
     dropped = _iterator(tokenizer, max_prompt_length=limit, epochs=1, batch_size=1)
     assert dropped.stats["dropped_long_prompts"] == longer and dropped.stats["prompts"] == 20 - longer
     assert all(len(b.token_ids[0]) <= limit for b in dropped)
+    # The warning names the first dropped prompt's file and line, and its length.
+    assert re.search(rf"dropped {longer} of 20 prompts longer than data.max_prompt_length={limit} tokens; the "
+                     r"first: .*gsm8k_sample\.jsonl: line \d+, \d+ tokens", caplog.text)
+    with pytest.raises(DataError, match=r"every prompt of data.source=.* is longer than data.max_prompt_length=8 "
+                                        r"tokens \(the first: .*gsm8k_sample\.jsonl: line 1, \d+ tokens\)"):
+        _iterator(tokenizer, max_prompt_length=8, epochs=1, batch_size=1)
 
     kept = _iterator(tokenizer, max_prompt_length=limit, epochs=1, batch_size=1, truncate_long_prompts=True)
     assert kept.stats["truncated_prompts"] == longer and kept.stats["prompts"] == 20

@@ -1,6 +1,7 @@
 """Reading rows from JSONL, Parquet and save_to_disk directories; formats; bad rows; hub ids offline."""
 
 import json
+import re
 from pathlib import Path
 
 import pyarrow as pa
@@ -103,21 +104,51 @@ def test_bad_row_error_names_file_row_and_field(tmp_path):
         load_examples(DataConfig(source=str(path)))
 
 
-def test_each_kind_of_bad_row_is_reported(tmp_path):
-    base = _rows()[0]
-    cases = [
-        ({"question": ["not", "text"], "answer": "#### 1"}, r"line 2: field 'question' must be a non-empty string"),
-        ({"question": "q", "answer": [1]}, r"line 2: field 'answer' must be a string or a number"),
-        ({"question": "q", "answer": "no marker"}, r"line 2: field 'answer' has no '#### <final answer>'"),
-        ({"question": "q"}, r"line 2: missing field 'answer'"),
-        ("[1, 2]", r"line 2: expected an object"),
-        ('{"question": "broken', r"line 2: invalid JSON"),
-    ]
-    for bad, pattern in cases:
-        path = tmp_path / "one_bad.jsonl"
-        path.write_text(json.dumps(base) + "\n" + (bad if isinstance(bad, str) else json.dumps(bad)) + "\n")
-        with pytest.raises(DataSourceError, match=rf"one_bad\.jsonl: {pattern}"):
-            load_examples(DataConfig(source=str(path), format="gsm8k"))
+BAD_ROWS = [
+    ({"question": ["not", "text"], "answer": "#### 1"}, r"line 2: field 'question' must be a non-empty string"),
+    ({"question": "  ", "answer": "#### 1"}, r"line 2: field 'question' must be a non-empty string"),
+    ({"question": "q", "answer": [1]}, r"line 2: field 'answer' must be a string or a number"),
+    ({"question": "q", "answer": "no marker"}, r"line 2: field 'answer' has no '#### <final answer>'"),
+    ({"question": "q"}, r"line 2: missing field 'answer'"),
+    ("[1, 2]", r"line 2: expected an object"),
+    ('{"question": "broken', r"line 2: invalid JSON"),
+    # Latin-1 bytes from another tool: 0xe9 is the line's 17th byte (offset 16), not UTF-8.
+    (b'{"question": "Qu\xe9 es 2 + 2?", "answer": "#### 4"}', r"line 2: not valid UTF-8 at byte 16 of the line"),
+]
+
+
+def _one_bad(path: Path, bad) -> None:
+    bad = bad if isinstance(bad, bytes) else (bad if isinstance(bad, str) else json.dumps(bad)).encode()
+    path.write_bytes(json.dumps(_rows()[0]).encode() + b"\n" + bad + b"\n" + json.dumps(_rows()[1]).encode() + b"\n")
+
+
+@pytest.mark.parametrize("bad,pattern", BAD_ROWS, ids=[p.split(": ", 1)[1][:24] for _, p in BAD_ROWS])
+def test_each_kind_of_bad_row_is_reported_or_skipped_and_counted(tmp_path, bad, pattern, caplog):
+    path = tmp_path / "one_bad.jsonl"
+    _one_bad(path, bad)
+    with pytest.raises(DataSourceError, match=rf"one_bad\.jsonl: {pattern}.*set data\.skip_bad_rows=true"):
+        load_examples(DataConfig(source=str(path), format="gsm8k"))
+    examples, skipped = load_examples(DataConfig(source=str(path), format="gsm8k", skip_bad_rows=True))
+    assert (len(examples), skipped) == (2, 1)
+    assert [e.reference["answer"] for e in examples] == ["14", "35"]  # the rows after the bad one are still read
+    assert re.search(rf"skipped 1 bad rows of 3; first: .*one_bad\.jsonl: {pattern}", caplog.text)
+
+
+def test_a_file_of_bad_rows_only_is_an_error_that_says_so(tmp_path):
+    path = tmp_path / "all_bad.jsonl"
+    path.write_bytes(b'{"question": "q"}\n\xff\xfe\n[1]\n{"answer": "2"}\n')
+    with pytest.raises(DataSourceError, match=r"all 4 rows are bad, nothing to train on; the first: .*line 1: "
+                                              r"missing field 'answer'.*line 2: not valid UTF-8.*line 3: expected"):
+        load_examples(DataConfig(source=str(path), format="custom", skip_bad_rows=True))
+
+
+def test_a_json_file_holding_one_array_of_rows_is_read(tmp_path):
+    path = tmp_path / "rows.json"
+    path.write_text(json.dumps(_rows()[:3] + [{"question": "q"}], indent=2))
+    examples, skipped = load_examples(DataConfig(source=str(path), skip_bad_rows=True))
+    assert [e.reference["answer"] for e in examples] == ["14", "35", "210"] and skipped == 1
+    with pytest.raises(DataSourceError, match=r"rows\.json: item 3: missing field 'answer'"):
+        load_examples(DataConfig(source=str(path)))
 
 
 def test_bad_parquet_row_names_file_row_and_field(tmp_path):

@@ -41,6 +41,17 @@ def flaky(prompt, completion, reference):
     return 1.0
 
 
+RETURNS = {  # completion -> what `typed` returns; None of the non-numbers may count as a reward
+    "str": "0.5", "none": None, "nan": float("nan"), "inf": float("inf"), "list": [1.0], "vector": np.ones(1),
+    "complex": 1j, "dict": {"value": 1.0},
+    "true": True, "false": False, "np32": np.float32(0.25), "int": 3, "zero_d": np.array(0.75),
+}
+
+
+def typed(prompt, completion, reference):
+    return RETURNS[completion]
+
+
 def _alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -98,7 +109,7 @@ def test_failing_hanging_spinning_and_crashing_rewards_are_contained(caplog):
         scorer.score(["warm-up"], ["1"], [{"answer": "1"}])  # workers started and ready
         pids_before = set(scorer._pool.pids)
         start = time.monotonic()
-        with caplog.at_level(logging.WARNING, logger="jgrpo.rewards"):
+        with caplog.at_level(logging.INFO, logger="jgrpo.rewards"):
             result = scorer.score(["q"], completions, [{"answer": "42"}])
         elapsed = time.monotonic() - start
         name = f"{__name__}:flaky"
@@ -174,3 +185,26 @@ def test_workers_that_cannot_start_give_a_clear_error():
         pool.run([("no_such_module_xyz:fn", "p", "c", {})])
     with pytest.raises(RuntimeError, match="closed"):
         pool.run([])
+
+
+def test_reward_values_must_be_real_numbers_and_each_kind_of_failure_is_logged_once(caplog):
+    """docs/guide.md: a value that is not a finite real number scores 0 and is counted as a failure."""
+    name = f"{__name__}:typed"
+    completions = list(RETURNS)
+    with RewardScorer(RewardConfig(functions=(name,), num_workers=1)) as scorer:
+        with caplog.at_level(logging.WARNING, logger="jgrpo.rewards"):
+            first = scorer.score(["q"], completions, [{}])
+            second = scorer.score(["q"], completions, [{}])
+    expected = [0, 0, 0, 0, 0, 0, 0, 0, 1.0, 0.0, 0.25, 3.0, 0.75]  # bool counts (True = 1), '0.5' does not
+    for result in (first, second):
+        np.testing.assert_array_equal(result.per_function[name], np.asarray(expected, np.float32))
+        assert result.failures[name] == 8 and result.metrics()[f"reward/{name}/failures"] == 8.0
+    kinds = {"not a number (str): returned '0.5'": "'str'", "not a number (NoneType)": "'none'",
+             "not finite (nan)": "'nan'", "not finite (inf)": "'inf'", "not a number (list)": "'list'",
+             "not a number (ndarray of shape (1,))": "'vector'", "not a number (complex)": "'complex'",
+             "not a number (dict)": "'dict'"}
+    messages = [r.getMessage() for r in caplog.records]
+    for kind, completion in kinds.items():
+        logged = [m for m in messages if kind in m]
+        assert len(logged) == 1, (kind, logged)  # once, though two batches had it
+        assert logged[0].endswith(f"The completion: {completion}")

@@ -17,6 +17,7 @@ import statistics
 import sys
 from pathlib import Path
 
+from jgrpo.config_errors import exits_on_user_error  # noqa: E402
 from jgrpo.metrics import read_metrics
 from jgrpo.plot import plot_runs, with_training_time
 
@@ -46,6 +47,7 @@ def summarise(records: list[dict]) -> dict:
     return out
 
 
+@exits_on_user_error
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out_dir", nargs="?", default="runs/arithmetic", type=Path)

@@ -24,6 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from run import ITERATIONS, RESULTS, RUNS  # noqa: E402  (the study's own list of configurations)
 
+from jgrpo.config_errors import exits_on_user_error  # noqa: E402
 from jgrpo.metrics import read_metrics  # noqa: E402
 from jgrpo.plot import with_training_time  # noqa: E402
 
@@ -156,6 +157,7 @@ def figures(table: dict[str, list[dict]], docs: Path) -> list[Path]:
     return written
 
 
+@exits_on_user_error
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--results", default=RESULTS, type=Path)

@@ -25,6 +25,8 @@ import threading
 import time
 from pathlib import Path
 
+from jgrpo.config_errors import exits_on_user_error  # noqa: E402
+
 HERE = Path(__file__).resolve().parent
 BASE = HERE / "base.yaml"
 
@@ -70,6 +72,7 @@ def pinned(cmd: list[str], core: int | None) -> tuple[list[str], dict]:
     return ["taskset", "-c", str(core), *cmd], env
 
 
+@exits_on_user_error
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="runs/offpolicy", type=Path)

@@ -28,6 +28,8 @@ _FORMAT_COLUMNS = {"gsm8k": ("question", "answer"), "math": ("problem", "answer"
 class Example:
     question: str
     reference: dict  # always has "answer"; plus the row's other columns
+    # "path: line 7" for rows of a file, so a report of a dropped prompt can name it; not part of its identity
+    where: str = dataclasses.field(default="", compare=False)
 
 
 def detect_format(first_row: object) -> str:
@@ -78,7 +80,7 @@ def _to_example(row: RawRow, fmt: str, q_col: str, a_col: str) -> Example:
         reference["solution"] = answer
         answer = final
     reference["answer"] = answer if isinstance(answer, str) else str(answer)
-    return Example(question, reference)
+    return Example(question, reference, row.where)
 
 
 def rows_to_examples(rows: list[RawRow], config: DataConfig) -> tuple[list[Example], int]:
@@ -101,5 +103,6 @@ def rows_to_examples(rows: list[RawRow], config: DataConfig) -> tuple[list[Examp
     if skipped:
         log.warning("skipped %d bad rows of %d; first: %s", len(skipped), len(rows), skipped[0])
     if not examples:
-        raise DataSourceError(f"data.source={config.source!r}: every row is bad; first: {skipped[0]}")
+        raise DataSourceError(f"data.source={config.source!r}: all {len(rows)} rows are bad, nothing to train on; "
+                              f"the first: {'; '.join(skipped[:3])}")
     return examples, len(skipped)

@@ -18,6 +18,7 @@ import grain
 import numpy as np
 
 from jgrpo.config import Config, DataConfig
+from jgrpo.config_errors import ConfigError, DataError
 from jgrpo.data.formats import Example, rows_to_examples
 from jgrpo.data.prompts import PromptEncoder
 from jgrpo.data.sources import read_rows
@@ -50,13 +51,14 @@ class PromptIterator:
                  drop_remainder: bool = True, process_index: int = 0, process_count: int = 1,
                  stats: dict | None = None):
         if batch_size % process_count:
-            raise ValueError(f"data.batch_size={batch_size} must be divisible by the {process_count} processes")
+            raise ConfigError(f"data.batch_size={batch_size} must be divisible by the {process_count} processes")
         if not 0 <= process_index < process_count:
             raise ValueError(f"process_index={process_index} is not in [0, {process_count})")
         n = len(records)
         self.batches_per_epoch = n // batch_size if drop_remainder else math.ceil(n / batch_size)
         if self.batches_per_epoch == 0:
-            raise ValueError(f"only {n} prompts, fewer than one batch of data.batch_size={batch_size}")
+            raise DataError(f"only {n} prompts, fewer than one batch of data.batch_size={batch_size}: lower "
+                            "data.batch_size or give more data")
         self.batch_size, self.process_index, self.process_count = batch_size, process_index, process_count
         self.stats = dict(stats or {}, prompts=n, batches_per_epoch=self.batches_per_epoch, epochs=epochs)
         self._fingerprint = {
@@ -98,12 +100,17 @@ class PromptIterator:
 
     def set_state(self, state: dict) -> None:
         """Continue from a `get_state()` result; refuses a state that belongs to other data or settings."""
+        self.check_state(state)
+        self._iter.set_state(state["grain"])
+
+    def check_state(self, state: dict) -> None:
+        """Refuse (DataError, naming what differs) a `get_state()` result of other data or settings."""
         theirs = state.get("fingerprint", {})
         differ = sorted(k for k in self._fingerprint if theirs.get(k) != self._fingerprint[k])
         if differ:
             detail = ", ".join(f"{k}: saved {theirs.get(k)!r} vs now {self._fingerprint[k]!r}" for k in differ)
-            raise ValueError(f"data iterator state does not match this data pipeline ({detail})")
-        self._iter.set_state(state["grain"])
+            raise DataError(f"the run directory's checkpoint was written with other data or data settings ({detail}):"
+                            " resume with the same data.* settings, or choose a new run.output_dir")
 
 
 def load_examples(data: DataConfig, split: str | None = None) -> tuple[list[Example], int]:
@@ -138,10 +145,15 @@ def build_prompt_iterator(config: Config | DataConfig, tokenizer, *, split: str 
     encoder = PromptEncoder(tokenizer, max_length=data.max_prompt_length, system_prompt=data.system_prompt,
                             instruction_suffix=data.instruction_suffix, truncate=data.truncate_long_prompts)
     records, dropped, truncated = encoder.encode(examples)
+    limit = f"data.max_prompt_length={data.max_prompt_length} tokens"
+    if dropped and not records:
+        raise DataError(f"every prompt of data.source={data.source!r} ({split or data.split} split) is longer than "
+                        f"{limit} (the first: {dropped[0]}); raise data.max_prompt_length or set "
+                        "data.truncate_long_prompts=true")
     if dropped:
-        log.warning("dropped %d of %d prompts longer than data.max_prompt_length=%d",
-                    dropped, len(examples), data.max_prompt_length)
-    stats = {"skipped_bad_rows": skipped, "dropped_long_prompts": dropped, "truncated_prompts": truncated}
+        log.warning("dropped %d of %d prompts longer than %s; the first: %s", len(dropped), len(examples), limit,
+                    dropped[0])
+    stats = {"skipped_bad_rows": skipped, "dropped_long_prompts": len(dropped), "truncated_prompts": truncated}
     return PromptIterator(records, batch_size=data.batch_size, seed=data.shuffle_seed,
                           epochs=data.epochs if epochs is None else epochs, shuffle=shuffle,
                           drop_remainder=drop_remainder, process_index=process_index,

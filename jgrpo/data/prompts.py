@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from jgrpo.config_errors import DataError
 from jgrpo.data.formats import Example
 
 
@@ -35,16 +36,17 @@ class PromptEncoder:
     def render(self, question: str) -> str:
         return chat_prompt_text(self.tokenizer, question + self.instruction_suffix, self.system_prompt)
 
-    def encode(self, examples: Sequence[Example]) -> tuple[list[dict], int, int]:
-        """(records, dropped, truncated): one record {question, text, token_ids, reference} per kept example."""
+    def encode(self, examples: Sequence[Example]) -> tuple[list[dict], list[str], int]:
+        """(records, dropped, truncated): one record {question, text, token_ids, reference} per kept example,
+        where each dropped prompt came from ("path: line 7, 300 tokens") and how many were truncated."""
         texts = [self.render(ex.question) for ex in examples]
         # The template already wrote the special tokens (BOS, turn markers); do not add them a second time.
         all_ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
-        records, dropped, truncated = [], 0, 0
+        records, dropped, truncated = [], [], 0
         for ex, text, ids in zip(examples, texts, all_ids, strict=True):
             if len(ids) > self.max_length:
                 if not self.truncate:
-                    dropped += 1
+                    dropped.append(f"{ex.where or repr(ex.question[:40])}, {len(ids)} tokens")
                     continue
                 ids = ids[-self.max_length :]
                 text = self.tokenizer.decode(ids)
@@ -57,7 +59,7 @@ class PromptEncoder:
 def _require_chat_template(tokenizer) -> None:
     if not getattr(tokenizer, "chat_template", None):
         name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
-        raise ValueError(f"the tokenizer of {name} has no chat template; jgrpo builds every prompt with the "
+        raise DataError(f"the tokenizer of {name} has no chat template; jgrpo builds every prompt with the "
                          "model's chat template (use an instruct/chat model, or set tokenizer.chat_template)")
 
 
@@ -107,11 +109,11 @@ def left_pad(token_ids: Sequence[Sequence[int]], *, pad_id: int, bucket: int = 1
     rows = [list(ids) for ids in token_ids]
     for i, row in enumerate(rows):
         if not row:
-            raise ValueError(f"prompt {i} is empty")
+            raise DataError(f"prompt {i} is empty")
         if max_length is not None and len(row) > max_length:
             if not truncate:
-                raise ValueError(f"prompt {i} has {len(row)} tokens, more than max_prompt_length={max_length} "
-                                 "(shorten it, raise the limit, or enable left truncation)")
+                raise DataError(f"prompt {i} has {len(row)} tokens, more than max_prompt_length={max_length} "
+                                "(shorten it, raise the limit, or enable left truncation)")
             rows[i] = row[-max_length:]
     longest = max(len(row) for row in rows)
     width = bucketed_length(longest, bucket) if length is None else length

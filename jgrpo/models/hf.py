@@ -20,7 +20,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from jgrpo.mesh import TRAIN_RULES, Rules, logical_to_spec
-from jgrpo.models.builtin import resolve_model_dir
+from jgrpo.models.builtin import ModelNotFound, resolve_model_dir
 from jgrpo.models.hf_format import export_hf, hf_config_from_llm, llm_config_from_hf, tensor_layouts
 from jgrpo.models.llm import LOGICAL_AXES, LLMConfig, abstract_model, param_shapes_by_path, position_ids_from_mask
 from jgrpo.models.lora import init_adapter, join_adapters, lora_shapes_by_path, with_lora
@@ -55,7 +55,7 @@ class _Checkpoint:
             with safe_open(model_dir / "model.safetensors", framework="np") as f:
                 weight_map = {name: "model.safetensors" for name in f.keys()}  # noqa: SIM118
         else:
-            raise FileNotFoundError(f"{model_dir} has neither model.safetensors nor model.safetensors.index.json")
+            raise ModelNotFound(f"{model_dir} has neither model.safetensors nor model.safetensors.index.json")
         self._files = {file: safe_open(model_dir / file, framework="np") for file in set(weight_map.values())}
         self._weight_map = weight_map
 
@@ -157,7 +157,7 @@ def load_model(
     model_dir = resolve_model_dir(name_or_path)
     config_file = model_dir / "config.json"
     if not config_file.exists():
-        raise FileNotFoundError(f"{model_dir} has no config.json")
+        raise ModelNotFound(f"{model_dir} has no config.json: not a Hugging Face model directory")
     cfg = llm_config_from_hf(
         json.loads(config_file.read_text()), param_dtype=param_dtype, compute_dtype=compute_dtype, remat=remat,
         attention=attention,
@@ -190,5 +190,5 @@ def load_tokenizer(name_or_path: str):
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
     except Exception as e:  # noqa: BLE001 - re-raised with the directory named
-        raise FileNotFoundError(f"no usable tokenizer in {model_dir}: {e}") from e
+        raise ModelNotFound(f"no usable tokenizer in {model_dir}: {e}") from e
     return tokenizer

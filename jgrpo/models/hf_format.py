@@ -16,6 +16,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jgrpo.config_errors import ConfigError
 from jgrpo.models.llm import SUPPORTED_ARCHITECTURES, SUPPORTED_ROPE_TYPES, LLMConfig, param_shapes_by_path
 
 __all__ = ["TensorLayout", "export_hf", "hf_config_from_llm", "llm_config_from_hf", "tensor_layouts"]
@@ -30,28 +31,28 @@ def llm_config_from_hf(
     """LLMConfig from a config.json dict, honouring every field that changes the computation."""
     arch = hf.get("model_type")
     if arch not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(
-            f"unsupported architecture model_type='{arch}' (architectures={hf.get('architectures')}); "
+        raise ConfigError(
+            f"model.name: unsupported architecture model_type='{arch}' (architectures={hf.get('architectures')}); "
             f"supported: {SUPPORTED_ARCHITECTURES}"
         )
     if hf.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"unsupported hidden_act '{hf['hidden_act']}' (only silu / SwiGLU)")
+        raise ConfigError(f"model.name: unsupported hidden_act '{hf['hidden_act']}' (only silu / SwiGLU)")
     if hf.get("mlp_bias"):
-        raise ValueError("unsupported mlp_bias=True")
+        raise ConfigError("model.name: unsupported mlp_bias=True")
     if hf.get("use_sliding_window"):
-        raise ValueError("unsupported use_sliding_window=True (sliding-window attention)")
+        raise ConfigError("model.name: unsupported use_sliding_window=True (sliding-window attention)")
     layer_types = set(hf.get("layer_types") or ["full_attention"])
     if layer_types != {"full_attention"}:
-        raise ValueError(f"unsupported layer_types {sorted(layer_types)} (only full_attention)")
+        raise ConfigError(f"model.name: unsupported layer_types {sorted(layer_types)} (only full_attention)")
 
     # transformers 5 writes `rope_parameters` (theta inside); older files `rope_theta` + `rope_scaling`.
     rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
     theta = float(rope.pop("rope_theta", hf.get("rope_theta", 10000.0)))
     rope_type = rope.pop("rope_type", rope.pop("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(f"unsupported rope type '{rope_type}'; supported: {SUPPORTED_ROPE_TYPES}")
+        raise ConfigError(f"model.name: unsupported rope type '{rope_type}'; supported: {SUPPORTED_ROPE_TYPES}")
     if float(rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))) != 1.0:
-        raise ValueError("unsupported partial_rotary_factor != 1")
+        raise ConfigError("model.name: unsupported partial_rotary_factor != 1")
     rope.pop("partial_rotary_factor", None)
     rope_scaling = None if rope_type == "default" else tuple(sorted({**rope, "rope_type": rope_type}.items()))
 

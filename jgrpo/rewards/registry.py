@@ -11,6 +11,8 @@ import difflib
 import importlib
 from collections.abc import Callable
 
+from jgrpo.config_errors import RewardSetupError
+
 RewardFn = Callable[[str, str, dict], float]
 
 _REGISTRY: dict[str, RewardFn] = {}
@@ -23,7 +25,7 @@ def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
     def decorate(fn: RewardFn) -> RewardFn:
         existing = _REGISTRY.get(name)
         if existing is not None and reward_path(existing) != reward_path(fn):
-            raise ValueError(f"reward name {name!r} is already registered to {reward_path(existing)}")
+            raise RewardSetupError(f"reward name {name!r} is already registered to {reward_path(existing)}")
         _REGISTRY[name] = fn
         return fn
 
@@ -47,20 +49,25 @@ def get_reward(name: str) -> RewardFn:
         try:
             obj = importlib.import_module(module_name)
         except ImportError as e:
-            raise ValueError(f"reward {name!r}: cannot import module {module_name!r}: {e}") from None
+            raise RewardSetupError(f"reward.functions: cannot import the module of {name!r} ({e}); the module must "
+                                   "be importable from the directory you run in (or on PYTHONPATH)") from None
+        except Exception as e:  # noqa: BLE001 - the module itself fails while importing: the user's code
+            raise RewardSetupError(f"reward.functions: importing module {module_name!r} for reward {name!r} "
+                                   f"raised {type(e).__name__}: {e}") from None
         for part in attr.split("."):
             if not hasattr(obj, part):
-                raise ValueError(f"reward {name!r}: module {module_name!r} has no attribute {attr!r}")
+                raise RewardSetupError(f"reward.functions: module {module_name!r} has no attribute {attr!r} "
+                                       f"(reward {name!r})")
             obj = getattr(obj, part)
         if not callable(obj):
-            raise ValueError(f"reward {name!r} is not callable")
+            raise RewardSetupError(f"reward.functions: {name!r} is not callable")
         return obj
     _load_builtins()
     if name not in _REGISTRY:
         close = difflib.get_close_matches(name, _REGISTRY, n=3, cutoff=0.5)
         hint = f"did you mean {', '.join(close)}? " if close else ""
-        raise ValueError(f"unknown reward function {name!r}; {hint}available: {', '.join(sorted(_REGISTRY))} "
-                         "or a 'package.module:function' path")
+        raise RewardSetupError(f"reward.functions: unknown reward function {name!r}; {hint}available: "
+                               f"{', '.join(sorted(_REGISTRY))}, or a 'package.module:function' path")
     return _REGISTRY[name]
 
 
@@ -68,8 +75,8 @@ def reward_path(fn: RewardFn) -> str:
     """The "module:qualname" a worker process imports to get `fn`."""
     module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)
     if not module or not qualname or "<" in qualname:
-        raise ValueError(f"reward function {fn!r} must be a module-level function (workers import it by name)")
+        raise RewardSetupError(f"reward function {fn!r} must be a module-level function (workers import it by name)")
     if module == "__main__":
-        raise ValueError(f"reward function {qualname!r} is defined in __main__; reward workers cannot import it, "
+        raise RewardSetupError(f"reward function {qualname!r} is defined in __main__; reward workers cannot import it, "
                          "move it to an importable module")
     return f"{module}:{qualname}"

@@ -1,7 +1,8 @@
 """Score a batch of completions with the weighted reward functions of a RewardConfig.
 
 A call that raises, returns something that is not a finite number, crashes its worker, or runs past
-`reward.timeout_s` scores 0 for that sample; it is counted per function and logged, and training goes on.
+`reward.timeout_s` scores 0 for that sample; it is counted per function (`reward/<name>/failures`), each kind of
+failure is logged once with the completion that caused it, and training goes on.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jgrpo.config import RewardConfig
+from jgrpo.config import ConfigError, RewardConfig
 from jgrpo.rewards.pool import RewardWorkerPool
 from jgrpo.rewards.registry import get_reward, reward_path
 
@@ -47,7 +48,7 @@ class RewardScorer:
 
     def __init__(self, config: RewardConfig):
         if len(set(config.functions)) != len(config.functions):
-            raise ValueError(f"reward.functions={config.functions!r} lists a function twice")
+            raise ConfigError(f"reward.functions={config.functions!r} lists a function twice")
         self.names = list(config.functions)
         self.weights = np.asarray(config.weights, np.float32)
         self._paths = [reward_path(get_reward(name)) for name in self.names]
@@ -56,6 +57,7 @@ class RewardScorer:
         # One call at a time: async rollouts score in their producer thread while the evaluator scores in the
         # trainer's, and the pool's workers answer one request at a time.
         self._lock = threading.Lock()
+        self._reported: set[tuple[str, str]] = set()  # (function, kind of failure) already logged with an example
 
     def close(self) -> None:
         self._pool.close()
@@ -89,10 +91,23 @@ class RewardScorer:
             failed = [o for o in chunk if o.status != "ok"]
             failures[name] = len(failed)
             timeouts[name] = sum(o.status == "timeout" for o in failed)
+            for i, o in enumerate(chunk):
+                self._report_first_of_kind(name, o, completions[i])
             if failed:
-                log.warning("reward %r gave 0 to %d of %d samples (%d timed out after %g s); first: %s: %s",
+                log.info("reward %r gave 0 to %d of %d samples (%d timed out after %g s); first: %s: %s",
                             name, len(failed), n, timeouts[name], self._pool.timeout_s,
                             failed[0].status, failed[0].message)
         total = sum((w * per_function[name] for w, name in zip(self.weights, self.names, strict=True)),
                     np.zeros(n, np.float32))
         return RewardResult(total.astype(np.float32), per_function, failures, timeouts)
+
+    def _report_first_of_kind(self, name: str, outcome, completion: str) -> None:
+        """Log each kind of failure of each function once, with the completion that caused it."""
+        if outcome.status == "ok":
+            return
+        kind = outcome.message.split(":", 1)[0] if outcome.status == "error" else outcome.status
+        if (name, kind) in self._reported:
+            return
+        self._reported.add((name, kind))
+        log.warning("reward %r: %s; such calls score 0 and are counted in reward/%s/failures (each kind is logged "
+                    "once). The completion: %r", name, outcome.message, name, completion[:300])
