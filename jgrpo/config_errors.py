@@ -13,7 +13,6 @@ from __future__ import annotations
 import functools
 import os
 import sys
-import textwrap
 from collections.abc import Callable
 from typing import Any
 
@@ -45,12 +44,6 @@ def check(cond: bool, field: str, value: Any, allowed: str) -> None:
         raise ConfigError(f"{field}={value!r} is not allowed: {allowed}")
 
 
-def user_error_paragraph(error: UserError, width: int = 110) -> str:
-    """`error: <message>`, wrapped at spaces only (paths and keys stay whole), continuation lines indented."""
-    return textwrap.fill(f"error: {error}", width=width, subsequent_indent="  ", break_long_words=False,
-                         break_on_hyphens=False)
-
-
 def exits_on_user_error(main: Callable[..., int]) -> Callable[..., int]:
     """Wrap an entrypoint's `main`: a UserError becomes one paragraph on stderr and exit status 2."""
 
@@ -61,7 +54,8 @@ def exits_on_user_error(main: Callable[..., int]) -> Callable[..., int]:
         except UserError as e:
             if os.environ.get("JGRPO_DEBUG", "") not in ("", "0"):
                 raise
-            print(user_error_paragraph(e), file=sys.stderr, flush=True)
+            # One line, unwrapped: the terminal wraps it, and a grep for a path or a key still finds it whole.
+            print(f"error: {e}", file=sys.stderr, flush=True)
             return EXIT_USER_ERROR
 
     return wrapper

@@ -47,7 +47,7 @@ CASES = [
     ("unknown_reward", "train", ["configs/tiny.yaml", "reward.functions=[exact_numerik]", NO_MODEL],
      r"unknown reward function 'exact_numerik'; did you mean exact_numeric"),
     ("reward_module_missing", "train", ["configs/tiny.yaml", "reward.functions=[no_such_module:score]", NO_MODEL],
-     r"cannot import the module of 'no_such_module:score'"),
+     r"cannot import module 'no_such_module' of reward 'no_such_module:score'"),
     ("data_file_missing", "train", ["configs/tiny.yaml", "data.source={tmp}/missing.jsonl", NO_MODEL],
      r"data\.source='.*missing\.jsonl': no such file or directory"),
     ("temperature_zero", "train", ["configs/tiny.yaml", "sampler.temperature=0", NO_MODEL],

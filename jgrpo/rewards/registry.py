@@ -49,8 +49,8 @@ def get_reward(name: str) -> RewardFn:
         try:
             obj = importlib.import_module(module_name)
         except ImportError as e:
-            raise RewardSetupError(f"reward.functions: cannot import the module of {name!r} ({e}); the module must "
-                                   "be importable from the directory you run in (or on PYTHONPATH)") from None
+            raise RewardSetupError(f"reward.functions: cannot import module {module_name!r} of reward {name!r} ({e}); "
+                                   "it must be importable from the directory you run in (or on PYTHONPATH)") from None
         except Exception as e:  # noqa: BLE001 - the module itself fails while importing: the user's code
             raise RewardSetupError(f"reward.functions: importing module {module_name!r} for reward {name!r} "
                                    f"raised {type(e).__name__}: {e}") from None
