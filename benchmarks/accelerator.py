@@ -36,11 +36,11 @@ sys.path.insert(1, str(Path(__file__).parent.parent))  # jgrpo from this checkou
 from iteration import bench_jgrpo as bench_iteration  # noqa: E402 - benchmarks/ modules import nothing heavy
 from train_step import jgrpo_step_setup, synthetic_batch  # noqa: E402
 
-from jgrpo.config_errors import exits_on_user_error  # noqa: E402
-from jgrpo.roofline import CHIPS  # noqa: E402 - no jax import
+from jgrpo.config.errors import exits_on_user_error  # noqa: E402
+from jgrpo.planning.roofline import CHIPS  # noqa: E402 - no jax import
 
 # Published dense bf16 FLOP/s and HBM bytes/s by device kind (a substring of jax's device_kind): NVIDIA's data
-# sheets (SXM parts), and the TPU chips of jgrpo.roofline.
+# sheets (SXM parts), and the TPU chips of jgrpo.planning.roofline.
 SPECS = {"H200": (989e12, 4.8e12), "H100": (989e12, 3.35e12), "A100": (312e12, 2.0e12),
          **{kind: (CHIPS[chip].bf16_tflops * 1e12, CHIPS[chip].hbm_gbps * 1e9) for kind, chip in
             (("TPU v5 lite", "v5e"), ("TPU v5p", "v5p"), ("TPU v6", "v6e"), ("TPU v4", "v4"))}}
@@ -96,7 +96,7 @@ def train(peak: float, model: str, dry: bool) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from jgrpo.roofline import iteration_model_flops
+    from jgrpo.planning.roofline import iteration_model_flops
 
     if model == "smollm2":
         from jgrpo.models.hf import load_model
@@ -129,10 +129,10 @@ def sampler(rows: int, hbm_bytes_per_s: float, dry: bool) -> dict:
     import jax.numpy as jnp
 
     from jgrpo.config import SamplerConfig
-    from jgrpo.mesh import param_copier
     from jgrpo.models.decode import resolve_decode_layers
-    from jgrpo.sampler import decode_options, generate
-    from jgrpo.sampling_methods import SamplingMethod
+    from jgrpo.parallel.mesh import param_copier
+    from jgrpo.sampling.methods import SamplingMethod
+    from jgrpo.sampling.sampler import decode_options, generate
 
     platform = jax.devices()[0].platform
     graphdef, params, cfg = random_model(QWEN, dry)

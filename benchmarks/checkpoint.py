@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jgrpo  # noqa: E402, F401 - first: it keeps jax on the CPU quietly where libtpu has no TPU
-from jgrpo.config_errors import exits_on_user_error  # noqa: E402
+from jgrpo.config.errors import exits_on_user_error  # noqa: E402
 
 
 def _cpu_seconds() -> float:
@@ -38,10 +38,10 @@ def _state(behaviour: bool):
     import jax.numpy as jnp
     import optax
 
-    from jgrpo.checkpoint import RunCounters, TrainState
     from jgrpo.models.builtin import resolve_model_dir
     from jgrpo.models.hf_format import llm_config_from_hf
     from jgrpo.models.llm import abstract_model
+    from jgrpo.training.checkpoint import RunCounters, TrainState
 
     cfg = llm_config_from_hf(json.loads((resolve_model_dir("smollm2-135m-instruct") / "config.json").read_text()))
     _, abstract = abstract_model(cfg)
@@ -60,8 +60,8 @@ def _state(behaviour: bool):
 
 
 def _measure(state, compress: bool) -> dict:
-    from jgrpo.checkpoint import Checkpointer
     from jgrpo.config import CheckpointConfig
+    from jgrpo.training.checkpoint import Checkpointer
 
     with tempfile.TemporaryDirectory() as run_dir:
         ckpt = Checkpointer(run_dir, CheckpointConfig(compress=compress, keep=1))

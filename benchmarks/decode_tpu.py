@@ -23,12 +23,12 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from jgrpo.abstract_run import lower_iteration, per_chip_bytes  # noqa: E402 - settles JAX_PLATFORMS first
-from jgrpo.config_errors import exits_on_user_error  # noqa: E402
-from jgrpo.config_loading import load_config  # noqa: E402
+from jgrpo.config.errors import exits_on_user_error  # noqa: E402
+from jgrpo.config.loading import load_config  # noqa: E402
 from jgrpo.data import bucketed_length  # noqa: E402
 from jgrpo.plan import GIB, topology_devices  # noqa: E402
-from jgrpo.planning import compile_program  # noqa: E402
+from jgrpo.planning.abstract_run import lower_iteration, per_chip_bytes  # noqa: E402
+from jgrpo.planning.fit import compile_program  # noqa: E402
 
 RUNS = ("configs/paper_gsm8k_qwen05b_on_policy.yaml@v5e:2x4",
         "configs/paper_deepscaler_r1distill15b_on_policy.yaml@v5p:2x2x2")
@@ -68,8 +68,8 @@ def measure_draws(topology: str = "v5e:2x2", vocab: int = 151936, rows=(16, 256)
     import jax.numpy as jnp
     from jax.sharding import SingleDeviceSharding
 
-    from jgrpo.hlo_cost import HloCost
-    from jgrpo.sampling_methods import DRAWS, SamplingMethod
+    from jgrpo.planning.hlo_cost import HloCost
+    from jgrpo.sampling.methods import DRAWS, SamplingMethod
 
     device = topology_devices(topology)[0][0]
     results = []

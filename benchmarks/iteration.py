@@ -33,14 +33,14 @@ from hardware import usable_cores  # noqa: E402
 from sampler import MESSAGES, TUNIX_CONFIG_FROM_HF, ensure_tunix_venv  # noqa: E402
 from train_step import add_batch_arguments  # noqa: E402 - the sampler benchmark owns the Tunix virtualenv
 
-from jgrpo.config_errors import exits_on_user_error  # noqa: E402
+from jgrpo.config.errors import exits_on_user_error  # noqa: E402
 
 PHASES = ("sample", "reward", "logprobs", "update", "weight_sync", "checkpoint")
 
 
 def bench_jgrpo(args, refresh: int, iterations: int, run_dir: Path) -> dict:
-    from jgrpo.config_loading import load_config
-    from jgrpo.trainer import Trainer
+    from jgrpo.config.loading import load_config
+    from jgrpo.training.trainer import Trainer
 
     overrides = [
         f"model.name={args.model}", f"model.param_dtype={args.dtype}", f"model.compute_dtype={args.dtype}",

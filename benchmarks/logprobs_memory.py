@@ -1,4 +1,4 @@
-"""Peak memory of per-token log-probs + entropy, forward and backward: chunked (jgrpo.logprobs) vs full logits.
+"""Peak memory of per-token log-probs + entropy, forward and backward: chunked (jgrpo.rl.logprobs) vs full logits.
 
 Memory is read from XLA's compiled memory analysis (`jit(...).lower(...).compile().memory_analysis()`),
 which is deterministic and needs no run: temp = intermediate buffers; peak = arguments + outputs +
@@ -20,8 +20,8 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from jgrpo.config_errors import exits_on_user_error  # noqa: E402
-from jgrpo.logprobs import token_logprobs
+from jgrpo.config.errors import exits_on_user_error  # noqa: E402
+from jgrpo.rl.logprobs import token_logprobs
 
 
 def naive_token_logprobs(hidden, unembedding, targets):

@@ -28,7 +28,7 @@ import jgrpo  # noqa: F401 - first: it keeps jax on the CPU quietly where libtpu
 sys.path.insert(0, str(Path(__file__).parent))
 from sampler import MODEL, PROMPT_WIDTH, prompts  # noqa: E402
 
-from jgrpo.config_errors import exits_on_user_error  # noqa: E402
+from jgrpo.config.errors import exits_on_user_error  # noqa: E402
 
 
 def _timed(fn, repeats: int) -> float:
@@ -57,7 +57,7 @@ def main() -> None:
     from jgrpo.models.hf import load_model, load_tokenizer
     from jgrpo.models.llm import abstract_model
     from jgrpo.models.lora import LORA_TARGETS, merge_adapters, split_adapters, without_lora
-    from jgrpo.sampler import SamplingMethod, generate
+    from jgrpo.sampling.sampler import SamplingMethod, generate
 
     tokenizer = load_tokenizer(MODEL)
     graphdef, params, cfg = load_model(MODEL, lora=(args.rank, 2.0 * args.rank, LORA_TARGETS))

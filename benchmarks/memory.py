@@ -32,7 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from train_step import add_batch_arguments, build_model, jgrpo_step_setup, synthetic_batch  # noqa: E402
 
-from jgrpo.config_errors import exits_on_user_error  # noqa: E402
+from jgrpo.config.errors import exits_on_user_error  # noqa: E402
 
 MiB = 2**20
 

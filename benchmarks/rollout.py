@@ -45,7 +45,7 @@ from pathlib import Path
 import numpy as np
 from hardware import usable_cores  # benchmarks/ is on sys.path when run as a script
 
-from jgrpo.config_errors import exits_on_user_error  # noqa: E402
+from jgrpo.config.errors import exits_on_user_error  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
 QUESTIONS = Path(__file__).resolve().parent.parent / "tests" / "data" / "gsm8k_sample.jsonl"
@@ -84,7 +84,7 @@ def runner(mode: str, *, task: str, prompts: int, samples: int, slots: int, new:
     import jax
 
     from jgrpo.data.prompts import pad_id_for
-    from jgrpo.sampler import SamplingMethod, generate, stop_ids_for
+    from jgrpo.sampling.sampler import SamplingMethod, generate, stop_ids_for
 
     tokenizer, graphdef, params = _model()
     tokens, mask = _prompts(tokenizer, task, prompts)

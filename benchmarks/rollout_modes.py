@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(1, str(Path(__file__).parent.parent))  # this checkout's jgrpo, installed or not (children too)
 from hardware import usable_cores  # noqa: E402
 
-from jgrpo.config_errors import exits_on_user_error  # noqa: E402
+from jgrpo.config.errors import exits_on_user_error  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 MODES = ("sync", "window", "async")
@@ -54,8 +54,8 @@ def overrides(args, mode: str, rollout_devices: int, run_dir: str) -> list[str]:
 
 def child(args) -> None:
     """One configuration in this process: train, then print the warm iterations' figures as JSON."""
-    from jgrpo.config_loading import load_config
-    from jgrpo.trainer import Trainer
+    from jgrpo.config.loading import load_config
+    from jgrpo.training.trainer import Trainer
 
     with tempfile.TemporaryDirectory() as run_dir:
         config = load_config(str(ROOT / "configs/quickstart.yaml"),

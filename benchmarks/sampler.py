@@ -32,7 +32,7 @@ from pathlib import Path
 
 from hardware import matmul_peak_flops, usable_cores  # benchmarks/ is on sys.path when run as a script
 
-from jgrpo.config_errors import exits_on_user_error  # noqa: E402
+from jgrpo.config.errors import exits_on_user_error  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
 MESSAGES = [
@@ -79,7 +79,7 @@ def bench_jgrpo(rows: int, new: int, seed: int = 0) -> float:
     import jax
 
     from jgrpo.data.prompts import left_pad, pad_id_for
-    from jgrpo.sampler import SamplingMethod, generate
+    from jgrpo.sampling.sampler import SamplingMethod, generate
 
     tokenizer, graphdef, params, _ = _jgrpo_model()
     tokens, mask = left_pad(prompts(tokenizer, rows), pad_id=pad_id_for(tokenizer), bucket=PROMPT_WIDTH)

@@ -18,8 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from jgrpo.config_errors import exits_on_user_error  # noqa: E402
-from jgrpo.sampling_methods import SamplingMethod  # noqa: E402
+from jgrpo.config.errors import exits_on_user_error  # noqa: E402
+from jgrpo.sampling.methods import SamplingMethod  # noqa: E402
 
 METHODS = {"top_k=3": dict(top_k=3), "top_k=50": dict(top_k=50), "top_p=0.9": dict(top_p=0.9),
            "top_k=50 top_p=0.9": dict(top_k=50, top_p=0.9)}

@@ -20,10 +20,10 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from jgrpo.config_errors import exits_on_user_error  # noqa: E402
-from jgrpo.config_loading import load_config  # noqa: E402
-from jgrpo.plan import GIB, plan_iteration, topology_devices  # noqa: E402 - settles JAX_PLATFORMS first
-from jgrpo.roofline import roofline  # noqa: E402
+from jgrpo.config.errors import exits_on_user_error  # noqa: E402
+from jgrpo.config.loading import load_config  # noqa: E402
+from jgrpo.plan import GIB, plan_iteration, topology_devices  # noqa: E402
+from jgrpo.planning.roofline import roofline  # noqa: E402
 
 PAGE = "docs/tpu_plans.md"
 BEGIN, END = "<!-- plans:begin -->", "<!-- plans:end -->"

@@ -32,7 +32,7 @@ import time
 import numpy as np
 from hardware import matmul_peak_flops, usable_cores  # benchmarks/ is on sys.path when run as a script
 
-from jgrpo.config_errors import exits_on_user_error  # noqa: E402
+from jgrpo.config.errors import exits_on_user_error  # noqa: E402
 
 BETA, CLIP_EPS, LR = 0.04, 0.2, 1e-6
 # Random-weight stand-ins for models the hub would serve (unreachable offline): name -> LLMConfig fields.
@@ -95,11 +95,11 @@ def jgrpo_step_setup(graphdef, params, host, *, chunk: int, generations: int, sh
     import jax.numpy as jnp
 
     from jgrpo.config import GRPOConfig, MeshConfig, OptimConfig
-    from jgrpo.mesh import make_mesh
     from jgrpo.models.lora import join_adapters
-    from jgrpo.optim import make_optimizer
-    from jgrpo.sampling_methods import SamplingMethod
-    from jgrpo.train_step import StepFunctions
+    from jgrpo.parallel.mesh import make_mesh
+    from jgrpo.sampling.methods import SamplingMethod
+    from jgrpo.training.optimizer import make_optimizer
+    from jgrpo.training.steps import StepFunctions
 
     grpo = GRPOConfig(num_generations=generations, beta=BETA, clip_eps_low=CLIP_EPS, clip_eps_high=CLIP_EPS)
     optimizer = make_optimizer(OptimConfig(learning_rate=LR, max_grad_norm=1.0), total_steps=1000)

@@ -1,6 +1,8 @@
-"""jgrpo: JAX/TPU-native GRPO, on-policy and off-policy (arXiv 2505.22257).
+"""jgrpo: JAX/TPU-native GRPO, on-policy and off-policy (arXiv 2505.22257). The rooms: docs/architecture.md.
 
-Importing the package only decides one thing before jax is imported: on a machine with libtpu installed (the
+Importing the package does two things. For one release, the module paths before the rooms (`jgrpo.trainer`,
+`jgrpo.sampler`, ...) keep working, with a warning (`jgrpo._moved`). And it decides one thing before jax is
+imported: on a machine with libtpu installed (the
 `tpu` extra, which `jgrpo.plan` uses to compile for TPUs deviceless) but no TPU attached, jax would try the TPU
 first and print initialisation errors before falling back to the CPU. There, unless the user chose with
 JAX_PLATFORMS, jgrpo runs on the CPU quietly. A TPU VM (a Google PCI device) or a CUDA plugin leaves jax to
@@ -36,3 +38,7 @@ def _quiet_cpu_when_libtpu_has_no_tpu() -> None:
 
 
 _quiet_cpu_when_libtpu_has_no_tpu()
+
+from jgrpo import _moved  # noqa: E402 - after the platform is settled; it imports nothing else of jgrpo
+
+_moved.install()

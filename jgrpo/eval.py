@@ -18,24 +18,24 @@ import sys
 import jax
 from etils import epath
 
-from jgrpo import distributed
-from jgrpo.config_errors import PathError, exits_on_user_error
-from jgrpo.evaluator import Evaluator
-from jgrpo.mesh import mesh_platform
+from jgrpo.config.errors import PathError, exits_on_user_error
 from jgrpo.models.attention_backends import resolve_attention
-from jgrpo.process_setup import enable_compilation_cache, setup_logging
+from jgrpo.parallel import distributed
+from jgrpo.parallel.mesh import mesh_platform
+from jgrpo.parallel.startup import enable_compilation_cache, setup_logging
+from jgrpo.rollout.evaluator import Evaluator
 
 log = logging.getLogger(__name__)
 
 
 def load_for_eval(target: str, overrides: list[str], step: int | None = None):
     """(config, graphdef, params, tokenizer, mesh, source description) for a run directory or a config file."""
-    from jgrpo.checkpoint import Checkpointer
-    from jgrpo.config_loading import load_config
-    from jgrpo.fingerprint import fingerprint
-    from jgrpo.mesh import TRAIN_RULES, make_mesh
+    from jgrpo.config.loading import load_config
     from jgrpo.models.hf import load_model, load_tokenizer
     from jgrpo.models.lora import join_adapters, split_adapters
+    from jgrpo.parallel.mesh import TRAIN_RULES, make_mesh
+    from jgrpo.training.checkpoint import Checkpointer
+    from jgrpo.training.fingerprint import fingerprint
 
     path = epath.Path(target)  # a local run directory or a bucket (gs://...), as train writes it
     run_dir = path if path.is_dir() else None

@@ -18,8 +18,8 @@ from pathlib import Path
 
 from etils import epath
 
-from jgrpo.config_errors import ConfigError, PathError, exits_on_user_error
-from jgrpo.process_setup import setup_logging
+from jgrpo.config.errors import ConfigError, PathError, exits_on_user_error
+from jgrpo.parallel.startup import setup_logging
 
 
 def export_run(run_dir: str | Path, out_dir: str | Path, step: int | None = None,
@@ -27,14 +27,14 @@ def export_run(run_dir: str | Path, out_dir: str | Path, step: int | None = None
     """Write the checkpointed params of `run_dir` to `out_dir` as an HF directory (a LoRA run's adapters merged
     into its base), or with `adapters_only` a LoRA run's adapters as a PEFT directory; returns (out_dir, iteration).
     """
-    from jgrpo.checkpoint import Checkpointer
-    from jgrpo.config_loading import load_config
-    from jgrpo.fingerprint import fingerprint
+    from jgrpo.config.loading import load_config
     from jgrpo.models.builtin import resolve_model_dir
     from jgrpo.models.hf import export_hf, llm_config_from_hf, load_params, load_tokenizer
     from jgrpo.models.llm import abstract_model
     from jgrpo.models.lora import join_adapters, merge_adapters, split_adapters, with_lora, without_lora
     from jgrpo.models.peft_format import export_peft
+    from jgrpo.training.checkpoint import Checkpointer
+    from jgrpo.training.fingerprint import fingerprint
 
     run_dir = epath.Path(run_dir)  # a local run directory or a bucket (gs://...), as train writes it
     if not (run_dir / "config.yaml").is_file():

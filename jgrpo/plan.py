@@ -17,8 +17,9 @@ import argparse
 import json
 import sys
 
-# First: it settles JAX_PLATFORMS (and describes this host to libtpu) before jax is imported.
-from jgrpo.abstract_run import (  # noqa: F401 - re-exported for callers of the planner
+from jgrpo.config.errors import UserError, exits_on_user_error
+from jgrpo.config.loading import load_config
+from jgrpo.planning.abstract_run import (  # noqa: F401 - re-exported for callers of the planner
     EXAMPLE_TOPOLOGIES,
     Iteration,
     abstract_run,
@@ -27,10 +28,8 @@ from jgrpo.abstract_run import (  # noqa: F401 - re-exported for callers of the 
     per_chip_bytes,
     topology_devices,
 )
-from jgrpo.config_errors import UserError, exits_on_user_error
-from jgrpo.config_loading import load_config
-from jgrpo.planning import GIB, fit, plan_iteration  # noqa: F401 - plan_iteration re-exported
-from jgrpo.roofline import Chip, roofline
+from jgrpo.planning.fit import GIB, fit, plan_iteration  # noqa: F401 - plan_iteration re-exported
+from jgrpo.planning.roofline import Chip, roofline
 
 
 def _gib(n: float) -> str:

@@ -12,106 +12,10 @@ time spent evaluating, so runs that evaluate at different rates stay comparable)
 from __future__ import annotations
 
 import argparse
-import io
 import sys
-from pathlib import Path
 
-import numpy as np
-from etils import epath
-
-from jgrpo.config_errors import PathError, exits_on_user_error
-from jgrpo.metrics import METRICS_FILE, read_metrics
-
-PANELS = (
-    ("reward/mean", "mean reward"),
-    ("accuracy", "accuracy"),
-    ("kl/mean", "KL to reference"),
-    ("eval/greedy_accuracy", "held-out greedy accuracy"),
-    ("eval/pass_at_1", "held-out pass@1"),
-    ("time/training", "seconds per iteration (without evaluation)"),
-)
-X_AXES = {"iteration": "iteration", "wallclock": "training time (s)"}
-
-
-def with_training_time(record: dict) -> dict:
-    """The record plus time/training: its iteration's time without the held-out evaluation it ran."""
-    if "time/iteration" not in record:
-        return record
-    return record | {"time/training": float(record["time/iteration"]) - float(record.get("time/eval", 0.0))}
-
-
-def _x_values(records: list[dict], axis: str) -> dict[int, float]:
-    """Iteration -> x coordinate of that iteration's record."""
-    if axis == "iteration":
-        return {r["iteration"]: float(r["iteration"]) for r in records}
-    elapsed, out = 0.0, {}
-    for r in sorted(records, key=lambda r: r["iteration"]):
-        elapsed += with_training_time(r).get("time/training", 0.0)
-        out[r["iteration"]] = elapsed
-    return out
-
-
-def _smooth(values: np.ndarray, window: int) -> np.ndarray:
-    """Trailing moving average that ignores NaN (a skipped step) and keeps the curve's length."""
-    if window <= 1:
-        return values
-    out = np.empty_like(values)
-    for i in range(len(values)):
-        chunk = values[max(0, i - window + 1) : i + 1]
-        finite = chunk[np.isfinite(chunk)]
-        out[i] = finite.mean() if finite.size else np.nan
-    return out
-
-
-def plot_runs(run_dirs: list[str | Path], out_file: str | Path, smooth: int = 1,
-              x_axis: str = "iteration") -> epath.Path:
-    """Draw the panels for `run_dirs` into `out_file` (PNG, or any format matplotlib knows by extension)."""
-    if x_axis not in X_AXES:
-        raise ValueError(f"x_axis must be one of {tuple(X_AXES)}, got '{x_axis}'")
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    runs = []
-    for run_dir in run_dirs:
-        records = read_metrics(run_dir)
-        if not records:
-            raise PathError(f"{epath.Path(run_dir) / METRICS_FILE}: no metrics (is it a jgrpo run directory?)")
-        runs.append((epath.Path(run_dir).name or str(run_dir), [with_training_time(r) for r in records]))
-
-    columns = 3
-    rows = -(-len(PANELS) // columns)
-    fig, axes = plt.subplots(rows, columns, figsize=(4.8 * columns, 3.6 * rows), squeeze=False)
-    for ax in axes.flat[len(PANELS):]:
-        ax.set_visible(False)
-    for ax, (key, title) in zip(axes.flat, PANELS, strict=False):
-        drawn = False
-        for label, records in runs:
-            xs = _x_values(records, x_axis)
-            points = [(xs[r["iteration"]], r[key]) for r in records if isinstance(r.get(key), (int, float))]
-            if not points:
-                continue
-            x, y = np.array(points, dtype=np.float64).T
-            sparse = key.startswith("eval/")  # evaluated every few iterations: mark the points
-            ax.plot(x, y if sparse else _smooth(y, smooth), label=label, linewidth=1.5, marker="o" if sparse else None,
-                    markersize=3)
-            drawn = True
-        ax.set_title(title)
-        ax.set_xlabel(X_AXES[x_axis])
-        ax.grid(alpha=0.3)
-        if drawn:
-            ax.legend(fontsize="small")
-        else:
-            ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes, color="gray")
-    fig.tight_layout()
-    out_file = epath.Path(out_file)  # a local path or a bucket (gs://...), like the run directories
-    out_file.parent.mkdir(parents=True, exist_ok=True)
-    image = io.BytesIO()
-    fig.savefig(image, dpi=110, format=out_file.suffix.lstrip(".") or "png")
-    plt.close(fig)
-    out_file.write_bytes(image.getvalue())
-    return out_file
+from jgrpo.config.errors import exits_on_user_error
+from jgrpo.training.curves import X_AXES, plot_runs
 
 
 @exits_on_user_error

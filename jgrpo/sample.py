@@ -14,11 +14,11 @@ import time
 import jax
 
 from jgrpo.config import ConfigError, SamplerConfig
-from jgrpo.config_errors import exits_on_user_error
+from jgrpo.config.errors import exits_on_user_error
 from jgrpo.data.prompts import chat_prompt_ids, left_pad, pad_id_for
 from jgrpo.models.attention_backends import resolve_attention
 from jgrpo.models.hf import load_model, load_tokenizer
-from jgrpo.sampler import SamplingMethod, decode_options, generate, stop_ids_for
+from jgrpo.sampling.sampler import SamplingMethod, decode_options, generate, stop_ids_for
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -2,7 +2,7 @@
 
 Writes the resolved config to RUN_DIR/config.yaml, resumes from the latest complete checkpoint there, shows a
 progress bar and writes metrics. On SIGTERM (preemption) it saves at the next iteration boundary and exits 0;
-run the same command again to continue. Compiled programs are cached on disk (`jgrpo.process_setup`), so a
+run the same command again to continue. Compiled programs are cached on disk (`jgrpo.parallel.startup`), so a
 restart skips compiling.
 """
 
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import yaml
 
-from jgrpo.config_errors import exits_on_user_error
-from jgrpo.process_setup import enable_compilation_cache, setup_logging
+from jgrpo.config.errors import exits_on_user_error
+from jgrpo.parallel.startup import enable_compilation_cache, setup_logging
 
 EXIT_DIVERGED = 3
 
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. grpo.beta=0.0 run.iterations=20")
     args = parser.parse_args(argv)
     setup_logging()
-    from jgrpo.config_loading import load_config, save_config, to_dict
+    from jgrpo.config.loading import load_config, save_config, to_dict
 
     config = load_config(args.config, args.overrides)  # before the heavy imports: a typo fails at once
     enable_compilation_cache()
@@ -54,12 +54,15 @@ def main(argv: list[str] | None = None) -> int:
     import jax
     from etils import epath
 
-    from jgrpo import distributed
-    from jgrpo.preflight import check_before_loading
+    from jgrpo.parallel import distributed
+    from jgrpo.training.preflight import check_before_loading
 
     distributed.initialize()
     check_before_loading(config)
-    from jgrpo.trainer import Trainer, TrainingDiverged  # the heavy imports (flax, orbax, optax) after the checks
+    from jgrpo.training.trainer import (  # the heavy imports (flax, orbax, optax) after the checks
+        Trainer,
+        TrainingDiverged,
+    )
 
     run_dir = epath.Path(config.run.output_dir)  # a local folder or a bucket (gs://...)
     if jax.process_index() == 0:
@@ -82,8 +85,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def report_run(run_dir) -> None:
     """Print the before / after held-out comparison (when the run has one) and draw RUN_DIR/curves.png."""
-    from jgrpo.metrics import held_out_comparison, read_metrics
-    from jgrpo.plot import plot_runs
+    from jgrpo.training.curves import plot_runs
+    from jgrpo.training.metrics_log import held_out_comparison, read_metrics
 
     log = logging.getLogger("jgrpo.train")
     comparison = held_out_comparison(read_metrics(run_dir))

@@ -6,8 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jgrpo.advantages import group_advantages
 from jgrpo.config import GRPOConfig
+from jgrpo.rl.advantages import group_advantages
 
 
 def _cfg(**kw):

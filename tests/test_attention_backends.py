@@ -13,10 +13,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 from test_attention import reference_attention
 
 from jgrpo.config import ConfigError, MeshConfig
-from jgrpo.config_loading import load_config
-from jgrpo.mesh import make_mesh
+from jgrpo.config.loading import load_config
 from jgrpo.models.attention_backends import causal_attention, mesh_context, resolve_attention
 from jgrpo.models.llm import LLM, LLMConfig, merge_model, position_ids_from_mask, split_model
+from jgrpo.parallel.mesh import make_mesh
 
 ON_CPU = ("custom", "xla", "splash")  # splash in Pallas interpret mode
 

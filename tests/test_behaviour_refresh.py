@@ -1,14 +1,14 @@
-"""When the behaviour policy refreshes: fixed v, and adaptive v from Theorem 1 (`jgrpo.behaviour_refresh`)."""
+"""When the behaviour policy refreshes: fixed v, and adaptive v from Theorem 1 (`jgrpo.rl.behaviour_refresh`)."""
 
 import jax
 import numpy as np
 import pytest
 
-from jgrpo.behaviour_refresh import RefreshPolicy
 from jgrpo.config import ConfigError, GRPOConfig
-from jgrpo.config_loading import load_config
-from jgrpo.metrics import read_metrics
-from jgrpo.trainer import Trainer
+from jgrpo.config.loading import load_config
+from jgrpo.rl.behaviour_refresh import RefreshPolicy
+from jgrpo.training.metrics_log import read_metrics
+from jgrpo.training.trainer import Trainer
 
 
 def _update(tv=0.1, tv_k=0.05, M=1.0, surrogate=0.5, rows=8.0, exact=1.0):

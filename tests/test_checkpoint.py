@@ -11,9 +11,9 @@ import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jgrpo.checkpoint import Checkpointer, CheckpointError, PreemptionFlag, RunCounters, TrainState
 from jgrpo.config import CheckpointConfig, MeshConfig
-from jgrpo.mesh import SAMPLE_RULES, TRAIN_RULES, make_mesh, place
+from jgrpo.parallel.mesh import SAMPLE_RULES, TRAIN_RULES, make_mesh, place
+from jgrpo.training.checkpoint import Checkpointer, CheckpointError, PreemptionFlag, RunCounters, TrainState
 
 AXES = {"embed": P("embed", "mlp"), "norm": P(None)}
 
@@ -126,7 +126,7 @@ def test_corrupt_latest_falls_back_to_previous(tmp_path, mesh, caplog, damage):
             os.remove(latest / "meta" / name)
 
     fresh = Checkpointer(tmp_path, CheckpointConfig(keep=3))
-    with caplog.at_level(logging.WARNING, logger="jgrpo.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="jgrpo.training.checkpoint"):
         restored = fresh.restore(_state(mesh, 9))
     assert restored.iteration == 1
     _assert_trees_equal(restored.params, _state(mesh, 1).params)
@@ -148,7 +148,7 @@ def test_no_usable_checkpoint_is_a_clear_error(tmp_path, mesh):
 
 
 def test_fingerprint_ignores_sharding_and_sees_one_bit(mesh):
-    from jgrpo.fingerprint import fingerprint
+    from jgrpo.training.fingerprint import fingerprint
 
     x = jax.random.normal(jax.random.key(0), (16, 8))
     sharded = place({"a": x}, {"a": P("embed", "mlp")}, mesh, TRAIN_RULES)
@@ -173,7 +173,7 @@ def test_sigterm_sets_the_preemption_flag():
 
 
 def test_run_counters_restore_old_checkpoints_and_refuse_unknown_ones():
-    from jgrpo.checkpoint import IncompatibleCheckpoint
+    from jgrpo.training.checkpoint import IncompatibleCheckpoint
 
     # Written before empty_steps existed (an older jgrpo): the missing counter starts at 0.
     old = {"prompt_width": 64, "optimizer_steps": 7, "nonfinite_in_a_row": 0, "nonfinite_total": 1}

@@ -4,7 +4,7 @@ import pytest
 import yaml
 
 from jgrpo.config import Config, ConfigError
-from jgrpo.config_loading import load_config, save_config
+from jgrpo.config.loading import load_config, save_config
 
 
 def write(tmp_path, text):
@@ -103,11 +103,11 @@ def test_shipped_configs_load():
 
 
 def test_configuration_page_lists_every_field_as_the_source_says():
-    """docs/configuration.md's field reference is `python -m jgrpo.config_docs`'s output: regenerate it."""
-    from jgrpo.config_docs import PAGE, page_with_fields
+    """docs/configuration.md's field reference is `python -m jgrpo.config.docs`'s output: regenerate it."""
+    from jgrpo.config.docs import PAGE, page_with_fields
 
     page = PAGE.read_text()
-    assert page == page_with_fields(page), "docs/configuration.md is stale: run python -m jgrpo.config_docs"
+    assert page == page_with_fields(page), "docs/configuration.md is stale: run python -m jgrpo.config.docs"
     for section in dataclasses.fields(Config):
         for field in dataclasses.fields(section.default_factory):
             if dataclasses.is_dataclass(field.default):  # a nested section (model.lora) lists its own fields

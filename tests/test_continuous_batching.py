@@ -1,4 +1,4 @@
-"""Continuous batching (`generate(..., slots=S)`, jgrpo.slot_decoding): a pool of S slots refilled as rows stop
+"""Continuous batching (`generate(..., slots=S)`, jgrpo.sampling.slot_pool): a pool of S slots refilled as rows stop
 gives every row exactly the tokens static batching gives it, whatever its slot, with the same log-probs."""
 
 import jax
@@ -7,8 +7,8 @@ import pytest
 from test_sampler import PROMPTS, _prompts, llama  # noqa: F401  (llama is a fixture)
 
 from jgrpo.config import MeshConfig
-from jgrpo.mesh import make_mesh
-from jgrpo.sampler import SamplingMethod, generate
+from jgrpo.parallel.mesh import make_mesh
+from jgrpo.sampling.sampler import SamplingMethod, generate
 
 # Many stop ids: most rows stop after a few tokens, some run to the end, so slots free up at different steps.
 STOPS = tuple(range(2, 14))

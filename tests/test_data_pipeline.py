@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from jgrpo.config import DataConfig
-from jgrpo.config_errors import DataError
+from jgrpo.config.errors import DataError
 from jgrpo.data import PromptEncoder, build_prompt_iterator, left_pad, load_examples
 
 SAMPLE = str(Path(__file__).parent / "data" / "gsm8k_sample.jsonl")

@@ -31,3 +31,20 @@ def test_nothing_cites_a_document_outside_the_repository():
              if not {".git", "runs", "wheels"} & set(p.relative_to(ROOT).parts) and p != Path(__file__)]
     citing = [str(p.relative_to(ROOT)) for p in files if re.search(r"GRPO_SPEC|\.\./shared", p.read_text())]
     assert citing == [], citing
+
+
+CITED_PATH = re.compile(r"(?<![\w./~-])(jgrpo/(?:\w+/)*(?:\w+\.py|))(?![\w/])")
+
+
+def test_every_cited_jgrpo_path_exists():
+    """`jgrpo/...` file and folder paths in the docs, the README and every source file (comments, docstrings)."""
+    pages = [ROOT / "README.md", *(ROOT / "docs").rglob("*.md")]
+    sources = [p for pattern in ("*.py", "*.sh", "*.yaml") for p in ROOT.rglob(pattern)
+               if not {".git", "runs", "wheels", "results"} & set(p.relative_to(ROOT).parts) and p != Path(__file__)]
+    cited = {(p.relative_to(ROOT).as_posix(), m.group(1)) for p in pages + sources
+             for m in CITED_PATH.finditer(p.read_text())}
+    example = "`jgrpo/trainer.py`, jgrpo/rl/ and ~/.cache/jgrpo/xla"
+    assert CITED_PATH.findall(example) == ["jgrpo/trainer.py", "jgrpo/rl/"]
+    assert len(cited) > 30
+    missing = sorted(f"{where}: {path}" for where, path in cited if not (ROOT / path).exists())
+    assert missing == [], missing

@@ -1,4 +1,4 @@
-"""DAPO dynamic sampling (`jgrpo.dynamic_sampling`): which groups fill the batch, and the trainer end to end."""
+"""DAPO dynamic sampling (`jgrpo.rollout.dynamic_sampling`): which groups fill the batch, and the trainer end to end."""
 
 import dataclasses
 
@@ -7,16 +7,16 @@ import numpy as np
 import pytest
 
 from jgrpo.config import ConfigError, GRPOConfig, MeshConfig
-from jgrpo.config_loading import load_config
+from jgrpo.config.loading import load_config
 from jgrpo.data import PromptBatch
-from jgrpo.dynamic_sampling import Round, fill_batch, groups_with_signal
-from jgrpo.host_arrays import to_global_rows
-from jgrpo.mesh import SAMPLE_RULES, make_mesh
-from jgrpo.metrics import read_metrics
+from jgrpo.parallel.host_arrays import to_global_rows
+from jgrpo.parallel.mesh import SAMPLE_RULES, make_mesh
 from jgrpo.rewards.scorer import RewardResult
-from jgrpo.rollout import Rollout
-from jgrpo.sampler import SampleOutput
-from jgrpo.trainer import Trainer
+from jgrpo.rollout.collect import Rollout
+from jgrpo.rollout.dynamic_sampling import Round, fill_batch, groups_with_signal
+from jgrpo.sampling.sampler import SampleOutput
+from jgrpo.training.metrics_log import read_metrics
+from jgrpo.training.trainer import Trainer
 
 G = 2  # samples per prompt in the hand-built rounds
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jgrpo.metrics import read_metrics
+from jgrpo.training.metrics_log import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 OVERRIDES = [
@@ -134,11 +134,11 @@ def test_export_loads_in_transformers_with_the_same_logits(straight_run, tmp_pat
     import torch
     from transformers import AutoModelForCausalLM
 
-    from jgrpo.checkpoint import Checkpointer
-    from jgrpo.config_loading import load_config
+    from jgrpo.config.loading import load_config
     from jgrpo.export import main as export_main
     from jgrpo.models.hf import load_model
     from jgrpo.models.llm import forward, position_ids_from_mask
+    from jgrpo.training.checkpoint import Checkpointer
 
     monkeypatch.setenv("JGRPO_COMPILATION_CACHE", "0")
     assert export_main([str(straight_run), str(tmp_path / "hf")]) == 0

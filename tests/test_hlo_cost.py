@@ -14,12 +14,12 @@ import jax.numpy as jnp  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as S  # noqa: E402
 
-from jgrpo.config_loading import load_config  # noqa: E402
+from jgrpo.config.loading import load_config  # noqa: E402
 from jgrpo.data import bucketed_length  # noqa: E402
-from jgrpo.hlo_cost import HloCost, hbm_bytes, type_bytes  # noqa: E402
-from jgrpo.hlo_inspect import big_copies_in_loops, collectives_in_loops, loops  # noqa: E402
 from jgrpo.plan import abstract_run, lower_iteration, topology_devices  # noqa: E402
-from jgrpo.roofline import forward_flops  # noqa: E402
+from jgrpo.planning.hlo_cost import HloCost, hbm_bytes, type_bytes  # noqa: E402
+from jgrpo.planning.hlo_inspect import big_copies_in_loops, collectives_in_loops, loops  # noqa: E402
+from jgrpo.planning.roofline import forward_flops  # noqa: E402
 
 TINY = ["checkpoint.every=0", "logging.tensorboard=false", "model.compute_dtype=bfloat16"]
 

@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jgrpo.logprobs import token_logprobs
-from jgrpo.sampling_methods import SamplingMethod
+from jgrpo.rl.logprobs import token_logprobs
+from jgrpo.sampling.methods import SamplingMethod
 
 
 def _temperature_top_k(temperature, k):

@@ -6,11 +6,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from jgrpo.config_loading import load_config, save_config
+from jgrpo.config.loading import load_config, save_config
 from jgrpo.export import main as export_main
 from jgrpo.models.builtin import resolve_model_dir
 from jgrpo.models.llm import forward, merge_model, position_ids_from_mask
-from jgrpo.trainer import Trainer
+from jgrpo.training.trainer import Trainer
 
 TOKENS = np.array([[1, 504, 3458, 314, 216, 28, 1065, 42], [7, 7, 90, 12, 300, 5, 8, 2]], np.int32)
 

@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from jgrpo.checkpoint import IncompatibleCheckpoint
-from jgrpo.config_loading import load_config
-from jgrpo.metrics import read_metrics
+from jgrpo.config.loading import load_config
 from jgrpo.models.builtin import resolve_model_dir
 from jgrpo.models.hf import load_model
 from jgrpo.models.lora import is_adapter
-from jgrpo.trainer import Trainer
+from jgrpo.training.checkpoint import IncompatibleCheckpoint
+from jgrpo.training.metrics_log import read_metrics
+from jgrpo.training.trainer import Trainer
 
 LORA = ["model.lora.rank=4", "model.lora.alpha=8", "reward.functions=[test_trainer_rewards:space_fraction]",
         "logging.samples_every=0", "optim.learning_rate=1e-2"]

@@ -5,7 +5,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jgrpo.config import MeshConfig
-from jgrpo.mesh import SAMPLE_RULES, TRAIN_RULES, logical_to_spec, make_mesh, mesh_shape, place
+from jgrpo.parallel.mesh import SAMPLE_RULES, TRAIN_RULES, logical_to_spec, make_mesh, mesh_shape, place
 
 
 @pytest.mark.parametrize(

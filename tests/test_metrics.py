@@ -8,8 +8,8 @@ import pytest
 from tensorboardX.proto import event_pb2
 
 from jgrpo.config import LoggingConfig
-from jgrpo.metrics import MetricsLogger, progress_summary, read_jsonl, read_metrics
 from jgrpo.plot import main as plot_main
+from jgrpo.training.metrics_log import MetricsLogger, progress_summary, read_jsonl, read_metrics
 
 
 def _tb_scalars(run_dir):
@@ -95,7 +95,7 @@ def test_plot_writes_a_png_of_several_runs(tmp_path, capsys):
 
 
 def test_plot_wallclock_axis_sums_iteration_time_without_evaluation():
-    from jgrpo.plot import _x_values
+    from jgrpo.training.curves import _x_values
 
     records = [{"iteration": 2, "time/iteration": 3.0}, {"iteration": 1, "time/iteration": 2.0},
                {"iteration": 3, "time/iteration": 14.0, "time/eval": 10.0}]
@@ -104,7 +104,7 @@ def test_plot_wallclock_axis_sums_iteration_time_without_evaluation():
 
 
 def test_an_iterations_extremes_are_the_extremes_of_its_updates():
-    from jgrpo.trainer_metrics import _update_means
+    from jgrpo.training.iteration_record import _update_means
 
     def update(ratio_min, ratio_max, ratio_mean):
         return {"ratio_min": ratio_min, "ratio_max": ratio_max, "ratio_mean": ratio_mean, "token_count": 10.0,
@@ -118,7 +118,7 @@ def test_an_iterations_extremes_are_the_extremes_of_its_updates():
 
 
 def test_held_out_comparison_sets_the_first_evaluation_beside_the_last():
-    from jgrpo.metrics import held_out_comparison
+    from jgrpo.training.metrics_log import held_out_comparison
 
     records = [{"iteration": 0, "eval/greedy_accuracy": 0.12, "eval/prompts": 100},
                {"iteration": 1, "reward/mean": 0.2},

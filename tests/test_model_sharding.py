@@ -8,9 +8,9 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jgrpo.config import MeshConfig
-from jgrpo.mesh import SAMPLE_RULES, TRAIN_RULES, make_mesh, place, row_sharding
 from jgrpo.models.hf import export_hf, load_model
 from jgrpo.models.llm import LLM, LLMConfig, forward, param_logical_axes, position_ids_from_mask, split_model
+from jgrpo.parallel.mesh import SAMPLE_RULES, TRAIN_RULES, make_mesh, place, row_sharding
 
 CFG = LLMConfig(
     vocab_size=128,

@@ -19,10 +19,10 @@ import pytest
 from etils import epath
 from etils.epath.testing import mock_epath
 
-from jgrpo import distributed
 from jgrpo.config import LoggingConfig
-from jgrpo.config_loading import load_config, save_config
-from jgrpo.metrics import MetricsLogger, read_jsonl, read_metrics
+from jgrpo.config.loading import load_config, save_config
+from jgrpo.parallel import distributed
+from jgrpo.training.metrics_log import MetricsLogger, read_jsonl, read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 # A reward with spread inside each group (the tiny model never solves additions, which would leave every

@@ -13,10 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jgrpo.advantages import GroupAdvantages, group_advantages
 from jgrpo.config import GRPOConfig
-from jgrpo.diagnostics import finalize_metrics
-from jgrpo.objectives import grpo_loss, step_normaliser
+from jgrpo.rl.advantages import GroupAdvantages, group_advantages
+from jgrpo.rl.diagnostics import finalize_metrics
+from jgrpo.rl.objectives import grpo_loss, step_normaliser
 
 LOG_HALF = math.log(0.5)
 RATIOS = np.array([[1.1, 1.5], [0.5, 1.3]])
@@ -420,7 +420,7 @@ def test_masked_importance_sampling_drops_tokens_or_sequences_outside_the_range(
 
 
 def test_masked_is_needs_the_trainers_own_pi_k_even_on_policy():
-    from jgrpo.train_step import lp_k_source
+    from jgrpo.training.steps import lp_k_source
 
     # v = 1 with two updates: without masked IS lp_k may be the sampler's lp_alpha; with it, never (its ratio
     # pi_k / alpha would be exactly 1 and nothing would ever be dropped).
@@ -430,7 +430,7 @@ def test_masked_is_needs_the_trainers_own_pi_k_even_on_policy():
 
 
 def test_m2po_drops_the_largest_second_moments_until_the_mean_is_below_tau():
-    from jgrpo.corrections import m2po_drop
+    from jgrpo.rl.corrections import m2po_drop
 
     # log(pi_k / alpha) of the loss tokens: [0.5, -0.3, 0.1, 0.0, 0.2] -> m = [0.25, 0.09, 0.01, 0, 0.04],
     # mean 0.078. tau 0.04: dropping 0.25 leaves 0.14 / 4 = 0.035 <= 0.04 -> one token dropped.

@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jgrpo.advantages import group_advantages
 from jgrpo.config import GRPOConfig, MeshConfig
-from jgrpo.corrections import m2po_drop
-from jgrpo.diagnostics import combine_metrics, finalize_metrics
-from jgrpo.logprobs import token_logprobs
-from jgrpo.mesh import TRAIN_RULES, make_mesh, row_sharding
-from jgrpo.objectives import grpo_loss, step_normaliser
+from jgrpo.parallel.mesh import TRAIN_RULES, make_mesh, row_sharding
+from jgrpo.rl.advantages import group_advantages
+from jgrpo.rl.corrections import m2po_drop
+from jgrpo.rl.diagnostics import combine_metrics, finalize_metrics
+from jgrpo.rl.logprobs import token_logprobs
+from jgrpo.rl.objectives import grpo_loss, step_normaliser
 
 N, T, D, V, G = 16, 6, 8, 11, 4
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from jgrpo.config_loading import load_config
+from jgrpo.config.loading import load_config
 
 STUDY = Path(__file__).resolve().parents[1] / "experiments" / "offpolicy"
 

@@ -13,9 +13,9 @@ import pytest
 pytest.importorskip("libtpu", reason="the TPU compiler comes with jax[tpu] (bash .ci/install installs it)")
 
 from jgrpo.config import ConfigError  # noqa: E402
-from jgrpo.config_loading import load_config  # noqa: E402
-from jgrpo.mesh import TRAIN_RULES  # noqa: E402
+from jgrpo.config.loading import load_config  # noqa: E402
 from jgrpo.models.shapes import KNOWN_SHAPES, model_shapes  # noqa: E402
+from jgrpo.parallel.mesh import TRAIN_RULES  # noqa: E402
 from jgrpo.plan import abstract_run, main, per_chip_bytes, plan_iteration, topology_devices  # noqa: E402
 
 TINY = ["checkpoint.every=0", "logging.tensorboard=false"]
@@ -138,9 +138,9 @@ def test_tensor_parallel_sampling_layout_halves_the_sampler_weights(v5e):
     # Heads and MLP over `tensor` (SAMPLE_RULES keeps them there; the tiny model's 4 query / 2 KV heads and
     # 128-wide MLP split in two, and so does its vocabulary): every projection of the sampling copy is halved,
     # the decode loop all-reduces activations per layer (Megatron style) and still copies no weight.
-    from jgrpo.abstract_run import lower_iteration
-    from jgrpo.hlo_cost import HloCost
-    from jgrpo.hlo_inspect import big_copies_in_loops, collectives_in_loops
+    from jgrpo.planning.abstract_run import lower_iteration
+    from jgrpo.planning.hlo_cost import HloCost
+    from jgrpo.planning.hlo_inspect import big_copies_in_loops, collectives_in_loops
 
     base = load_config("configs/tiny.yaml", TINY)
     tp = load_config("configs/tiny.yaml", TINY + ["mesh.fsdp=4", "mesh.tensor=2"])
@@ -162,7 +162,7 @@ def test_tensor_parallel_sampling_layout_halves_the_sampler_weights(v5e):
 
 def test_a_shared_compile_cache_never_mixes_two_configs():
     # fit's cache keys programs by the knobs it varies; another config's sampler must not be a cache hit.
-    from jgrpo.planning import _program_key
+    from jgrpo.planning.fit import _program_key
 
     tiny, quick = load_config("configs/tiny.yaml", TINY), load_config("configs/quickstart.yaml", TINY)
     assert _program_key("sample", tiny) != _program_key("sample", quick)
@@ -175,7 +175,7 @@ def test_splash_attention_is_the_tpu_choice_and_compiles_for_v5e(v5e):
     """`model.attention: auto` on a TPU slice is the Pallas kernel, inside the trainer's update as compiled for
     v5e:2x4 (a Mosaic custom call), with less update memory than `xla` once sequences are long enough for the
     [T, S] scores to matter (512 new tokens here; at the tiny config's 24 tokens the 128-token blocks cost more)."""
-    from jgrpo.abstract_run import lower_iteration
+    from jgrpo.planning.abstract_run import lower_iteration
 
     def update(attention):
         config = load_config("configs/tiny.yaml", TINY + [f"model.attention={attention}", "sampler.max_new_tokens=512"])
@@ -192,7 +192,7 @@ def test_a_program_the_tpu_compiler_refuses_for_memory_is_a_verdict_not_a_crash(
     import jax
     import jax.numpy as jnp
 
-    from jgrpo.planning import compile_program, refused_bytes
+    from jgrpo.planning.fit import compile_program, refused_bytes
 
     # Sorting a 45000^2 outer product needs ~24 GiB of temporaries: more than a v5e chip's 16 GiB HBM.
     x = jax.ShapeDtypeStruct((45_000,), jnp.float32, sharding=jax.sharding.SingleDeviceSharding(v5e[0]))

@@ -18,8 +18,8 @@ import jax
 import pytest
 from test_trainer import SPACE_REWARD, CompileCounter
 
-from jgrpo.config_loading import load_config
-from jgrpo.trainer import Trainer
+from jgrpo.config.loading import load_config
+from jgrpo.training.trainer import Trainer
 
 
 @pytest.fixture(scope="module")

@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 from test_trainer import SPACE_REWARD
 
-from jgrpo.async_rollouts import AsyncRollouts
 from jgrpo.config import ConfigError
-from jgrpo.config_loading import load_config
-from jgrpo.sampling_policy import SamplingPolicy
-from jgrpo.trainer import Trainer
+from jgrpo.config.loading import load_config
+from jgrpo.rollout.async_producer import AsyncRollouts
+from jgrpo.rollout.sampling_weights import SamplingPolicy
+from jgrpo.training.trainer import Trainer
 
 COMMON = ["checkpoint.every=1", "logging.samples_every=0", SPACE_REWARD, "grpo.beta=0.04", "optim.learning_rate=1e-2"]
 

@@ -7,9 +7,9 @@ import pytest
 from test_trainer import SPACE_REWARD
 
 from jgrpo.config import ConfigError
-from jgrpo.config_loading import load_config
-from jgrpo.rollout_source import RolloutSource
-from jgrpo.trainer import Trainer
+from jgrpo.config.loading import load_config
+from jgrpo.rollout.sources import RolloutSource
+from jgrpo.training.trainer import Trainer
 
 # v = 4 on the 8-device mesh (tiny.yaml: fsdp over all 8); 6 batches per epoch, so the window of iterations
 # 4..7 reads into epoch 1, whose reference swap must wait until iteration 6 is trained.

@@ -2,7 +2,7 @@
 
 import pytest
 
-from jgrpo.roofline import Chip, roofline
+from jgrpo.planning.roofline import Chip, roofline
 
 CHIP = Chip(hbm_gib=16, bf16_tflops=100, hbm_gbps=1000, ici_gbps=100)
 

@@ -9,11 +9,11 @@ import transformers
 
 from jgrpo.config import MeshConfig
 from jgrpo.data.prompts import left_pad
-from jgrpo.logprobs import token_logprobs
-from jgrpo.mesh import make_mesh
 from jgrpo.models.hf import load_model
 from jgrpo.models.llm import merge_model, position_ids_from_mask
-from jgrpo.sampler import SamplingMethod, generate
+from jgrpo.parallel.mesh import make_mesh
+from jgrpo.rl.logprobs import token_logprobs
+from jgrpo.sampling.sampler import SamplingMethod, generate
 
 VOCAB = 96
 PROMPTS = [[5, 17, 33, 2, 41], [7, 8], [90, 12, 55, 61, 3, 19, 23, 4, 70], [11]]  # different lengths
@@ -249,7 +249,7 @@ def test_bad_inputs_are_named(llama):
 
 
 def test_decode_chunking_defaults():
-    from jgrpo.sampler import decode_chunking
+    from jgrpo.sampling.sampler import decode_chunking
 
     assert decode_chunking(256) == (64, 4)  # 255 generated slots fed back
     assert decode_chunking(16) == (15, 1)  # short completions: one phase

@@ -11,10 +11,10 @@ import torch
 import transformers
 
 from jgrpo.data.prompts import chat_prompt_ids, left_pad, pad_id_for
-from jgrpo.logprobs import token_logprobs
 from jgrpo.models.hf import load_model, load_tokenizer, resolve_model_dir
 from jgrpo.models.llm import merge_model, position_ids_from_mask
-from jgrpo.sampler import SamplingMethod, generate, stop_ids_for
+from jgrpo.rl.logprobs import token_logprobs
+from jgrpo.sampling.sampler import SamplingMethod, generate, stop_ids_for
 
 pytestmark = pytest.mark.slow
 

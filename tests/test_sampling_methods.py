@@ -16,7 +16,7 @@ from transformers.generation.logits_process import (
 )
 
 from jgrpo.config import SamplerConfig
-from jgrpo.sampling_methods import SamplingMethod
+from jgrpo.sampling.methods import SamplingMethod
 
 PROBS = np.array([0.5, 0.3, 0.15, 0.05])
 LOGITS = jnp.log(jnp.asarray(PROBS, jnp.float32))

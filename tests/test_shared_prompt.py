@@ -9,13 +9,13 @@ import optax
 import pytest
 from flax import nnx
 
-import jgrpo.train_step as train_step_module
+import jgrpo.training.steps as train_step_module
 from jgrpo.config import GRPOConfig, MeshConfig
-from jgrpo.mesh import make_mesh
 from jgrpo.models.llm import LLM, LLMConfig, merge_model, position_ids_from_mask, split_model
 from jgrpo.models.shared_prompt import forward_shared_prompts
-from jgrpo.sampling_methods import SamplingMethod
-from jgrpo.train_step import StepFunctions
+from jgrpo.parallel.mesh import make_mesh
+from jgrpo.sampling.methods import SamplingMethod
+from jgrpo.training.steps import StepFunctions
 
 GQA = LLMConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_layers=3, num_heads=4, num_kv_heads=2,
                 head_dim=16, rope_theta=100000.0, qkv_bias=True, qk_norm=True)

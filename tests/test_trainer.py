@@ -4,9 +4,9 @@ import jax
 import numpy as np
 import pytest
 
-from jgrpo.config_loading import load_config
-from jgrpo.metrics import read_metrics
-from jgrpo.trainer import Trainer, TrainingDiverged
+from jgrpo.config.loading import load_config
+from jgrpo.training.metrics_log import read_metrics
+from jgrpo.training.trainer import Trainer, TrainingDiverged
 
 SPACE_REWARD = "reward.functions=[test_trainer_rewards:space_fraction]"
 KEY_METRICS = ("reward/mean", "loss/loss", "loss/grad_norm", "entropy/mean", "completion/length_mean",
@@ -66,7 +66,7 @@ def test_on_policy_run_is_finite_changes_params_and_never_recompiles(tmp_path, c
 
         # A NaN in the behaviour log-probs makes the loss NaN: the update is skipped (params untouched), logged
         # and counted; max_nonfinite_steps in a row stop the run after a checkpoint.
-        import jgrpo.rollout as rollout_module  # the trainer samples through jgrpo.rollout
+        import jgrpo.rollout.collect as rollout_module  # the trainer samples through jgrpo.rollout.collect
 
         real_generate = rollout_module.generate
 

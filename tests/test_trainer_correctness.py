@@ -13,10 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jgrpo.config_loading import load_config
-from jgrpo.metrics import progress_summary
+from jgrpo.config.loading import load_config
 from jgrpo.models.llm import init_cache
-from jgrpo.trainer import Trainer
+from jgrpo.training.metrics_log import progress_summary
+from jgrpo.training.trainer import Trainer
 
 PARITY_REWARD = "reward.functions=[test_trainer_rewards:length_parity]"
 
@@ -78,7 +78,7 @@ def test_a_step_with_nothing_in_the_loss_leaves_params_optimiser_and_schedule_un
     # yet AdamW would still step along its momentum. With optim.skip_empty_steps such steps change nothing.
     trainer = _trainer(tmp_path, "optim.learning_rate=1e-2", "grpo.beta=0.04", f"optim.skip_empty_steps={skip}",
                        "run.iterations=5")
-    # The rollout source scores the samples (jgrpo.rollout_source): it must see the replacement too.
+    # The rollout source scores the samples (jgrpo.rollout.sources): it must see the replacement too.
     trainer.scorer = trainer.rollouts.scorer = _RewardsGoConstant(trainer.scorer, varying=2)
     try:
         records = [trainer.train_iteration() for _ in range(2)]

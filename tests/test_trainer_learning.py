@@ -10,8 +10,8 @@ the default `behaviour` clip at v=4 is covered by tests/test_trainer_off_policy.
 import numpy as np
 import pytest
 
-from jgrpo.config_loading import load_config
-from jgrpo.trainer import Trainer
+from jgrpo.config.loading import load_config
+from jgrpo.training.trainer import Trainer
 
 
 @pytest.mark.slow

@@ -18,11 +18,11 @@ import numpy as np
 import pytest
 from test_trainer_rewards import space_fraction
 
-import jgrpo.rollout as rollout_module  # the trainer samples through jgrpo.rollout.generate
-import jgrpo.trainer as trainer_module
-from jgrpo.config_loading import load_config
+import jgrpo.rollout.collect as rollout_module  # the trainer samples through jgrpo.rollout.collect.generate
+import jgrpo.training.trainer as trainer_module
+from jgrpo.config.loading import load_config
 from jgrpo.models.llm import merge_model
-from jgrpo.objectives import step_normaliser
+from jgrpo.rl.objectives import step_normaliser
 
 REFRESH, TEMPERATURE, EPS, ADV_EPS = 4, 0.7, 0.2, 1e-4
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from jgrpo.config import OptimConfig
-from jgrpo.optim import learning_rate_schedule, make_optimizer
+from jgrpo.training.optimizer import learning_rate_schedule, make_optimizer
 
 
 def test_warmup_then_constant():

@@ -110,7 +110,7 @@ def test_jgrpo_debug_shows_the_traceback_of_a_user_error(tmp_path):
 
 
 def test_a_bug_keeps_its_traceback():
-    from jgrpo.config_errors import ConfigError, exits_on_user_error
+    from jgrpo.config.errors import ConfigError, exits_on_user_error
 
     @exits_on_user_error
     def main():

@@ -17,9 +17,9 @@ import statistics
 import sys
 from pathlib import Path
 
-from jgrpo.config_errors import exits_on_user_error  # noqa: E402
-from jgrpo.metrics import read_metrics
-from jgrpo.plot import plot_runs, with_training_time
+from jgrpo.config.errors import exits_on_user_error  # noqa: E402
+from jgrpo.training.curves import plot_runs, with_training_time
+from jgrpo.training.metrics_log import read_metrics
 
 RUN_ORDER = ("v1_i1", "v1_i1_masked", "v4_i1", "v10_i1", "v10_i1_recentred", "v10_i1_current", "v1_i4")
 

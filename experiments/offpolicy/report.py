@@ -24,9 +24,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from run import ITERATIONS, RESULTS, RUNS  # noqa: E402  (the study's own list of configurations)
 
-from jgrpo.config_errors import exits_on_user_error  # noqa: E402
-from jgrpo.metrics import read_metrics  # noqa: E402
-from jgrpo.plot import with_training_time  # noqa: E402
+from jgrpo.config.errors import exits_on_user_error  # noqa: E402
+from jgrpo.training.curves import with_training_time  # noqa: E402
+from jgrpo.training.metrics_log import read_metrics  # noqa: E402
 
 REFERENCE = "onpolicy_masked"
 # The fraction of loss tokens (or rows) each correction clips or drops, summed where several apply.

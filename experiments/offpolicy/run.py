@@ -25,7 +25,7 @@ import threading
 import time
 from pathlib import Path
 
-from jgrpo.config_errors import exits_on_user_error  # noqa: E402
+from jgrpo.config.errors import exits_on_user_error  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 BASE = HERE / "base.yaml"

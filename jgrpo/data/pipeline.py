@@ -18,7 +18,7 @@ import grain
 import numpy as np
 
 from jgrpo.config import Config, DataConfig
-from jgrpo.config_errors import ConfigError, DataError
+from jgrpo.config.errors import ConfigError, DataError
 from jgrpo.data.formats import Example, rows_to_examples
 from jgrpo.data.prompts import PromptEncoder
 from jgrpo.data.sources import read_rows

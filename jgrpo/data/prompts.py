@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jgrpo.config_errors import DataError
+from jgrpo.config.errors import DataError
 from jgrpo.data.formats import Example
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from jgrpo.config_errors import DataError
+from jgrpo.config.errors import DataError
 
 
 class DataSourceError(DataError):

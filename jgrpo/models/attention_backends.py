@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from jgrpo.models.attention import attention as custom_attention
-from jgrpo.platform_defaults import resolve
+from jgrpo.parallel.platform_defaults import resolve
 
 IMPLEMENTATIONS = ("custom", "xla", "cudnn", "splash")
 # What `auto` picks by the platform of the mesh's devices (reasons: docs/configuration.md, model.attention).

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 
 from jgrpo.models.llm import KVCache, LLMConfig, layer_output, layer_qkv, rms_norm
 from jgrpo.models.rope import rope_cos_sin
-from jgrpo.platform_defaults import resolve
+from jgrpo.parallel.platform_defaults import resolve
 
 DECODE_LAYERS = ("unrolled", "scanned")
 # What `sampler.decode_layers: auto` picks by platform (reasons: docs/configuration.md).

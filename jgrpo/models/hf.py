@@ -19,11 +19,11 @@ import ml_dtypes
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from jgrpo.mesh import TRAIN_RULES, Rules, logical_to_spec
 from jgrpo.models.builtin import ModelNotFound, resolve_model_dir
 from jgrpo.models.hf_format import export_hf, hf_config_from_llm, llm_config_from_hf, tensor_layouts
 from jgrpo.models.llm import LOGICAL_AXES, LLMConfig, abstract_model, param_shapes_by_path, position_ids_from_mask
 from jgrpo.models.lora import init_adapter, join_adapters, lora_shapes_by_path, with_lora
+from jgrpo.parallel.mesh import TRAIN_RULES, Rules, logical_to_spec
 
 # One import for users: loading here, the format's converters re-exported from hf_format.
 __all__ = [
@@ -85,7 +85,7 @@ def _sharding(path, shape, mesh, rules) -> jax.sharding.Sharding:
 def load_params(model_dir: str | Path, cfg: LLMConfig, *, mesh=None, rules: Rules | None = None) -> dict:
     """Params pytree for `cfg` from an HF safetensors directory, each leaf on its target sharding.
 
-    With a mesh, `rules` (default jgrpo.mesh.TRAIN_RULES) maps each parameter's logical axes to it.
+    With a mesh, `rules` (default jgrpo.parallel.mesh.TRAIN_RULES) maps each parameter's logical axes to it.
     """
     rules = TRAIN_RULES if rules is None else rules
     ckpt = _Checkpoint(Path(model_dir))

@@ -16,7 +16,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jgrpo.config_errors import ConfigError
+from jgrpo.config.errors import ConfigError
 from jgrpo.models.llm import SUPPORTED_ARCHITECTURES, SUPPORTED_ROPE_TYPES, LLMConfig, param_shapes_by_path
 
 __all__ = ["TensorLayout", "export_hf", "hf_config_from_llm", "llm_config_from_hf", "tensor_layouts"]

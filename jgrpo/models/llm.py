@@ -40,7 +40,7 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 REMAT_POLICIES = ("none", "full", "dots")
 DTYPES = ("float32", "bfloat16", "float16")
 
-# Path in the params pytree -> logical axis names, one per dimension (see jgrpo.mesh rule tables).
+# Path in the params pytree -> logical axis names, one per dimension (see jgrpo.parallel.mesh rule tables).
 LOGICAL_AXES: dict[tuple[str, ...], tuple[str, ...]] = {
     ("embed",): ("vocab", "embed"),
     ("final_norm",): ("norm",),
@@ -388,7 +388,7 @@ def abstract_model(cfg: LLMConfig) -> tuple[nnx.GraphDef, dict]:
 
 
 def param_logical_axes(params) -> dict:
-    """Same-structure pytree of PartitionSpecs of logical axis names (for jgrpo.mesh.place)."""
+    """Same-structure pytree of PartitionSpecs of logical axis names (for jgrpo.parallel.mesh.place)."""
 
     def spec(path, leaf):
         keys = tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in path)

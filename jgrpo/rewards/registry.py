@@ -11,7 +11,7 @@ import difflib
 import importlib
 from collections.abc import Callable
 
-from jgrpo.config_errors import RewardSetupError
+from jgrpo.config.errors import RewardSetupError
 
 RewardFn = Callable[[str, str, dict], float]
 

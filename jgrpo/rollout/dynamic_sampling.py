@@ -23,11 +23,11 @@ from typing import NamedTuple
 import numpy as np
 
 from jgrpo.data import PromptBatch
-from jgrpo.host_arrays import global_max, global_sum, local_rows, to_global_rows
-from jgrpo.mesh import SAMPLE_RULES
+from jgrpo.parallel.host_arrays import global_max, global_sum, local_rows, to_global_rows
+from jgrpo.parallel.mesh import SAMPLE_RULES
 from jgrpo.rewards.scorer import RewardResult
-from jgrpo.rollout import Rollout
-from jgrpo.sampler import SampleOutput
+from jgrpo.rollout.collect import Rollout
+from jgrpo.sampling.sampler import SampleOutput
 
 
 class Round(NamedTuple):

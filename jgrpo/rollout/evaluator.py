@@ -14,12 +14,12 @@ import numpy as np
 from jgrpo.config import Config
 from jgrpo.data import bucketed_length, build_prompt_iterator
 from jgrpo.data.prompts import pad_id_for
-from jgrpo.host_arrays import global_max, global_sum
-from jgrpo.mesh import mesh_platform, replicated_key
+from jgrpo.parallel.host_arrays import global_max, global_sum
+from jgrpo.parallel.mesh import mesh_platform, replicated_key
 from jgrpo.rewards import RewardScorer
-from jgrpo.rollout import prompt_arrays, sample_and_score
-from jgrpo.sampler import stop_ids_for
-from jgrpo.sampling_methods import SamplingMethod
+from jgrpo.rollout.collect import prompt_arrays, sample_and_score
+from jgrpo.sampling.methods import SamplingMethod
+from jgrpo.sampling.sampler import stop_ids_for
 
 
 class Evaluator:

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 
 import jax
 
-from jgrpo.config_errors import ConfigError
+from jgrpo.config.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 One jitted program per (prompt batch shape, samples per prompt, max new tokens, slots, method, stop ids):
 the prompts are prefilled once, then a pool of slots decodes inside `lax.while_loop`s with the KV cache
-in the loop carry (`jgrpo.slot_decoding`, `jgrpo.models.decode`). By default there is one slot per row
+in the loop carry (`jgrpo.sampling.slot_pool`, `jgrpo.models.decode`). By default there is one slot per row
 (static batching: the batch decodes until its longest row stops); `slots` < rows is continuous batching:
 a slot whose row stops takes the next pending row, so long-tailed completion lengths do not leave slots
 decoding padding (docs/configuration.md, `sampler.slots`).
@@ -26,12 +26,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jgrpo.mesh import SAMPLE_RULES, Rules, logical_shardings, logical_to_spec, mesh_platform, row_sharding
 from jgrpo.models.attention_backends import mesh_context
 from jgrpo.models.decode import DecodeCache, resolve_decode_layers
 from jgrpo.models.llm import model_config, param_logical_axes
-from jgrpo.sampling_methods import SamplingMethod
-from jgrpo.slot_decoding import Plan, SampleOutput, decode_chunking, sample
+from jgrpo.parallel.mesh import SAMPLE_RULES, Rules, logical_shardings, logical_to_spec, mesh_platform, row_sharding
+from jgrpo.sampling.methods import SamplingMethod
+from jgrpo.sampling.slot_pool import Plan, SampleOutput, decode_chunking, sample
 
 __all__ = ["SampleOutput", "SamplingMethod", "decode_chunking", "decode_options", "generate", "lower_generate",
            "stop_ids_for"]
@@ -188,7 +188,7 @@ def generate(
     the cache chunks the decode attends to one by one (default: `decode_chunking`'s choice) and
     `decode_layers` whether the decode step unrolls the layers or scans them (`models.decode`; "auto": by
     the platform); `slots` how many rows decode at once (None: all of them, static batching; fewer:
-    continuous batching, `jgrpo.slot_decoding`). These change speed and compile time, never the samples.
+    continuous batching, `jgrpo.sampling.slot_pool`). These change speed and compile time, never the samples.
 
     `key` is one key, or [B] keys with `prompt_index` [B]: prompts of several batches sampled at once, each with
     its batch's key and its index in that batch, get the tokens their own batch would get (`slot_decoding.sample`).

@@ -34,7 +34,7 @@ import time
 import types
 from typing import NamedTuple
 
-from jgrpo.dynamic_sampling import Round
+from jgrpo.rollout.dynamic_sampling import Round
 
 log = logging.getLogger(__name__)
 

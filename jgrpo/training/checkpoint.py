@@ -35,8 +35,8 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from jgrpo.config import CheckpointConfig
-from jgrpo.config_errors import UserError
-from jgrpo.fingerprint import fingerprint
+from jgrpo.config.errors import UserError
+from jgrpo.training.fingerprint import fingerprint
 
 log = logging.getLogger(__name__)
 

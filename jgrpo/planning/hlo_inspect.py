@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from jgrpo.hlo_cost import HloCost, Instruction, array_dims, called_computations, hbm_bytes, type_bytes
+from jgrpo.planning.hlo_cost import HloCost, Instruction, array_dims, called_computations, hbm_bytes, type_bytes
 
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 

@@ -28,11 +28,11 @@ import jax
 import numpy as np
 
 from jgrpo.data import bucketed_length
-from jgrpo.dynamic_sampling import Round
-from jgrpo.host_arrays import global_max, local_rows, process_rank, to_global_rows
-from jgrpo.mesh import SAMPLE_RULES
-from jgrpo.rollout import prompt_arrays, reward_table, sample_and_score, score_rows
-from jgrpo.sampler import SampleOutput, decode_options, generate
+from jgrpo.parallel.host_arrays import global_max, local_rows, process_rank, to_global_rows
+from jgrpo.parallel.mesh import SAMPLE_RULES
+from jgrpo.rollout.collect import prompt_arrays, reward_table, sample_and_score, score_rows
+from jgrpo.rollout.dynamic_sampling import Round
+from jgrpo.sampling.sampler import SampleOutput, decode_options, generate
 
 log = logging.getLogger(__name__)
 

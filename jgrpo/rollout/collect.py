@@ -16,13 +16,13 @@ import numpy as np
 
 from jgrpo.config import RewardConfig, SamplerConfig
 from jgrpo.data.prompts import left_pad
-from jgrpo.host_arrays import local_rows, to_global_rows
-from jgrpo.mesh import SAMPLE_RULES
+from jgrpo.parallel.host_arrays import local_rows, to_global_rows
+from jgrpo.parallel.mesh import SAMPLE_RULES
 from jgrpo.rewards import RewardScorer
 from jgrpo.rewards.overlong import overlong_punishment
 from jgrpo.rewards.scorer import RewardResult
-from jgrpo.sampler import SampleOutput, decode_options, generate
-from jgrpo.sampling_methods import SamplingMethod
+from jgrpo.sampling.methods import SamplingMethod
+from jgrpo.sampling.sampler import SampleOutput, decode_options, generate
 
 
 class Rollout(NamedTuple):

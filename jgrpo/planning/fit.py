@@ -16,14 +16,14 @@ import os
 import re
 import time
 
-from jgrpo.abstract_run import Iteration, lower_iteration, parameter_count, program_names
 from jgrpo.config import Config, MeshConfig
-from jgrpo.config_loading import load_config
-from jgrpo.hlo_cost import HloCost
-from jgrpo.hlo_inspect import loops
-from jgrpo.hlo_inspect import summary as loop_summary
-from jgrpo.mesh import SAMPLE_RULES, TRAIN_RULES, Rules
-from jgrpo.roofline import Chip, iteration_model_flops, roofline
+from jgrpo.config.loading import load_config
+from jgrpo.parallel.mesh import SAMPLE_RULES, TRAIN_RULES, Rules
+from jgrpo.planning.abstract_run import Iteration, lower_iteration, parameter_count, program_names
+from jgrpo.planning.hlo_cost import HloCost
+from jgrpo.planning.hlo_inspect import loops
+from jgrpo.planning.hlo_inspect import summary as loop_summary
+from jgrpo.planning.roofline import Chip, iteration_model_flops, roofline
 
 GIB = 2**30
 
@@ -169,7 +169,7 @@ class Candidate:
 
 def _mesh_candidates(config: Config, chips: int) -> list[tuple[int, int, int]]:
     """The config's mesh, all-FSDP, and FSDP x tensor=2 / data=2 splits where they divide the chips."""
-    from jgrpo.mesh import mesh_shape
+    from jgrpo.parallel.mesh import mesh_shape
 
     meshes = [mesh_shape(config.mesh, chips), (1, chips, 1)]
     if chips % 2 == 0 and chips > 2:

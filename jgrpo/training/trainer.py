@@ -3,10 +3,10 @@
     behaviour <- current <- init ; reference <- init            (reference only when beta > 0)
     for iteration k = 0, 1, ...:
       if k % v == 0: behaviour <- current                        the only weight sync (v = 1: no copy; adaptive
-                                                                  v: when Theorem 1 says so, jgrpo.behaviour_refresh)
+                                                                  v: when Theorem 1 says so, jgrpo.rl.behaviour_refresh)
       prompts <- next batch of B (a new epoch first swaps the reference when grpo.swap_reference)
       completions, lp_alpha <- sample(behaviour, prompts, G each)    (jitted, SAMPLE_RULES layout; with
-                                  rollout.mode=window, at the refresh for all v iterations: jgrpo.rollout_source)
+                                  rollout.mode=window, at the refresh for all v iterations: jgrpo.rollout.sources)
       rewards <- verifiable reward (host)       (dynamic sampling: more prompts for groups with signal)
       A <- group advantages (device)
       lp_ref <- logprobs(reference) if beta > 0 ; lp_k <- logprobs(current) if the ratio mode needs it
@@ -27,16 +27,14 @@ import jax
 import jax.numpy as jnp
 from etils import epath
 
-from jgrpo.checkpoint import Checkpointer, PreemptionFlag, RunCounters, TrainState, latest_data_state
 from jgrpo.config import Config, ConfigError
-from jgrpo.config_loading import to_dict
+from jgrpo.config.loading import to_dict
 from jgrpo.data import build_prompt_iterator, pad_id_for
-from jgrpo.dynamic_sampling import Round, fill_batch
-from jgrpo.evaluator import Evaluator
-from jgrpo.fingerprint import fingerprint
-from jgrpo.frozen_base import FrozenBase
-from jgrpo.host_arrays import to_global_rows
-from jgrpo.mesh import (
+from jgrpo.models.attention_backends import resolve_attention
+from jgrpo.models.frozen_base import FrozenBase
+from jgrpo.models.hf import load_model, load_tokenizer
+from jgrpo.parallel.host_arrays import to_global_rows
+from jgrpo.parallel.mesh import (
     SAMPLE_RULES,
     TRAIN_RULES,
     make_meshes,
@@ -45,18 +43,20 @@ from jgrpo.mesh import (
     replicated_key,
     row_sharding,
 )
-from jgrpo.metrics import MetricsLogger
-from jgrpo.models.attention_backends import resolve_attention
-from jgrpo.models.hf import load_model, load_tokenizer
-from jgrpo.optim import learning_rate_schedule, make_optimizer
-from jgrpo.preflight import check_before_loading
 from jgrpo.rewards import RewardScorer
-from jgrpo.rollout_source import DataExhausted, RolloutSource, sample_root
-from jgrpo.sampler import stop_ids_for
-from jgrpo.sampling_methods import SamplingMethod
-from jgrpo.sampling_policy import SamplingPolicy
-from jgrpo.train_step import StepFunctions
-from jgrpo.trainer_metrics import count_updates, iteration_metrics, sample_dump
+from jgrpo.rollout.dynamic_sampling import Round, fill_batch
+from jgrpo.rollout.evaluator import Evaluator
+from jgrpo.rollout.sampling_weights import SamplingPolicy
+from jgrpo.rollout.sources import DataExhausted, RolloutSource, sample_root
+from jgrpo.sampling.methods import SamplingMethod
+from jgrpo.sampling.sampler import stop_ids_for
+from jgrpo.training.checkpoint import Checkpointer, PreemptionFlag, RunCounters, TrainState, latest_data_state
+from jgrpo.training.fingerprint import fingerprint
+from jgrpo.training.iteration_record import count_updates, iteration_metrics, sample_dump
+from jgrpo.training.metrics_log import MetricsLogger
+from jgrpo.training.optimizer import learning_rate_schedule, make_optimizer
+from jgrpo.training.preflight import check_before_loading
+from jgrpo.training.steps import StepFunctions
 
 log = logging.getLogger(__name__)
 

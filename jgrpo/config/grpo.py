@@ -1,4 +1,4 @@
-"""The `grpo` section of the run configuration (jgrpo/config.py): the objective and the loop shape of
+"""The `grpo` section of the run configuration (jgrpo/config/sections.py): the objective and the loop shape of
 docs/algorithm.md, every variant a switch."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from jgrpo.config_errors import check as _check
+from jgrpo.config.errors import check as _check
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -18,9 +18,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jgrpo.advantages import GroupAdvantages
 from jgrpo.config import GRPOConfig
-from jgrpo.corrections import (
+from jgrpo.rl.advantages import GroupAdvantages
+from jgrpo.rl.corrections import (
     LOG_RATIO_LIMIT,
     log_ratio,
     masked_is_drop,
@@ -28,7 +28,7 @@ from jgrpo.corrections import (
     off_policy_sequence_mask,
     truncated_is_weight,
 )
-from jgrpo.diagnostics import loss_metrics
+from jgrpo.rl.diagnostics import loss_metrics
 
 
 class StepNorm(NamedTuple):

@@ -13,10 +13,10 @@ import uuid
 from pathlib import Path
 
 from jgrpo.config import Config, ConfigError
-from jgrpo.config_errors import PathError
+from jgrpo.config.errors import PathError
 from jgrpo.data.pipeline import BUILTIN_TASKS
 from jgrpo.data.sources import locate
-from jgrpo.mesh import make_meshes
+from jgrpo.parallel.mesh import make_meshes
 from jgrpo.rewards.registry import get_reward, reward_path
 
 

@@ -1,6 +1,6 @@
 """The sampler's jitted program: one prefill, then decode over a pool of slots that are refilled as rows stop.
 
-`jgrpo.sampler.generate` validates and lays out the inputs; this module is what runs on the device:
+`jgrpo.sampling.sampler.generate` validates and lays out the inputs; this module is what runs on the device:
 
 1. prefill: the B prompts (left-padded) run once through the model; their keys/values are the prompt store
    [L, B, KVH, P, Dh] and their last logits give every row's first token, so a prompt is never prefilled G times;

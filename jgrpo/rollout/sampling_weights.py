@@ -5,7 +5,7 @@
 - v > 1 or adaptive: the behaviour copy, refreshed when `behaviour_refresh.RefreshPolicy` says so (docs/algorithm.md
   §5 and §14): behaviour <- current is the only weight sync;
 - `rollout.mode: async`: versions of the current params published to the producer thread every
-  `rollout.publish_every` iterations (`jgrpo.async_rollouts`); the batches come from its queue.
+  `rollout.publish_every` iterations (`jgrpo.rollout.async_producer`); the batches come from its queue.
 
 With `mesh.rollout_devices` the sampling layout lies on the sampler's sub-mesh, so every refresh or publish
 is one copy across sub-meshes (`time/weight_sync`).
@@ -19,10 +19,10 @@ import time
 import jax
 import jax.numpy as jnp
 
-from jgrpo.async_rollouts import AsyncRollouts
-from jgrpo.behaviour_refresh import RefreshPolicy
-from jgrpo.mesh import SAMPLE_RULES, logical_shardings, param_copier
 from jgrpo.models.llm import param_logical_axes
+from jgrpo.parallel.mesh import SAMPLE_RULES, logical_shardings, param_copier
+from jgrpo.rl.behaviour_refresh import RefreshPolicy
+from jgrpo.rollout.async_producer import AsyncRollouts
 
 log = logging.getLogger(__name__)
 

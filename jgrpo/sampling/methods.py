@@ -20,7 +20,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jgrpo.platform_defaults import resolve
+from jgrpo.parallel.platform_defaults import resolve
 
 DRAWS = ("inverse_cdf", "gumbel", "categorical")
 # What `sampler.draw: auto` picks by platform (reasons: docs/configuration.md).

@@ -15,9 +15,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jgrpo.mesh import SAMPLE_RULES, logical_shardings, param_copier
 from jgrpo.models.llm import param_logical_axes
 from jgrpo.models.lora import join_adapters, split_adapters
+from jgrpo.parallel.mesh import SAMPLE_RULES, logical_shardings, param_copier
 
 
 def sample_layout(base: dict, mesh, weights_dtype: str, rules=SAMPLE_RULES) -> tuple[dict, str | None] | None:

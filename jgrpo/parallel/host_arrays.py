@@ -11,7 +11,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from jgrpo.mesh import Rules, row_sharding
+from jgrpo.parallel.mesh import Rules, row_sharding
 
 
 def to_global_rows(local: np.ndarray, mesh: Mesh, rules: Rules, global_rows: int) -> jax.Array:

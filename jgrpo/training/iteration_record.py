@@ -35,10 +35,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jgrpo.diagnostics import MEAN_COUNTS, extreme_kind
-from jgrpo.host_arrays import global_sum
+from jgrpo.parallel.host_arrays import global_sum
+from jgrpo.rl.diagnostics import MEAN_COUNTS, extreme_kind
 
-log = logging.getLogger("jgrpo.trainer")  # the trainer's log: these lines are its warnings
+log = logging.getLogger("jgrpo.training.trainer")  # the trainer's log: these lines are its warnings
 
 _SECTIONS = {
     "kl_mean": "kl/mean",

@@ -21,26 +21,19 @@ import dataclasses
 import math
 import os
 
-from jgrpo import tpu_attached  # noqa: E402 - its import settles JAX_PLATFORMS before jax is imported
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
 
-# Planning compiles for a TPU that is not here: never let jax try to initialise one. Without a TPU, describe
-# this host to libtpu so that loading it for the compiler does not print "could not determine TPU worker
-# hostnames / accelerator type" errors (the values only name the local host; the topology is the argument),
-# and let several planners compile at once (no TPU is opened, so libtpu's one-process lock guards nothing).
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-if not tpu_attached():
-    for name, value in (("TPU_SKIP_MDS_QUERY", "1"), ("TPU_WORKER_HOSTNAMES", "localhost"), ("TPU_WORKER_ID", "0"),
-                        ("TPU_ACCELERATOR_TYPE", "v5litepod-8"), ("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")):
-        os.environ.setdefault(name, value)
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-from jax.sharding import Mesh  # noqa: E402
-
-from jgrpo.config import Config, ConfigError  # noqa: E402
-from jgrpo.data import bucketed_length  # noqa: E402
-from jgrpo.frozen_base import sample_layout  # noqa: E402
-from jgrpo.mesh import (  # noqa: E402
+from jgrpo import tpu_attached
+from jgrpo.config import Config, ConfigError
+from jgrpo.data import bucketed_length
+from jgrpo.models.attention_backends import resolve_attention
+from jgrpo.models.frozen_base import sample_layout
+from jgrpo.models.llm import abstract_model, param_logical_axes
+from jgrpo.models.lora import join_adapters, split_adapters
+from jgrpo.models.shapes import model_shapes
+from jgrpo.parallel.mesh import (
     SAMPLE_RULES,
     TRAIN_RULES,
     Rules,
@@ -51,26 +44,37 @@ from jgrpo.mesh import (  # noqa: E402
     replicated,
     row_sharding,
 )
-from jgrpo.models.attention_backends import resolve_attention  # noqa: E402
-from jgrpo.models.llm import abstract_model, param_logical_axes  # noqa: E402
-from jgrpo.models.lora import join_adapters, split_adapters  # noqa: E402
-from jgrpo.models.shapes import model_shapes  # noqa: E402
-from jgrpo.optim import make_optimizer  # noqa: E402
-from jgrpo.roofline import CHIPS, Chip  # noqa: E402
-from jgrpo.sampler import decode_options, lower_generate  # noqa: E402
-from jgrpo.sampling_methods import SamplingMethod  # noqa: E402
-from jgrpo.train_step import StepFunctions, lp_k_source  # noqa: E402
+from jgrpo.planning.roofline import CHIPS, Chip
+from jgrpo.sampling.methods import SamplingMethod
+from jgrpo.sampling.sampler import decode_options, lower_generate
+from jgrpo.training.optimizer import make_optimizer
+from jgrpo.training.steps import StepFunctions, lp_k_source
 
 # Topologies checked on this project's machines (a name is "<chip>:<AxB[xC]>").
 EXAMPLE_TOPOLOGIES = ("v5e:2x4", "v5p:2x2x2", "v6e:2x4", "v4:2x2x1")
 
 
+def describe_host_to_libtpu() -> None:
+    """Before libtpu loads for the compiler on a machine without a TPU: describe this host to it, so loading it
+    prints no "could not determine TPU worker hostnames / accelerator type" errors (the values only name the local
+    host; the topology is the argument), and let several planners compile at once (no TPU is opened, so libtpu's
+    one-process lock guards nothing). Values the user set win. A function, not an import side effect: importing
+    the planner on a TPU VM must leave that VM's environment alone.
+    """
+    if tpu_attached():
+        return
+    for name, value in (("TPU_SKIP_MDS_QUERY", "1"), ("TPU_WORKER_HOSTNAMES", "localhost"), ("TPU_WORKER_ID", "0"),
+                        ("TPU_ACCELERATOR_TYPE", "v5litepod-8"), ("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")):
+        os.environ.setdefault(name, value)
+
+
 def topology_devices(name: str) -> tuple[list, Chip]:
-    """The devices of TPU topology `name` (deviceless) and its chip, or a ValueError naming the choices."""
+    """The devices of TPU topology `name` (deviceless) and its chip, or a ConfigError naming the choices."""
     chip_name = name.split(":", 1)[0]
     if ":" not in name or chip_name not in CHIPS:
         raise ConfigError(f"unknown TPU topology '{name}': use <chip>:<shape> with chip one of {sorted(CHIPS)}, "
                          f"e.g. {', '.join(EXAMPLE_TOPOLOGIES)}")
+    describe_host_to_libtpu()
     try:
         from jax.experimental import topologies
 
@@ -115,7 +119,7 @@ class AbstractRun:
     sample_params: dict  # sampling layout
     opt_state: object
     steps: StepFunctions
-    base: dict | None = None  # LoRA's frozen base, training layout (`jgrpo.frozen_base`)
+    base: dict | None = None  # LoRA's frozen base, training layout (`jgrpo.models.frozen_base`)
     sample_base: dict | None = None  # and its sampling-layout copy, only where that layout or dtype differs
 
     def whole(self, sample: bool = False) -> dict:

@@ -25,18 +25,26 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding
 
-from jgrpo.advantages import GroupAdvantages, group_advantages
 from jgrpo.config import GRPOConfig
-from jgrpo.corrections import m2po_drop
-from jgrpo.diagnostics import extreme_kind, finalize_metrics
-from jgrpo.logprobs import token_logprobs
-from jgrpo.mesh import TRAIN_RULES, Rules, logical_shardings, logical_to_spec, param_copier, replicated, row_sharding
 from jgrpo.models.attention_backends import mesh_context
 from jgrpo.models.llm import abstract_model, merge_model, model_config, param_logical_axes, position_ids_from_mask
 from jgrpo.models.lora import is_adapter, join_adapters, without_lora
 from jgrpo.models.shared_prompt import forward_shared_prompts
-from jgrpo.objectives import grpo_loss, step_has_signal, step_normaliser
-from jgrpo.sampling_methods import SamplingMethod
+from jgrpo.parallel.mesh import (
+    TRAIN_RULES,
+    Rules,
+    logical_shardings,
+    logical_to_spec,
+    param_copier,
+    replicated,
+    row_sharding,
+)
+from jgrpo.rl.advantages import GroupAdvantages, group_advantages
+from jgrpo.rl.corrections import m2po_drop
+from jgrpo.rl.diagnostics import extreme_kind, finalize_metrics
+from jgrpo.rl.logprobs import token_logprobs
+from jgrpo.rl.objectives import grpo_loss, step_has_signal, step_normaliser
+from jgrpo.sampling.methods import SamplingMethod
 
 # Where lp_k (log-probs at the start of the iteration) comes from after the first update of an iteration
 # (at the first update it is always stop_gradient(lp): the params are still pi_k).
@@ -116,7 +124,7 @@ class StepFunctions:
                  reward_weights: tuple[float, ...] | None = None, frozen: dict | None = None,
                  on_policy: bool | None = None):
         """`params` are what trains (with LoRA the adapters only); `frozen` is the LoRA base, passed to every
-        program that runs the model (`jgrpo.frozen_base`), never trained, donated or copied."""
+        program that runs the model (`jgrpo.models.frozen_base`), never trained, donated or copied."""
         self.graphdef, self.mesh, self.grpo, self.optimizer = graphdef, mesh, grpo, optimizer
         self.reward_weights = reward_weights  # of the reward table's columns (per-reward advantages only)
         self.method, self.chunk, self.new_tokens = method, logprob_chunk, new_tokens

@@ -1,7 +1,7 @@
 """Typed, frozen run configuration: one dataclass per section, each field with its type, default and checks.
 
 Loading (defaults <- YAML file <- dotted CLI overrides, every value coerced to its field's type) is
-`jgrpo.config_loading`; docs/configuration.md lists every field (`jgrpo.config_docs`).
+`jgrpo.config.loading`; docs/configuration.md lists every field (`jgrpo.config.docs`).
 """
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from jgrpo.config_errors import ConfigError  # noqa: F401 - re-exported: callers import it from jgrpo.config
-from jgrpo.config_errors import check as _check
-from jgrpo.config_grpo import GRPOConfig  # the grpo section lives in its own file; importable from here too
+from jgrpo.config.errors import ConfigError  # noqa: F401 - re-exported: callers import it from jgrpo.config
+from jgrpo.config.errors import check as _check
+from jgrpo.config.grpo import GRPOConfig  # the grpo section lives in its own file; importable from here too
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -123,7 +123,7 @@ class SamplerConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RolloutConfig:
-    """Where each iteration's samples come from (jgrpo/rollout_source.py)."""
+    """Where each iteration's samples come from (jgrpo/rollout/sources.py)."""
 
     # sync: sample each iteration's batch when the trainer reaches it. window: at each behaviour refresh, sample
     # the batches of the v iterations that behaviour serves together in one slot pool (sampler.slots; default
@@ -131,7 +131,7 @@ class RolloutConfig:
     # dynamic sampling.
     # async: a producer thread keeps sampling with the newest published params while the trainer trains; each
     # batch carries the version (iteration) of the params that sampled it, and its staleness when trained is at
-    # most max_staleness (grpo.behaviour_refresh does not apply: leave it at 1). jgrpo/async_rollouts.py.
+    # most max_staleness (grpo.behaviour_refresh does not apply: leave it at 1). jgrpo/rollout/async_producer.py.
     mode: Literal["sync", "window", "async"] = "sync"
     # async: the trainer publishes its params to the producer after every this many iterations.
     publish_every: int = 1

@@ -1,8 +1,8 @@
-"""The field reference of docs/configuration.md, generated from jgrpo/config.py: every field with its type, default
-and the comments written beside it in the source. A test keeps the page equal to this output, so it cannot go
-stale; regenerate after changing a config field:
+"""The field reference of docs/configuration.md, generated from jgrpo/config/sections.py: every field with its
+type, default and the comments written beside it in the source. A test keeps the page equal to this output, so it
+cannot go stale; regenerate after changing a config field:
 
-    python -m jgrpo.config_docs          # rewrites the table between the markers of docs/configuration.md
+    python -m jgrpo.config.docs          # rewrites the table between the markers of docs/configuration.md
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 
 from jgrpo.config import Config
 
-PAGE = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 BEGIN, END = "<!-- fields:begin -->", "<!-- fields:end -->"
 _FIELD = re.compile(r"^    (\w+): (.+?)(?: = (.+?))?(?:\s+# (.*))?$")
 
@@ -67,7 +67,7 @@ def _rows(prefix: str, cls) -> list[str]:
 
 
 def render() -> str:
-    """The markdown table of every field of every section, in the order of jgrpo/config.py."""
+    """The markdown table of every field of every section, in the order of jgrpo/config/sections.py."""
     lines = []
     for section in dataclasses.fields(Config):
         lines += [f"### `{section.name}`", "", "| field | values | default | meaning |", "|---|---|---|---|"]
