@@ -14,7 +14,7 @@ tests/test_golden_run.py holds a recorded run (`--write-golden`) to tolerances f
 
     python scripts/compare_with_commit.py HEAD~3                 # this tree against three commits back
     python scripts/compare_with_commit.py REV --modes sync_v1 lora
-    python scripts/compare_with_commit.py REV --write-golden tests/data/golden_run.json   # record REV's run
+    python scripts/compare_with_commit.py REV --write-golden tests/testdata/golden_run.json   # record REV's run
 """
 
 from __future__ import annotations
@@ -131,8 +131,10 @@ def run_recorder(checkout: Path, modes: list[str], out: Path, env: dict | None =
         raise RuntimeError(f"recording in {checkout} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
 
 
-def differences(ours: dict, theirs: dict, rtol: float = 0.0) -> list[str]:
-    """What differs between two recordings of one mode; floats within `rtol` count as equal (0: exactly)."""
+def differences(ours: dict, theirs: dict, rtol: float = 0.0, atol: float = 0.0,
+                atol_by_key: dict[str, float] | None = None) -> list[str]:
+    """What differs between two recordings of one mode; floats within `rtol` relative or `atol` absolute (for a
+    metric named in `atol_by_key`, that one) count as equal (all 0: exactly)."""
     import math
 
     found = []
@@ -142,16 +144,18 @@ def differences(ours: dict, theirs: dict, rtol: float = 0.0) -> list[str]:
         found.append(f"token ids differ (first at update {first}; {len(ours['tokens'])} vs "
                      f"{len(theirs['tokens'])} updates)")
 
-    def close(a, b) -> bool:
+    def close(a, b, key: str = "") -> bool:
         if isinstance(a, float) and isinstance(b, float | int) or isinstance(b, float) and isinstance(a, int):
-            return a == b or (math.isnan(a) and math.isnan(b)) or abs(a - b) <= rtol * max(abs(a), abs(b))
+            floor = (atol_by_key or {}).get(key, atol)
+            return (a == b or (math.isnan(a) and math.isnan(b))
+                    or abs(a - b) <= max(rtol * max(abs(a), abs(b)), floor))
         return a == b
 
     if len(ours["metrics"]) != len(theirs["metrics"]):
         found.append(f"{len(ours['metrics'])} vs {len(theirs['metrics'])} metric records")
     for i, (a, b) in enumerate(zip(ours["metrics"], theirs["metrics"], strict=False)):
         for key in sorted(set(a) | set(b)):
-            if key not in a or key not in b or not close(a[key], b[key]):
+            if key not in a or key not in b or not close(a[key], b[key], key):
                 found.append(f"iteration {a.get('iteration', i)} {key}: {a.get(key)!r} vs {b.get(key)!r}")
     if rtol == 0 and ours["params"]["sha256"] != theirs["params"]["sha256"]:
         found.append("final params differ (sha256 of every leaf's bytes)")

@@ -4,7 +4,7 @@ One persistent XLA compilation cache serves the whole run: the xdist workers and
 processes tests start (they inherit the variable) compile many of the same programs (the tiny config's sampler
 and steps, test after test). Compiling is ~60% of the suite's CPU time; measured on the 2-core machine, the
 shared cache hit ~900 of ~1,700 cacheable compiles and saved ~450 s of compiling (2387 -> 2117 s for the suite).
-A cache hit still counts as a compile for tests/test_recompile.py (jax reports both as a backend compile).
+A cache hit still counts as a compile for tests/training/test_recompile.py (jax reports both as a backend compile).
 The directory is made here (in the xdist controller, before the workers start) and removed when the run ends.
 """
 
@@ -30,6 +30,23 @@ jax.config.update("jax_default_matmul_precision", "highest")
 @pytest.fixture(scope="session")
 def devices():
     return jax.devices()
+
+
+@pytest.fixture(scope="module")
+def compile_counter():
+    """Counts XLA compilations while `.active` (tests/helpers.py)."""
+    from tests.helpers import CompileCounter
+
+    return CompileCounter()
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    """(graphdef, params) of the sampler tests' tiny Llama (tests/helpers_models.py), built once per module."""
+    from tests.helpers_models import sampler_model
+
+    _, (graphdef, params, _) = sampler_model("llama", tmp_path_factory.mktemp("llama-only"))
+    return graphdef, params
 
 
 def pytest_unconfigure(config):

@@ -115,3 +115,53 @@ def hf_logits(model, tokens: np.ndarray, mask: np.ndarray) -> np.ndarray:
             position_ids=torch.as_tensor(positions_from_mask(mask), dtype=torch.long),
         )
     return out.logits.float().numpy()
+
+
+def jgrpo_logits(graphdef, params, tokens, mask):
+    """jgrpo's logits [B, T, V] for a left-padded batch, to hold against `hf_logits`."""
+    import jax.numpy as jnp
+
+    from jgrpo.models.llm import forward, merge_model, position_ids_from_mask
+
+    tokens, mask = jnp.asarray(tokens), jnp.asarray(mask)
+    hidden, _ = forward(graphdef, params, tokens, position_ids_from_mask(mask), mask)
+    return np.asarray(merge_model(graphdef, params).logits(hidden))
+
+
+# ------------------------------------------------------------------ the sampler tests' tiny models
+
+SAMPLER_VOCAB = 96
+SAMPLER_PROMPTS = [[5, 17, 33, 2, 41], [7, 8], [90, 12, 55, 61, 3, 19, 23, 4, 70], [11]]  # different lengths
+SAMPLER_SEEDS = {"llama": 0, "qwen2": 1, "qwen3": 2}
+
+
+def sampler_hf_config(family: str):
+    common = dict(
+        vocab_size=SAMPLER_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=10000.0,
+        # A wide init makes logits decisive: greedy argmax gaps far above float32 noise.
+        initializer_range=0.3, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+    if family == "llama":
+        return transformers.LlamaConfig(**common, tie_word_embeddings=True)
+    if family == "qwen2":
+        return transformers.Qwen2Config(**common, tie_word_embeddings=False, use_sliding_window=False)
+    return transformers.Qwen3Config(**common, head_dim=16, tie_word_embeddings=False, use_sliding_window=False)
+
+
+def sampler_model(family: str, directory: Path):
+    """(torch model, (graphdef, params, cfg)) of one family with transformers' init, the same weights on both
+    sides (saved in `directory` and loaded by jgrpo)."""
+    from jgrpo.models.hf import load_model
+
+    torch.manual_seed(SAMPLER_SEEDS[family])
+    hf_model = transformers.AutoModelForCausalLM.from_config(sampler_hf_config(family)).eval()
+    hf_model.save_pretrained(directory)
+    return hf_model, load_model(str(directory))
+
+
+def sampler_prompts(bucket: int = 4):
+    """SAMPLER_PROMPTS left-padded (pad id 0) to a multiple of `bucket`: (tokens, mask)."""
+    from jgrpo.data.prompts import left_pad
+
+    return left_pad(SAMPLER_PROMPTS, pad_id=0, bucket=bucket)

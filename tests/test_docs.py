@@ -33,11 +33,12 @@ def test_nothing_cites_a_document_outside_the_repository():
     assert citing == [], citing
 
 
-CITED_PATH = re.compile(r"(?<![\w./~-])(jgrpo/(?:\w+/)*(?:\w+\.py|))(?![\w/])")
+CITED_PATH = re.compile(r"(?<![\w./~-])((?:jgrpo|tests)/(?:\w+/)*(?:\w+\.py|))(?![\w/])")
 
 
-def test_every_cited_jgrpo_path_exists():
-    """`jgrpo/...` file and folder paths in the docs, the README and every source file (comments, docstrings)."""
+def test_every_cited_path_exists():
+    """`jgrpo/...` and `tests/...` file and folder paths in the docs, the README and every source file (comments,
+    docstrings)."""
     pages = [ROOT / "README.md", *(ROOT / "docs").rglob("*.md")]
     sources = [p for pattern in ("*.py", "*.sh", "*.yaml") for p in ROOT.rglob(pattern)
                if not {".git", "runs", "wheels", "results"} & set(p.relative_to(ROOT).parts) and p != Path(__file__)]

@@ -1,11 +1,10 @@
 """Grouped-query attention over a whole sequence, with a hand-written backward pass.
 
 Why not plain autodiff: it keeps the [B, KVH, G, T, S] scores, mask and probabilities of every layer
-for the backward pass. Stacked over the layer scan that was five buffers of 637 MB for SmolLM2 at
-16 x 192 tokens (each zero-filled every step, ~0.9 s of a 19.7 s step on one CPU core), and it grows as
-T^2 times the depth. Here the forward saves only q, k, v, the output and two [B, KVH, G, T] softmax
-statistics; the backward recomputes the probabilities from them, as flash attention does. Same numbers
-as the softmax formula (tested against autodiff of it).
+for the backward pass, stacked over the layer scan and zero-filled every step (the cost measured for SmolLM2:
+docs/configuration.md, `model.attention`), and it grows as T^2 times the depth. Here the forward saves only
+q, k, v, the output and two [B, KVH, G, T] softmax statistics; the backward recomputes the probabilities from
+them, as flash attention does. Same numbers as the softmax formula (tested against autodiff of it).
 """
 
 from __future__ import annotations

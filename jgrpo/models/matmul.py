@@ -11,8 +11,8 @@ def dense(x: jax.Array, w: jax.Array, contract: int = 1) -> jax.Array:
     """x [..., *in] times w [*in, *out], with `in` the last `contract` dims of x, as one 2-D matmul.
 
     Same numbers as the einsum, but XLA:CPU runs a [rows, in] x [in, out] dot (and its two gradient dots)
-    much faster than a batched einsum over [B, T, ...] (measured on SmolLM2's MLP at 16 x 192: forward
-    90 -> 68 ms, forward + backward 389 -> 281 ms); merging leading dims keeps any sharding of B or heads.
+    faster than a batched einsum over [B, T, ...] (measured: docs/benchmarks.md#training-step); merging leading
+    dims keeps any sharding of B or heads.
     """
     lead, inner = x.shape[: x.ndim - contract], w.shape[:contract]
     size = math.prod(inner)

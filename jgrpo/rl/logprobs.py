@@ -66,8 +66,8 @@ def token_logprobs(
     `vocab_parallel` = (unembedding sharding, logits sharding): shard the vocabulary over the model axes
     (Megatron's vocab-parallel cross-entropy): each chip projects every row onto its slice of the vocabulary
     and the softmax reductions exchange [B, chunk] partial sums. Without it, an unembedding sharded along D
-    (FSDP) makes XLA all-reduce whole [B, chunk, V] logits per chunk (measured on a v5e-8 for Qwen2.5-0.5B:
-    17.5 GB per chip per log-prob pass).
+    (FSDP) makes XLA all-reduce whole [B, chunk, V] logits per chunk (the bytes, compiled for a v5e-8:
+    docs/tpu_plans.md).
     """
     if hidden.ndim != 3:
         raise ValueError(f"hidden must be [B, T, D], got shape {hidden.shape}")

@@ -203,7 +203,8 @@ def _argmax(x: jax.Array) -> jax.Array:
     """First index of the maximum over the last axis, as int32.
 
     Same result as jnp.argmax, but two plain reductions: XLA:CPU lowers argmax to a variadic
-    reduce that is ~10x slower over a 50k vocabulary, and the decode loop calls this every token.
+    reduce that is much slower over a 50k vocabulary (docs/benchmarks.md#sampler), and the decode loop calls
+    this every token.
     """
     vocab = x.shape[-1]
     iota = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
@@ -251,7 +252,8 @@ def _categorical(key: jax.Array, logprobs: jax.Array) -> jax.Array:
 
     Inverse-CDF sampling with one uniform per row, exact up to float32 rounding (like
     torch.multinomial). It replaces jax.random.categorical's Gumbel-max trick, which needs V random
-    numbers per row: on CPU that costs ~50x more than the model's logits matmul leaves to spare.
+    numbers per row: on CPU that costs far more than the model's logits matmul leaves to spare
+    (docs/configuration.md, `sampler.draw`).
     The CDF is walked in two levels (block sums, then one block) so no length-V cumsum is needed.
     A token of probability 0 (-inf) is never returned: it adds nothing to any cumulative sum.
     """

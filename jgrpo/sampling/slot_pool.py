@@ -29,7 +29,7 @@ The rounding is not the same (a step's matmuls see S rows instead of R; a refill
 in the ring, so its attention sums in another order): on SmolLM2 log-probs differ by ~1e-5, and over many
 tokens at temperature 1 a draw within rounding of a boundary can flip and the row go its own way, as static
 batching does at another batch size. Tested: identical on the tiny model, and on SmolLM2 the trainer's
-log-probs of the tokens, with most rows identical to static (tests/test_sampler_smollm2.py).
+log-probs of the tokens, with most rows identical to static (tests/sampling/test_sampler_smollm2.py).
 """
 
 from __future__ import annotations

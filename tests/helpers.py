@@ -1,0 +1,87 @@
+"""What many tests share: the tiny config builder, test rewards, a compile counter, reference attention.
+
+Imported as `from tests.helpers import ...` (the repository root is on sys.path: pytest's `pythonpath`, and the
+current directory of the subprocesses tests start). The rewards are imported by path in reward worker
+processes ("tests.helpers:space_fraction"), so this module imports nothing heavy at the top.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TESTDATA = ROOT / "tests" / "testdata"
+TINY_YAML = ROOT / "configs" / "tiny.yaml"
+
+SPACE_REWARD = "reward.functions=[tests.helpers:space_fraction]"
+PARITY_REWARD = "reward.functions=[tests.helpers:length_parity]"
+EVEN_PARITY_REWARD = "reward.functions=[tests.helpers:parity_on_even_answers]"
+QUIET = ["checkpoint.every=0", "logging.samples_every=0"]  # no checkpoint writes, no sample dumps
+
+
+def tiny_config(run_dir=None, *overrides: str, reward: str | None = SPACE_REWARD):
+    """configs/tiny.yaml (a tiny random Llama on 1-digit addition) for a run in `run_dir`, scored by `reward`
+    (a `reward.functions=[...]` override; None keeps tiny.yaml's), then `overrides`."""
+    from jgrpo.config.loading import load_config
+
+    head = ([f"run.output_dir={run_dir}"] if run_dir is not None else []) + ([reward] if reward else [])
+    return load_config(TINY_YAML, [*head, *overrides])
+
+
+# ------------------------------------------------------------------ rewards a tiny random model can learn
+
+
+def space_fraction(prompt: str, completion: str, reference: dict) -> float:
+    """Fraction of the completion's characters that are spaces; 0 for an empty completion.
+
+    Random text from a random model scores ~0.1-0.2 with real spread inside a group (GRPO needs variance),
+    and a policy can push it up just by preferring space-led tokens: trivially learnable.
+    """
+    return completion.count(" ") / len(completion) if completion else 0.0
+
+
+def length_parity(prompt: str, completion: str, reference: dict) -> float:
+    """1 when the completion has an odd number of characters: random text gives real variance in every group."""
+    return float(len(completion) % 2)
+
+
+def parity_on_even_answers(prompt: str, completion: str, reference: dict) -> float:
+    """`length_parity` where the reference answer is even, 0 elsewhere: about half the groups have no variance."""
+    return float(len(completion) % 2) if int(reference["answer"]) % 2 == 0 else 0.0
+
+
+# ------------------------------------------------------------------ compiles
+
+
+class CompileCounter:
+    """Counts XLA compilations (backend compiles, persistent-cache hits included) while active."""
+
+    def __init__(self):
+        import jax
+
+        self.count = 0
+        self.active = False
+        jax.monitoring.register_event_duration_secs_listener(self._on_event)
+
+    def _on_event(self, event, duration, **kwargs):
+        if self.active and event == "/jax/core/compile/backend_compile_duration":
+            self.count += 1
+
+
+# ------------------------------------------------------------------ attention by the formula
+
+
+def reference_attention(q, k, v, allowed):
+    """softmax(q k^T / sqrt(d)) v, written out, masked by `allowed`: q [B, T, H, D], k/v [B, S, K, D] (K divides H),
+    allowed [B, T, S] bool; a query with nothing allowed gets the mean of v. The formula every attention
+    implementation is tested against."""
+    import jax
+    import jax.numpy as jnp
+
+    B, T, H, Dh = q.shape
+    KVH = k.shape[2]
+    q = q.reshape(B, T, KVH, H // KVH, Dh)
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k) * Dh**-0.5
+    scores = jnp.where(allowed[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    out = jnp.einsum("bkgts,bskd->btkgd", jax.nn.softmax(scores, axis=-1), v)
+    return out.reshape(B, T, H, Dh)

@@ -1,0 +1,110 @@
+"""Every `model.attention` implementation that runs on a CPU equals the plain softmax formula (values and
+gradients, at the queries the model uses), alone, inside the model and on the 8-device mesh; `auto` resolves by
+platform. (`cudnn` runs on NVIDIA GPUs only: benchmarks/accelerator.py exercises it there.)"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jgrpo.config import ConfigError, MeshConfig
+from jgrpo.config.loading import load_config
+from jgrpo.models.attention_backends import causal_attention, mesh_context, resolve_attention
+from jgrpo.models.llm import LLM, LLMConfig, merge_model, position_ids_from_mask, split_model
+from jgrpo.parallel.mesh import make_mesh
+from tests.helpers import reference_attention
+
+ON_CPU = ("custom", "xla", "splash")  # splash in Pallas interpret mode
+
+
+def _inputs(T, S, heads=4, kv_heads=2, Dh=16, seed=0):
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.normal(size=(3, T, heads, Dh)), jnp.float32)
+    k, v = (jnp.asarray(rng.normal(size=(3, S, kv_heads, Dh)), jnp.float32) for _ in range(2))
+    # Left padding of 0, 2 and 5 slots, and (queries past S - T) completions that stop early.
+    kv_valid = np.arange(S)[None, :] >= np.array([[0], [2], [5]])
+    if S > T:
+        kv_valid &= np.arange(S)[None, :] < S - np.array([[0], [3], [1]])
+    allowed = (np.arange(S)[None, :] <= np.arange(T)[:, None] + S - T)[None] & kv_valid[:, None, :]
+    return q, k, v, jnp.asarray(kv_valid), jnp.asarray(allowed), kv_valid[:, S - T:]
+
+
+@pytest.mark.parametrize("implementation", ON_CPU)
+@pytest.mark.parametrize(("T", "S"), [(9, 9), (6, 13), (130, 194)], ids=["self", "prompt_then_causal", "padded"])
+def test_values_and_gradients_match_the_softmax_formula(implementation, T, S):
+    q, k, v, kv_valid, allowed, q_valid = _inputs(T, S)
+    weights = jnp.asarray(np.random.default_rng(1).normal(size=q.shape) * q_valid[..., None, None], jnp.float32)
+
+    def loss(fn):
+        return lambda q, k, v: jnp.sum(fn(q, k, v) * weights)
+
+    ours = jax.jit(lambda q, k, v: causal_attention(implementation, q, k, v, kv_valid))
+    reference = lambda q, k, v: reference_attention(q, k, v, allowed)  # noqa: E731
+    out = ours(q, k, v)
+    assert bool(jnp.all(jnp.isfinite(out)))  # padding queries too
+    np.testing.assert_allclose(np.asarray(out)[q_valid], np.asarray(reference(q, k, v))[q_valid], atol=2e-6)
+    grads = jax.jit(jax.grad(loss(ours), argnums=(0, 1, 2)))(q, k, v)
+    expected = jax.grad(loss(reference), argnums=(0, 1, 2))(q, k, v)
+    for name, a, b in zip("qkv", grads, expected, strict=True):
+        assert bool(jnp.all(jnp.isfinite(a)))
+        np.testing.assert_allclose(a, b, atol=2e-5, err_msg=f"d{name}")
+
+
+TINY = LLMConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
+                 head_dim=8, qkv_bias=True)
+
+
+def _model_batch():
+    rng = np.random.default_rng(3)
+    tokens = jnp.asarray(rng.integers(0, 64, (4, 11)), jnp.int32)
+    mask = jnp.asarray(np.arange(11)[None, :] >= np.array([[0], [3], [6], [1]]))
+    return tokens, mask, position_ids_from_mask(mask)
+
+
+@pytest.mark.parametrize("implementation", ["xla", "splash"])
+def test_model_forward_and_gradient_equal_the_custom_attention(implementation):
+    graphdef, params = split_model(LLM(TINY, rngs=nnx.Rngs(params=2)))
+    other, _ = split_model(LLM(dataclasses.replace(TINY, attention=implementation), rngs=nnx.Rngs(params=2)))
+    tokens, mask, positions = _model_batch()
+
+    def loss(graphdef):
+        return lambda p: jnp.sum(jnp.where(mask[..., None], merge_model(graphdef, p)(tokens, positions, mask)[0], 0))
+
+    expected = merge_model(graphdef, params)(tokens, positions, mask)[0]
+    got = jax.jit(lambda p: merge_model(other, p)(tokens, positions, mask)[0])(params)
+    np.testing.assert_allclose(np.asarray(got)[mask], np.asarray(expected)[mask], atol=2e-5)
+    g_expected, g_got = jax.grad(loss(graphdef))(params), jax.jit(jax.grad(loss(other)))(params)
+    for a, b in zip(jax.tree.leaves(g_got), jax.tree.leaves(g_expected), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-4 * float(jnp.max(jnp.abs(b))) + 1e-7)
+
+
+def test_splash_on_the_mesh_is_placed_per_device():
+    """Rows over data x fsdp and kv heads over tensor through shard_map (traced in the mesh context)."""
+    mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+    graphdef, params = split_model(LLM(dataclasses.replace(TINY, attention="splash"), rngs=nnx.Rngs(params=2)))
+    custom, _ = split_model(LLM(TINY, rngs=nnx.Rngs(params=2)))
+    tokens, mask, positions = _model_batch()
+    rows = NamedSharding(mesh, PartitionSpec(("data", "fsdp")))
+    placed = [jax.device_put(x, rows) for x in (tokens, mask, positions)]
+    forward = jax.jit(lambda p, t, m, pos: merge_model(graphdef, p)(t, pos, m)[0])
+    with mesh_context("splash", mesh):
+        lowered = forward.lower(params, *placed)
+        got = forward(params, *placed)
+    assert "shard_map" in lowered.as_text() or "sdy.manual_computation" in lowered.as_text()
+    expected = merge_model(custom, params)(tokens, positions, mask)[0]
+    np.testing.assert_allclose(np.asarray(got)[mask], np.asarray(expected)[mask], atol=2e-5)
+
+
+def test_auto_resolves_by_platform_and_bad_choices_are_named():
+    assert [resolve_attention("auto", p) for p in ("cpu", "tpu", "gpu")] == ["custom", "splash", "cudnn"]
+    assert resolve_attention("xla", "tpu") == "xla"
+    with pytest.raises(ValueError, match="model.attention must be auto or one of"):
+        resolve_attention("flash", "cpu")
+    with pytest.raises(ConfigError, match="model.attention"):
+        load_config(None, ["model.attention=flash"])
+    with pytest.raises(ValueError, match="attention must be one of"):
+        dataclasses.replace(TINY, attention="auto")
