@@ -131,8 +131,7 @@ def sampler(rows: int, hbm_bytes_per_s: float, dry: bool) -> dict:
     from jgrpo.config import SamplerConfig
     from jgrpo.models.decode import resolve_decode_layers
     from jgrpo.parallel.mesh import param_copier
-    from jgrpo.sampling.methods import SamplingMethod
-    from jgrpo.sampling.sampler import decode_options, generate
+    from jgrpo.sampling.sampler import Prompts, Sampler
 
     platform = jax.devices()[0].platform
     graphdef, params, cfg = random_model(QWEN, dry)
@@ -141,12 +140,13 @@ def sampler(rows: int, hbm_bytes_per_s: float, dry: bool) -> dict:
     B = max(rows // G, 1)
     tokens = jax.random.randint(jax.random.key(0), (B, P), 3, cfg.vocab_size, jnp.int32)
     mask = jnp.ones((B, P), bool)
-    config = SamplerConfig()  # auto decode choices and draw for this platform
-    method = SamplingMethod.from_config(config, platform)
+    config = SamplerConfig(max_new_tokens=N)  # auto decode choices and draw for this platform
+    sampler = Sampler.from_config(config, graphdef=graphdef, num_samples=G, stop_ids=(), pad_id=0, mesh=None,
+                                  cfg=cfg)
+    method = sampler.method
 
     def run():
-        out = generate(graphdef, params, tokens, mask, num_samples=G, max_new_tokens=N, method=method, stop_ids=(),
-                       key=jax.random.key(1), **decode_options(config))
+        out = sampler.generate(params, Prompts(tokens, mask), jax.random.key(1))
         jax.block_until_ready(out.tokens)
 
     first, seconds = timed(run, 2)

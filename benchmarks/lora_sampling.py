@@ -57,7 +57,7 @@ def main() -> None:
     from jgrpo.models.hf import load_model, load_tokenizer
     from jgrpo.models.llm import abstract_model
     from jgrpo.models.lora import LORA_TARGETS, merge_adapters, split_adapters, without_lora
-    from jgrpo.sampling.sampler import SamplingMethod, generate
+    from jgrpo.sampling.sampler import Prompts, Sampler
 
     tokenizer = load_tokenizer(MODEL)
     graphdef, params, cfg = load_model(MODEL, lora=(args.rank, 2.0 * args.rank, LORA_TARGETS))
@@ -76,8 +76,8 @@ def main() -> None:
         tokens, mask = left_pad(prompts(tokenizer, rows), pad_id=pad_id_for(tokenizer), bucket=PROMPT_WIDTH)
 
         def sample(g, w, rows=rows, new=new, tokens=tokens, mask=mask):
-            return lambda: generate(g, w, tokens, mask, num_samples=1, max_new_tokens=new, method=SamplingMethod(),
-                                    stop_ids=(), pad_id=tokenizer.pad_token_id, key=jax.random.key(0))
+            sampler = Sampler(g, max_new_tokens=new, pad_id=tokenizer.pad_token_id)
+            return lambda: sampler.generate(w, Prompts(tokens, mask), jax.random.key(0))
 
         seconds = {"base": _timed(sample(base_graphdef, base), args.repeats),
                    "unmerged": _timed(sample(graphdef, params), args.repeats),

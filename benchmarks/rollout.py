@@ -84,19 +84,19 @@ def runner(mode: str, *, task: str, prompts: int, samples: int, slots: int, new:
     import jax
 
     from jgrpo.data.prompts import pad_id_for
-    from jgrpo.sampling.sampler import SamplingMethod, generate, stop_ids_for
+    from jgrpo.sampling.sampler import Prompts, Sampler, stop_ids_for
 
     tokenizer, graphdef, params = _model()
     tokens, mask = _prompts(tokenizer, task, prompts)
     stops = () if forced else stop_ids_for(tokenizer)
-    run = functools.partial(generate, graphdef, params, num_samples=samples, max_new_tokens=new,
-                            method=SamplingMethod(temperature=1.0), stop_ids=stops, pad_id=pad_id_for(tokenizer))
+    sampler = Sampler(graphdef, max_new_tokens=new, num_samples=samples, stop_ids=stops, pad_id=pad_id_for(tokenizer))
     per_call = slots // samples  # static: prompts per call, so that a call has `slots` rows
 
     def once(key):
         if mode == "continuous":
-            return [run(tokens, mask, key=key, slots=slots)]
-        return [run(tokens[i:i + per_call], mask[i:i + per_call], key=key, prompt_index=np.arange(i, i + per_call))
+            return [sampler.replace(slots=slots).generate(params, Prompts(tokens, mask), key)]
+        return [sampler.generate(params, Prompts(tokens[i:i + per_call], mask[i:i + per_call],
+                                                 np.arange(i, i + per_call)), key)
                 for i in range(0, prompts, per_call)]
 
     jax.block_until_ready(once(jax.random.key(0)))  # compile

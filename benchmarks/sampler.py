@@ -79,12 +79,15 @@ def bench_jgrpo(rows: int, new: int, seed: int = 0) -> float:
     import jax
 
     from jgrpo.data.prompts import left_pad, pad_id_for
-    from jgrpo.sampling.sampler import SamplingMethod, generate
+    from jgrpo.sampling.sampler import Prompts, Sampler
 
     tokenizer, graphdef, params, _ = _jgrpo_model()
     tokens, mask = left_pad(prompts(tokenizer, rows), pad_id=pad_id_for(tokenizer), bucket=PROMPT_WIDTH)
-    run = functools.partial(generate, graphdef, params, tokens, mask, num_samples=1, max_new_tokens=new,
-                            method=SamplingMethod(), stop_ids=(), pad_id=tokenizer.pad_token_id)
+    sampler = Sampler(graphdef, max_new_tokens=new, pad_id=tokenizer.pad_token_id)  # temperature 1, no stop ids
+
+    def run(key):
+        return sampler.generate(params, Prompts(tokens, mask), key)
+
     jax.block_until_ready(run(key=jax.random.key(seed)))  # compile
     start = time.perf_counter()
     out = jax.block_until_ready(run(key=jax.random.key(seed + 1)))

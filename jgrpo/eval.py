@@ -19,11 +19,13 @@ import jax
 from etils import epath
 
 from jgrpo.config.errors import PathError, exits_on_user_error
+from jgrpo.data.prompts import pad_id_for
 from jgrpo.models.attention_backends import resolve_attention
 from jgrpo.parallel import distributed
 from jgrpo.parallel.mesh import mesh_platform
 from jgrpo.parallel.startup import enable_compilation_cache, setup_logging
 from jgrpo.rollout.evaluator import Evaluator
+from jgrpo.sampling.sampler import Sampler, stop_ids_for
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +77,10 @@ def main(argv: list[str] | None = None) -> int:
     enable_compilation_cache()
     distributed.initialize()
     config, graphdef, params, tokenizer, mesh, source = load_for_eval(args.target, args.overrides, args.step)
-    evaluator = Evaluator(config, graphdef, tokenizer, mesh)
+    sampler = Sampler.from_config(config.sampler, graphdef=graphdef, num_samples=1, mesh=mesh,
+                                  stop_ids=stop_ids_for(tokenizer, config.sampler.stop_token_ids),
+                                  pad_id=pad_id_for(tokenizer))
+    evaluator = Evaluator(config, sampler, tokenizer)
     try:
         metrics = evaluator.evaluate(params)
     finally:

@@ -18,7 +18,7 @@ from jgrpo.config.errors import exits_on_user_error
 from jgrpo.data.prompts import chat_prompt_ids, left_pad, pad_id_for
 from jgrpo.models.attention_backends import resolve_attention
 from jgrpo.models.hf import load_model, load_tokenizer
-from jgrpo.sampling.sampler import SamplingMethod, decode_options, generate, stop_ids_for
+from jgrpo.sampling.sampler import Prompts, Sampler, stop_ids_for
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -49,18 +49,17 @@ def main(argv=None) -> int:
         raise ConfigError(f"--num-samples={args.num_samples} must be >= 1")
     platform = jax.devices()[0].platform
     tokenizer = load_tokenizer(args.model)
-    graphdef, params, _ = load_model(args.model, param_dtype=args.dtype, compute_dtype=args.dtype,
-                                     attention=resolve_attention("auto", platform))
+    graphdef, params, cfg = load_model(args.model, param_dtype=args.dtype, compute_dtype=args.dtype,
+                                       attention=resolve_attention("auto", platform))
     pad_id = pad_id_for(tokenizer)
     stop_ids = stop_ids_for(tokenizer, config.stop_token_ids)
     prompt_ids = [chat_prompt_ids(tokenizer, text, args.system) for text in args.prompt]
     tokens, mask = left_pad(prompt_ids, pad_id=pad_id, bucket=config.prompt_bucket,
                             max_length=args.max_prompt_length)
     start = time.perf_counter()
-    out = generate(graphdef, params, tokens, mask, num_samples=args.num_samples,
-                   max_new_tokens=config.max_new_tokens, method=SamplingMethod.from_config(config, platform),
-                   stop_ids=stop_ids, key=jax.random.key(args.seed), pad_id=pad_id,
-                   **decode_options(config))
+    sampler = Sampler.from_config(config, graphdef=graphdef, num_samples=args.num_samples, stop_ids=stop_ids,
+                                  pad_id=pad_id, mesh=None, cfg=cfg)
+    out = sampler.generate(params, Prompts(tokens, mask), jax.random.key(args.seed))
     out = jax.device_get(out)
     seconds = time.perf_counter() - start
     for row in range(out.tokens.shape[0]):

@@ -85,3 +85,14 @@ def reference_attention(q, k, v, allowed):
     scores = jnp.where(allowed[:, None, None], scores, jnp.finfo(jnp.float32).min)
     out = jnp.einsum("bkgts,bskd->btkgd", jax.nn.softmax(scores, axis=-1), v)
     return out.reshape(B, T, H, Dh)
+
+
+# ------------------------------------------------------------------ sampling in one call
+
+
+def generate(graphdef, params, tokens, mask, *, key, prompt_index=None, **options):
+    """`Sampler(graphdef, **options).generate(params, Prompts(tokens, mask, prompt_index), key)`: the sampler's
+    completions of left-padded prompts, with its options (max_new_tokens, method, num_samples, stop_ids, ...)."""
+    from jgrpo.sampling.sampler import Prompts, Sampler
+
+    return Sampler(graphdef, **options).generate(params, Prompts(tokens, mask, prompt_index), key)

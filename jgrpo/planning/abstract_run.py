@@ -4,7 +4,7 @@
 `abstract_run` builds the run's mesh over them, its params / optimiser state as `jax.ShapeDtypeStruct`s with
 the training and sampling shardings (from the model's shape description, `models.shapes`) and its
 `StepFunctions`; `lower_iteration` lowers one iteration's programs exactly as the trainer calls them, through
-the same public functions (`sampler.lower_generate`, `train_step.StepFunctions`):
+the same public functions (`Sampler.lower`, `StepFunctions`):
 
     sample        the sampler's generate (B prompts x G samples) from the sampling-layout params
     assemble      sampler outputs + rewards -> the step batch and advantages
@@ -46,7 +46,7 @@ from jgrpo.parallel.mesh import (
 )
 from jgrpo.planning.roofline import CHIPS, Chip
 from jgrpo.sampling.methods import SamplingMethod
-from jgrpo.sampling.sampler import decode_options, lower_generate
+from jgrpo.sampling.sampler import Prompts, Sampler
 from jgrpo.training.optimizer import make_optimizer
 from jgrpo.training.steps import StepFunctions, lp_k_source
 
@@ -219,9 +219,9 @@ def lower_iteration(config: Config, devices: list, *, names: tuple[str, ...] | N
     runs = program_names(config)
     wanted = (lambda name: name in runs) if names is None else (lambda name: name in runs and name in names)
     key = jax.ShapeDtypeStruct((), jax.eval_shape(jax.random.key, 0).dtype, sharding=replicated(mesh))
-    prompts = _rows(mesh, sample_rules, (B, P), jnp.int32), _rows(mesh, sample_rules, (B, P), jnp.bool_)
-    sample_kwargs = dict(cfg=cfg, max_new_tokens=N, stop_ids=(0,), mesh=mesh, rules=sample_rules,
-                         **decode_options(c.sampler))
+    prompts = Prompts(_rows(mesh, sample_rules, (B, P), jnp.int32), _rows(mesh, sample_rules, (B, P), jnp.bool_))
+    sampler = Sampler.from_config(c.sampler, graphdef=graphdef, num_samples=G, stop_ids=(0,), pad_id=0, mesh=mesh,
+                                  cfg=cfg).replace(rules=sample_rules, method=steps.method)
 
     resident = {"params": per_chip_bytes(params), "opt_state": per_chip_bytes(opt_state)}
     if run.base is not None:  # LoRA: the frozen base, once (twice where the sampling layout differs)
@@ -236,16 +236,13 @@ def lower_iteration(config: Config, devices: list, *, names: tuple[str, ...] | N
     programs = []
     if wanted("sample") and c.rollout.mode == "window":  # one pool for the v iterations of a behaviour window
         v = g.behaviour_refresh
-        window = {"prompt_index": _rows(mesh, sample_rules, (v * B,), jnp.int32),
-                  "slots": c.sampler.slots or R}
-        programs.append(Program("sample", lower_generate(
-            graphdef, sample_whole, _rows(mesh, sample_rules, (v * B, P), jnp.int32),
-            _rows(mesh, sample_rules, (v * B, P), jnp.bool_), _rows(mesh, sample_rules, (v * B,), key.dtype),
-            num_samples=G, method=steps.method, **{**sample_kwargs, **window}),
+        window = Prompts(*(_rows(mesh, sample_rules, shape, dtype) for shape, dtype in (
+            ((v * B, P), jnp.int32), ((v * B, P), jnp.bool_), ((v * B,), jnp.int32))))
+        programs.append(Program("sample", sampler.replace(slots=c.sampler.slots or R).lower(
+            sample_whole, window, _rows(mesh, sample_rules, (v * B,), key.dtype)),
             resident.get("behaviour", 0) + sampling_base, runs=1 / v))
     elif wanted("sample"):
-        programs.append(Program("sample", lower_generate(graphdef, sample_whole, *prompts, key, num_samples=G,
-                                                         method=steps.method, **sample_kwargs),
+        programs.append(Program("sample", sampler.lower(sample_whole, prompts, key),
                                 resident.get("behaviour", 0) + sampling_base))
     outputs = (_rows(mesh, train_rules, (R, N), jnp.int32), _rows(mesh, train_rules, (R, N), jnp.bool_),
                _rows(mesh, train_rules, (R, N), jnp.float32),
@@ -281,9 +278,8 @@ def lower_iteration(config: Config, devices: list, *, names: tuple[str, ...] | N
         programs.append(Program("behaviour", copy.lower(params), resident["params"], runs=1 / every))
     if wanted("eval"):
         eval_batch = c.run.eval_batch_size or B
-        eval_prompts = (_rows(mesh, sample_rules, (eval_batch, P), jnp.int32),
-                        _rows(mesh, sample_rules, (eval_batch, P), jnp.bool_))
-        programs.append(Program("eval", lower_generate(graphdef, sample_whole, *eval_prompts, key, num_samples=1,
-                                                       method=SamplingMethod(temperature=0.0), **sample_kwargs),
-                                sampling_base))
+        eval_prompts = Prompts(_rows(mesh, sample_rules, (eval_batch, P), jnp.int32),
+                               _rows(mesh, sample_rules, (eval_batch, P), jnp.bool_))
+        greedy = sampler.replace(num_samples=1, method=SamplingMethod(temperature=0.0))
+        programs.append(Program("eval", greedy.lower(sample_whole, eval_prompts, key), sampling_base))
     return Iteration(run, resident, programs, {"B": B, "G": G, "P": P, "N": N})

@@ -134,7 +134,7 @@ class AsyncRollouts:
                 batch = self.source.next_batch(index)
                 data_state = self.source.data.get_state()
                 prompts = self.source.prompt_arrays(batch, self._width)
-                item = Produced(self.source.sample_round(params, batch, *prompts, self.source.sample_key(index)),
+                item = Produced(self.source.sample_round(params, batch, prompts, self.source.sample_key(index)),
                                 version, index, data_state)
             except BaseException as e:  # noqa: BLE001 - handed to the trainer, which raises it (DataExhausted too)
                 item = e

@@ -14,15 +14,14 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from jgrpo.config import RewardConfig, SamplerConfig
+from jgrpo.config import RewardConfig
 from jgrpo.data.prompts import left_pad
 from jgrpo.parallel.host_arrays import local_rows, to_global_rows
 from jgrpo.parallel.mesh import SAMPLE_RULES
 from jgrpo.rewards import RewardScorer
 from jgrpo.rewards.overlong import overlong_punishment
 from jgrpo.rewards.scorer import RewardResult
-from jgrpo.sampling.methods import SamplingMethod
-from jgrpo.sampling.sampler import SampleOutput, decode_options, generate
+from jgrpo.sampling.sampler import Prompts, SampleOutput, Sampler
 
 
 class Rollout(NamedTuple):
@@ -34,26 +33,23 @@ class Rollout(NamedTuple):
 
 
 def prompt_arrays(token_ids: Sequence[Sequence[int]], *, width: int, pad_id: int, mesh,
-                  global_prompts: int) -> tuple[jax.Array, jax.Array]:
-    """This process's prompts, left-padded to `width` -> global (tokens [B, width], mask [B, width])."""
+                  global_prompts: int) -> Prompts:
+    """This process's prompts, left-padded to `width` -> global prompts (tokens [B, width], mask [B, width])."""
     tokens, mask = left_pad(token_ids, pad_id=pad_id, length=width)
-    return (to_global_rows(tokens, mesh, SAMPLE_RULES, global_prompts),
-            to_global_rows(mask, mesh, SAMPLE_RULES, global_prompts))
+    return Prompts(to_global_rows(tokens, mesh, SAMPLE_RULES, global_prompts),
+                   to_global_rows(mask, mesh, SAMPLE_RULES, global_prompts))
 
 
-def sample_and_score(graphdef, params, prompt_tokens, prompt_mask, batch, *, num_samples: int,
-                     method: SamplingMethod, key: jax.Array, sampler: SamplerConfig, stop_ids: tuple[int, ...],
-                     pad_id: int, mesh, tokenizer, scorer: RewardScorer) -> Rollout:
-    """Sample `num_samples` completions of every prompt and score this process's first len(batch) prompts'.
+def sample_and_score(sampler: Sampler, params, prompts: Prompts, batch, key: jax.Array, *, tokenizer,
+                     scorer: RewardScorer) -> Rollout:
+    """Sample the sampler's G completions of every prompt and score this process's first len(batch) prompts'.
 
-    `batch` (questions, references) may hold fewer prompts than this process's rows of `prompt_tokens`: the
-    rows past it are padding (a short last evaluation batch) and are neither decoded nor scored.
+    `batch` (questions, references) may hold fewer prompts than this process's rows of `prompts`: the rows past
+    it are padding (a short last evaluation batch) and are neither decoded nor scored.
     """
     start = time.perf_counter()
-    out = generate(graphdef, params, prompt_tokens, prompt_mask, num_samples=num_samples,
-                   max_new_tokens=sampler.max_new_tokens, method=method, stop_ids=stop_ids, key=key, mesh=mesh,
-                   rules=SAMPLE_RULES, pad_id=pad_id, **decode_options(sampler))
-    rows = len(batch) * num_samples
+    out = sampler.generate(params, prompts, key)
+    rows = len(batch) * sampler.num_samples
     tokens, lengths = local_rows(out.tokens)[:rows], local_rows(out.lengths)[:rows]
     sampled = time.perf_counter()
     return score_rows(out, tokens, lengths, batch, tokenizer=tokenizer, scorer=scorer, sample_seconds=sampled - start)

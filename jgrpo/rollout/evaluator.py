@@ -13,37 +13,37 @@ import numpy as np
 
 from jgrpo.config import Config
 from jgrpo.data import bucketed_length, build_prompt_iterator
-from jgrpo.data.prompts import pad_id_for
 from jgrpo.parallel.host_arrays import global_max, global_sum
-from jgrpo.parallel.mesh import mesh_platform, replicated_key
+from jgrpo.parallel.mesh import replicated_key
 from jgrpo.rewards import RewardScorer
 from jgrpo.rollout.collect import prompt_arrays, sample_and_score
 from jgrpo.sampling.methods import SamplingMethod
-from jgrpo.sampling.sampler import stop_ids_for
+from jgrpo.sampling.sampler import Sampler
 
 
 class Evaluator:
-    """Greedy accuracy and pass@1 over k samples on the test split, for any params of the model."""
+    """Greedy accuracy and pass@1 over k samples on the test split, for any params of the model.
 
-    def __init__(self, config: Config, graphdef, tokenizer, mesh, scorer: RewardScorer | None = None):
+    `sampler` is the run's (its model, stop and pad ids, mesh, `sampler.*` options and sampling method): greedy
+    evaluation runs it at temperature 0 with one sample per prompt, pass@k with `run.eval_samples` samples."""
+
+    def __init__(self, config: Config, sampler: Sampler, tokenizer, scorer: RewardScorer | None = None):
         if config.run.eval_batch_size:
             config = dataclasses.replace(config, data=dataclasses.replace(config.data,
                                                                           batch_size=config.run.eval_batch_size))
-        self.config, self.graphdef, self.tokenizer, self.mesh = config, graphdef, tokenizer, mesh
+        self.config, self.tokenizer, self.mesh = config, tokenizer, sampler.mesh
         self.data = list(build_prompt_iterator(config, tokenizer, split="test", shuffle=False, epochs=1,
                                                drop_remainder=False))
         self.batch_size = config.data.batch_size
         longest = max(len(ids) for batch in self.data for ids in batch.token_ids)
         # One width and one (padded) batch size for every test batch: two compiled samplers, whatever the data.
         self.width = global_max(bucketed_length(longest, config.sampler.prompt_bucket))
-        self.pad_id = pad_id_for(tokenizer)
-        self.stop_ids = stop_ids_for(tokenizer, config.sampler.stop_token_ids)
+        self.pad_id = sampler.pad_id
         self.scorer = scorer or RewardScorer(config.reward)
         self._own_scorer = scorer is None
-        self.modes = {"greedy": (SamplingMethod(temperature=0.0), 1)}
+        self.modes = {"greedy": sampler.replace(method=SamplingMethod(temperature=0.0), num_samples=1)}
         if config.run.eval_samples:
-            self.modes["sampled"] = (SamplingMethod.from_config(config.sampler, mesh_platform(mesh)),
-                                     config.run.eval_samples)
+            self.modes["sampled"] = sampler.replace(num_samples=config.run.eval_samples)
 
     def prompt_count(self) -> int:
         """Test prompts over all processes."""
@@ -55,32 +55,31 @@ class Evaluator:
 
     def evaluate(self, params) -> dict[str, float]:
         totals = {}
-        for mode, (method, samples) in self.modes.items():
-            correct, reward_sum, any_correct, prompts = self._run(params, method, samples)
+        for mode, sampler in self.modes.items():
+            correct, reward_sum, any_correct, prompts = self._run(params, sampler)
             totals[mode] = global_sum(np.asarray([correct, reward_sum, any_correct, prompts], np.float64))
         g_correct, _, _, prompts = totals["greedy"]
         metrics = {"greedy_accuracy": float(g_correct / prompts), "prompts": int(prompts)}
         if "sampled" in totals:
             s_correct, s_reward, s_any, _ = totals["sampled"]
-            k = self.modes["sampled"][1]
+            k = self.modes["sampled"].num_samples
             metrics.update({"pass_at_1": float(s_correct / (prompts * k)), f"pass_at_{k}": float(s_any / prompts),
                             "reward_mean": float(s_reward / (prompts * k))})
         return metrics
 
-    def _run(self, params, method: SamplingMethod, samples: int):
+    def _run(self, params, sampler: Sampler):
         correct = reward_sum = any_correct = prompts = 0.0
         key = replicated_key(self.config.run.seed + 1, self.mesh)
         local_size = self.batch_size // jax.process_count()
         for index, batch in enumerate(self.data):
             real = len(batch)
             ids = list(batch.token_ids) + [batch.token_ids[-1]] * (local_size - real)  # pad a short last batch
-            tokens, mask = prompt_arrays(ids, width=self.width, pad_id=self.pad_id, mesh=self.mesh,
-                                         global_prompts=self.batch_size)
-            rollout = sample_and_score(self.graphdef, params, tokens, mask, batch, num_samples=samples,
-                                       method=method, key=jax.random.fold_in(key, index), sampler=self.config.sampler,
-                                       stop_ids=self.stop_ids, pad_id=self.pad_id, mesh=self.mesh,
+            padded = prompt_arrays(ids, width=self.width, pad_id=self.pad_id, mesh=self.mesh,
+                                   global_prompts=self.batch_size)
+            rollout = sample_and_score(sampler, params, padded, batch, jax.random.fold_in(key, index),
                                        tokenizer=self.tokenizer, scorer=self.scorer)
-            first = rollout.scores.per_function[self.config.reward.functions[0]].reshape(real, samples) >= 1.0
+            first = rollout.scores.per_function[self.config.reward.functions[0]]
+            first = first.reshape(real, sampler.num_samples) >= 1.0
             correct += first.sum()
             any_correct += first.any(axis=1).sum()
             reward_sum += rollout.scores.total.sum()

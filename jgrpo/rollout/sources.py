@@ -32,7 +32,7 @@ from jgrpo.parallel.host_arrays import global_max, local_rows, process_rank, to_
 from jgrpo.parallel.mesh import SAMPLE_RULES
 from jgrpo.rollout.collect import prompt_arrays, reward_table, sample_and_score, score_rows
 from jgrpo.rollout.dynamic_sampling import Round
-from jgrpo.sampling.sampler import SampleOutput, decode_options, generate
+from jgrpo.sampling.sampler import Prompts, SampleOutput, Sampler
 
 log = logging.getLogger(__name__)
 
@@ -51,9 +51,9 @@ def sample_root(seed: int) -> jax.Array:
 class RolloutSource:
     """The trainer's prompts and samples: batches from the data iterator, padded, sampled and scored."""
 
-    def __init__(self, config, *, data, graphdef, tokenizer, scorer, method, stop_ids, pad_id, mesh, root):
-        self.config, self.data, self.graphdef, self.tokenizer = config, data, graphdef, tokenizer
-        self.scorer, self.method, self.stop_ids, self.pad_id, self.mesh = scorer, method, stop_ids, pad_id, mesh
+    def __init__(self, config, *, data, sampler: Sampler, tokenizer, scorer, root):
+        self.config, self.data, self.sampler, self.tokenizer, self.scorer = config, data, sampler, tokenizer, scorer
+        self.pad_id, self.mesh = sampler.pad_id, sampler.mesh
         self.root = root  # mesh-replicated sample_root(run.seed)
         self.window: collections.deque[Round] = collections.deque()  # sampled rounds not trained on yet
         self.window_start = None  # the iterator's state before the current window's batches
@@ -81,19 +81,17 @@ class RolloutSource:
         return prompt_arrays(batch.token_ids, width=width, pad_id=self.pad_id, mesh=mesh or self.mesh,
                              global_prompts=c.data.batch_size)
 
-    def sample_round(self, params, batch, prompt_tokens, prompt_mask, key) -> Round:
+    def sample_round(self, params, batch, prompts: Prompts, key) -> Round:
         c = self.config
-        rollout = sample_and_score(self.graphdef, params, prompt_tokens, prompt_mask, batch,
-                                   num_samples=c.grpo.num_generations, method=self.method, key=key, sampler=c.sampler,
-                                   stop_ids=self.stop_ids, pad_id=self.pad_id, mesh=self.mesh,
-                                   tokenizer=self.tokenizer, scorer=self.scorer)
+        rollout = sample_and_score(self.sampler, params, prompts, batch, key, tokenizer=self.tokenizer,
+                                   scorer=self.scorer)
         return Round(batch, rollout, reward_table(rollout.scores, rollout.output, c.reward, c.sampler.max_new_tokens))
 
     def first_round(self, params, iteration: int, counters) -> Round:
         """Iteration `iteration`'s batch, sampled with `params` (the behaviour policy) and scored."""
         if self.config.rollout.mode == "sync":
             batch = self.next_batch(iteration)
-            return self.sample_round(params, batch, *self.prompt_arrays(batch, counters), self.sample_key(iteration))
+            return self.sample_round(params, batch, self.prompt_arrays(batch, counters), self.sample_key(iteration))
         if not self.window:
             v = self.config.grpo.behaviour_refresh
             first = iteration - iteration % v  # a resumed run starts inside a window: sample all of it again
@@ -124,20 +122,18 @@ class RolloutSource:
         B, local = c.data.batch_size, len(batches[0])
         start = time.perf_counter()
         longest = max(len(ids) for b in batches for ids in b.token_ids)
-        tokens, mask = prompt_arrays([ids for b in batches for ids in b.token_ids],
-                                     width=global_max(bucketed_length(longest, c.sampler.prompt_bucket)),
-                                     pad_id=self.pad_id, mesh=self.mesh, global_prompts=len(batches) * B)
+        tokens, mask, _ = prompt_arrays([ids for b in batches for ids in b.token_ids],
+                                        width=global_max(bucketed_length(longest, c.sampler.prompt_bucket)),
+                                        pad_id=self.pad_id, mesh=self.mesh, global_prompts=len(batches) * B)
         # Each prompt's iteration key and its index in that iteration's global batch, next to it on its process.
         keys = np.concatenate([np.repeat(np.asarray(jax.random.key_data(jax.random.fold_in(sample_root(
             c.run.seed), first + j)))[None], local, axis=0) for j in range(len(batches))])
         index = np.tile(process_rank(self.mesh) * local + np.arange(local), len(batches))
         rows = len(batches) * B * G
-        out = generate(self.graphdef, params, tokens, mask, num_samples=G, max_new_tokens=c.sampler.max_new_tokens,
-                       method=self.method, stop_ids=self.stop_ids,
-                       key=to_global_rows(keys, self.mesh, SAMPLE_RULES, len(batches) * B),
-                       prompt_index=to_global_rows(index.astype(np.int32), self.mesh, SAMPLE_RULES, len(batches) * B),
-                       mesh=self.mesh, rules=SAMPLE_RULES, pad_id=self.pad_id,
-                       **{**decode_options(c.sampler), "slots": c.sampler.slots or B * G})
+        index = to_global_rows(index.astype(np.int32), self.mesh, SAMPLE_RULES, len(batches) * B)
+        pool = self.sampler.replace(slots=c.sampler.slots or B * G)  # one iteration's rows decode at once
+        out = pool.generate(params, Prompts(tokens, mask, index),
+                            to_global_rows(keys, self.mesh, SAMPLE_RULES, len(batches) * B))
         fields = [local_rows(x) for x in jax.block_until_ready(out)]  # this process's rows, batch after batch
         seconds = time.perf_counter() - start
         per_batch = local * G

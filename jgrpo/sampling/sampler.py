@@ -1,4 +1,6 @@
-"""On-device sampling for rollouts: `generate` checks and lays out the prompts, `slot_decoding` runs them.
+"""The sampler engine: a `Sampler` holds what every sampling call repeats (the model definition, how a token is
+drawn, stop and pad ids, the mesh and its rules, max new tokens, slots, decode layout) and samples G completions
+per prompt with any params of the model (`generate`), or lowers that program for the planner (`lower`).
 
 One jitted program per (prompt batch shape, samples per prompt, max new tokens, slots, method, stop ids):
 the prompts are prefilled once, then a pool of slots decodes inside `lax.while_loop`s with the KV cache
@@ -19,22 +21,25 @@ the key, its global row index and the model, not on the batch sharding or the sl
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
+from jgrpo.config import SamplerConfig
 from jgrpo.models.attention_backends import mesh_context
-from jgrpo.models.decode import DecodeCache, resolve_decode_layers
 from jgrpo.models.llm import model_config, param_logical_axes
-from jgrpo.parallel.mesh import SAMPLE_RULES, Rules, logical_shardings, logical_to_spec, mesh_platform, row_sharding
+from jgrpo.parallel.mesh import SAMPLE_RULES, Rules, logical_shardings
+from jgrpo.sampling.layout import plan_and_layout, platform
 from jgrpo.sampling.methods import SamplingMethod
-from jgrpo.sampling.slot_pool import Plan, SampleOutput, decode_chunking, sample
+from jgrpo.sampling.pool import PoolSpec, SampleOutput
+from jgrpo.sampling.slot_pool import sample
 
-__all__ = ["SampleOutput", "SamplingMethod", "decode_chunking", "decode_options", "generate", "lower_generate",
-           "stop_ids_for"]
+__all__ = ["Prompts", "SampleOutput", "Sampler", "SamplingMethod", "stop_ids_for"]
 
 # Tokens that close a turn in the chat templates of the supported families (besides the EOS id).
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<|endoftext|>", "<end_of_turn>")
@@ -50,92 +55,6 @@ def stop_ids_for(tokenizer, extra: Sequence[int] = ()) -> tuple[int, ...]:
     if not ids:
         raise ValueError("the tokenizer has no EOS or end-of-turn token; pass stop ids explicitly")
     return tuple(sorted(ids))
-
-
-@dataclasses.dataclass(frozen=True)
-class _Layout:
-    """Shardings of the decode state; hashable (a static argument of the jitted program) and called by it as
-    `pin(name, x)` to constrain the prefill cache, the decode cache, the per-queue arrays and the prompt store."""
-
-    prefill_cache: NamedSharding  # [L, B, P, KVH, Dh]
-    prompt_cache: NamedSharding  # one layer's prompt segment [S, KVH, P, Dh]
-    chunk_cache: NamedSharding  # one layer's generated chunk [S, KVH, C, Dh]
-    queues: NamedSharding | None  # [Q, ...]: one queue per shard of the row axis (None: one queue)
-
-    def __call__(self, name: str, x):
-        if name == "prefill":
-            return jax.tree.map(lambda c: _constrain(c, self.prefill_cache), x)
-        if name == "cache":
-            return _constrain_cache(x, self)
-        if self.queues is None:
-            return x
-        if name == "store":  # [L, Q, W, KVH, P, Dh]
-            return _constrain(x, NamedSharding(self.queues.mesh, PartitionSpec(None, *self.queues.spec)))
-        return _constrain(x, self.queues)  # "queues"
-
-
-def _queue_count(mesh: Mesh | None, rules: Rules, rows: int, slots: int) -> int:
-    """Q: the number of shards of the row axis when rows and slots both split evenly over them, else 1."""
-    if mesh is None:
-        return 1
-    axes = row_sharding(mesh, rules, (rows, 1)).spec[0]
-    shards = int(np.prod([mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes or ())]))
-    return shards if rows % shards == 0 and slots % shards == 0 else 1
-
-
-def _plan_and_layout(mesh, rules, cfg, batch, prompt_len, *, num_samples, max_new_tokens, slots, stop_ids, pad_id,
-                     decode_chunk, decode_layers) -> tuple[Plan, _Layout | None]:
-    rows = batch * num_samples
-    slots = rows if slots is None else min(slots, rows)
-    if slots < 1:
-        raise ValueError(f"slots={slots} must be positive (None = one slot per row)")
-    queues = _queue_count(mesh, rules, rows, slots)
-    chunk_len, chunks = decode_chunking(max_new_tokens, decode_chunk)
-    plan = Plan(num_samples=num_samples, max_new_tokens=max_new_tokens, slots=slots, queues=queues,
-                chunk_len=chunk_len, chunks=chunks,
-                scanned=resolve_decode_layers(decode_layers, _platform(mesh)) == "scanned",
-                stop_ids=tuple(sorted({int(i) for i in stop_ids})), pad_id=int(pad_id))
-    if mesh is None:
-        return plan, None
-
-    def sharding(axes, shape):
-        return NamedSharding(mesh, logical_to_spec(axes, rules, shape, mesh))
-
-    cache_axes = ("batch", "kv_heads", "length", "head_dim")
-    layout = _Layout(
-        prefill_cache=sharding(("layers", "batch", "length", "kv_heads", "head_dim"),
-                               (cfg.num_layers, batch, prompt_len, cfg.num_kv_heads, cfg.head_dim)),
-        prompt_cache=sharding(cache_axes, (slots, cfg.num_kv_heads, prompt_len, cfg.head_dim)),
-        chunk_cache=sharding(cache_axes, (slots, cfg.num_kv_heads, chunk_len, cfg.head_dim)),
-        queues=row_sharding(mesh, rules, (queues,)) if queues > 1 else None,
-    )
-    return plan, layout
-
-
-def _constrain(x, sharding):
-    return x if sharding is None else jax.lax.with_sharding_constraint(x, sharding)
-
-
-def _constrain_cache(cache: DecodeCache, layout: _Layout) -> DecodeCache:
-    def sharding(s, x):  # a stacked segment [L, ...] keeps its layer axis whole
-        return s if x.ndim == 4 else NamedSharding(s.mesh, PartitionSpec(None, *s.spec))
-
-    def segments(per_layer):  # each layer (or the one stacked entry): (prompt segment, chunk 0, chunk 1, ...)
-        return tuple((_constrain(prompt, sharding(layout.prompt_cache, prompt)),
-                      *(_constrain(c, sharding(layout.chunk_cache, c)) for c in chunks))
-                     for prompt, *chunks in per_layer)
-
-    return DecodeCache(segments(cache.k), segments(cache.v))
-
-
-def _platform(mesh: Mesh | None) -> str:
-    return mesh_platform(mesh) if mesh is not None else jax.devices()[0].platform
-
-
-def decode_options(sampler_config) -> dict:
-    """`generate`'s decode keywords from a `jgrpo.config.SamplerConfig`."""
-    return dict(decode_chunk=sampler_config.decode_chunk or None, decode_layers=sampler_config.decode_layers,
-                slots=sampler_config.slots or None)
 
 
 def _typed(key):
@@ -160,93 +79,102 @@ def _check_prompts(prompt_tokens, prompt_mask) -> int | None:
     return int(mask.sum(axis=1).max())
 
 
-def generate(
-    graphdef,
-    params,
-    prompt_tokens,
-    prompt_mask,
-    *,
-    num_samples: int,
-    max_new_tokens: int,
-    method: SamplingMethod,
-    stop_ids: Sequence[int],
-    key: jax.Array,
-    mesh: Mesh | None = None,
-    rules: Rules = SAMPLE_RULES,
-    pad_id: int = 0,
-    decode_chunk: int | None = None,
-    decode_layers: str = "auto",
-    slots: int | None = None,
-    prompt_index=None,
-) -> SampleOutput:
-    """Sample `num_samples` completions for each left-padded prompt; rows b*G .. b*G+G-1 belong to prompt b.
+class Prompts(NamedTuple):
+    """B left-padded prompts: `tokens` [B, P] int32 and `mask` [B, P] bool (numpy, or global arrays on the mesh).
+    `index` [B] int32, optional: each prompt's index in its own batch, when prompts of several batches are sampled
+    together, each with its batch's key (then `key` is [B] keys): they get the tokens their own batch would get."""
 
-    `params` may be any params pytree of `graphdef` (current or behaviour policy). With a `mesh`,
-    rows are sharded over the batch axes and heads over tensor (`rules`, SAMPLE_RULES by default);
-    params in another layout (e.g. the FSDP training layout, or one device) are resharded first, once per
-    call; params already in the sampling layout are used as they are. `decode_chunk` sets the length of
-    the cache chunks the decode attends to one by one (default: `decode_chunking`'s choice) and
-    `decode_layers` whether the decode step unrolls the layers or scans them (`models.decode`; "auto": by
-    the platform); `slots` how many rows decode at once (None: all of them, static batching; fewer:
-    continuous batching, `jgrpo.sampling.slot_pool`). These change speed and compile time, never the samples.
+    tokens: Any
+    mask: Any
+    index: Any = None
 
-    `key` is one key, or [B] keys with `prompt_index` [B]: prompts of several batches sampled at once, each with
-    its batch's key and its index in that batch, get the tokens their own batch would get (`slot_decoding.sample`).
+
+@dataclasses.dataclass(frozen=True)
+class Sampler:
+    """Samples `num_samples` completions of every prompt with any params of one model; rows b*G .. b*G+G-1 belong
+    to prompt b. Holds what every call repeats; `replace(...)` gives a sampler with other options.
+
+    With a `mesh`, rows are sharded over the batch axes and heads over tensor (`rules`, the sampling rules);
+    params in another layout (e.g. the FSDP training layout) are resharded first, once per call, and params
+    already in the sampling layout are used as they are. `decode_chunk` sets the length of the cache chunks the
+    decode attends to one by one (default: `pool.decode_chunking`'s choice), `decode_layers` whether the decode
+    step unrolls the layers or scans them (`models.decode`; "auto": by the platform), `slots` how many rows
+    decode at once (None: all of them, static batching; fewer: continuous batching). These change speed and
+    compile time, never the samples. `cfg` is the model's LLMConfig (None: read from the params at each call).
     """
-    if num_samples < 1 or max_new_tokens < 1:
-        raise ValueError(f"num_samples={num_samples} and max_new_tokens={max_new_tokens} must be positive")
-    if not isinstance(method, SamplingMethod):
-        raise TypeError(f"method must be a SamplingMethod, got {type(method).__name__}")
-    longest = _check_prompts(prompt_tokens, prompt_mask)
-    stop_ids = tuple(sorted({int(i) for i in stop_ids}))
-    batch, prompt_len = prompt_tokens.shape
-    cfg = model_config(graphdef, params)
-    limit = getattr(cfg, "max_position_embeddings", None)
-    if limit and (longest or prompt_len) + max_new_tokens > limit:
-        raise ValueError(
-            f"a prompt of {longest or prompt_len} tokens plus max_new_tokens={max_new_tokens} needs more positions "
-            f"than the model's max_position_embeddings={limit}"
-        )
-    plan, layout = _plan_and_layout(mesh, rules, cfg, batch, prompt_len, num_samples=num_samples,
-                                    max_new_tokens=max_new_tokens, slots=slots, stop_ids=stop_ids, pad_id=pad_id,
-                                    decode_chunk=decode_chunk, decode_layers=decode_layers)
-    if mesh is not None:
-        params = jax.device_put(params, logical_shardings(param_logical_axes(params), mesh, rules, shapes=params))
-    with mesh_context(cfg.attention, mesh):  # the prefill's attention kernel may need it
-        return sample(graphdef, params, jnp.asarray(prompt_tokens, jnp.int32), jnp.asarray(prompt_mask, bool),
-                      _typed(key), prompt_index, method=method, plan=plan, constrain=layout)
+
+    graphdef: Any
+    max_new_tokens: int
+    method: SamplingMethod = SamplingMethod()
+    num_samples: int = 1
+    stop_ids: tuple[int, ...] = ()
+    pad_id: int = 0
+    mesh: Mesh | None = None
+    rules: Rules = dataclasses.field(default_factory=lambda: SAMPLE_RULES)
+    slots: int | None = None
+    decode_chunk: int | None = None
+    decode_layers: str = "auto"
+    cfg: Any = None
+
+    def __post_init__(self):
+        if self.num_samples < 1 or self.max_new_tokens < 1:
+            raise ValueError(f"num_samples={self.num_samples} and max_new_tokens={self.max_new_tokens} must be "
+                             "positive")
+        if not isinstance(self.method, SamplingMethod):
+            raise TypeError(f"method must be a SamplingMethod, got {type(self.method).__name__}")
+        object.__setattr__(self, "stop_ids", tuple(sorted({int(i) for i in self.stop_ids})))
+
+    @classmethod
+    def from_config(cls, config: SamplerConfig, *, graphdef, num_samples: int, stop_ids, pad_id: int, mesh,
+                    cfg=None) -> Sampler:
+        """The run's sampler (`sampler.*` options, its sampling method for the mesh's platform)."""
+        return cls(graphdef=graphdef, max_new_tokens=config.max_new_tokens,
+                   method=SamplingMethod.from_config(config, platform(mesh)), num_samples=num_samples,
+                   stop_ids=stop_ids, pad_id=pad_id, mesh=mesh, slots=config.slots or None,
+                   decode_chunk=config.decode_chunk or None, decode_layers=config.decode_layers, cfg=cfg)
+
+    def replace(self, **changes) -> Sampler:
+        return dataclasses.replace(self, **changes)
+
+    def spec(self, batch: int, prompt_len: int, cfg) -> PoolSpec:
+        """The static part of the program for `batch` prompts of width `prompt_len`."""
+        plan, layout = plan_and_layout(self, batch, prompt_len, cfg)
+        return PoolSpec(plan, self.method, layout)
+
+    def generate(self, params, prompts: Prompts, key: jax.Array) -> SampleOutput:
+        """Sample the prompts' completions. `key`: one key, or [B] keys with `prompts.index` (see `Prompts`)."""
+        longest = _check_prompts(prompts.tokens, prompts.mask)
+        batch, prompt_len = prompts.tokens.shape
+        cfg = self.cfg or model_config(self.graphdef, params)
+        limit = getattr(cfg, "max_position_embeddings", None)
+        if limit and (longest or prompt_len) + self.max_new_tokens > limit:
+            raise ValueError(
+                f"a prompt of {longest or prompt_len} tokens plus max_new_tokens={self.max_new_tokens} needs more "
+                f"positions than the model's max_position_embeddings={limit}"
+            )
+        spec = self.spec(batch, prompt_len, cfg)
+        if self.mesh is not None:
+            params = jax.device_put(params, logical_shardings(param_logical_axes(params), self.mesh, self.rules,
+                                                              shapes=params))
+        with mesh_context(cfg.attention, self.mesh):  # the prefill's attention kernel may need it
+            return sample(self.graphdef, params, jnp.asarray(prompts.tokens, jnp.int32),
+                          jnp.asarray(prompts.mask, bool), _typed(key), prompts.index, spec=spec)
+
+    def lower(self, params, prompts: Prompts, key) -> jax.stages.Lowered:
+        """The program `generate` runs for these shapes, lowered for the mesh but not compiled or run.
+
+        Every argument may be abstract (`jax.ShapeDtypeStruct` with a sharding; `params` in the sampling layout)
+        and the mesh may be made of devices this machine does not have (a TPU topology): this is how `jgrpo.plan`
+        compiles the sampler for a TPU slice. Needs `cfg`.
+        """
+        batch, prompt_len = prompts.tokens.shape
+        spec = self.spec(batch, prompt_len, self.cfg)
+        with mesh_context(self.cfg.attention, self.mesh):
+            return sample.lower(self.graphdef, params, prompts.tokens, prompts.mask, key, prompts.index, spec=spec)
 
 
-def lower_generate(
-    graphdef,
-    params,
-    prompt_tokens: jax.ShapeDtypeStruct,
-    prompt_mask: jax.ShapeDtypeStruct,
-    key: jax.ShapeDtypeStruct,
-    *,
-    cfg,
-    num_samples: int,
-    max_new_tokens: int,
-    method: SamplingMethod,
-    stop_ids: Sequence[int],
-    mesh: Mesh,
-    rules: Rules = SAMPLE_RULES,
-    pad_id: int = 0,
-    decode_chunk: int | None = None,
-    decode_layers: str = "auto",
-    slots: int | None = None,
-    prompt_index: jax.ShapeDtypeStruct | None = None,
-) -> jax.stages.Lowered:
-    """The program `generate` runs for these shapes, lowered for `mesh` but not compiled or run.
-
-    Every argument may be abstract (`jax.ShapeDtypeStruct` with a sharding; `params` in the sampling layout
-    of `rules`) and the mesh may be made of devices this machine does not have (a TPU topology): this is how
-    `jgrpo.plan` compiles the sampler for a TPU slice. `cfg` is the model's LLMConfig.
-    """
-    batch, prompt_len = prompt_tokens.shape
-    plan, layout = _plan_and_layout(mesh, rules, cfg, batch, prompt_len, num_samples=num_samples,
-                                    max_new_tokens=max_new_tokens, slots=slots, stop_ids=stop_ids, pad_id=pad_id,
-                                    decode_chunk=decode_chunk, decode_layers=decode_layers)
-    with mesh_context(cfg.attention, mesh):
-        return sample.lower(graphdef, params, prompt_tokens, prompt_mask, key, prompt_index, method=method, plan=plan,
-                            constrain=layout)
+def generate(graphdef, params, prompt_tokens, prompt_mask, *, key, prompt_index=None, **options) -> SampleOutput:
+    """Deprecated (one release): `Sampler(graphdef, **options).generate(params, Prompts(...), key)`."""
+    warnings.warn("jgrpo's generate(graphdef, params, ...) is Sampler(graphdef, ...).generate(params, prompts, key) "
+                  "now (docs/architecture.md); this function goes in the next release", FutureWarning, stacklevel=2)
+    return Sampler(graphdef, **options).generate(params, Prompts(prompt_tokens, prompt_mask, prompt_index), key)

@@ -48,8 +48,7 @@ from jgrpo.rollout.dynamic_sampling import Round, fill_batch
 from jgrpo.rollout.evaluator import Evaluator
 from jgrpo.rollout.sampling_weights import SamplingPolicy
 from jgrpo.rollout.sources import DataExhausted, RolloutSource, sample_root
-from jgrpo.sampling.methods import SamplingMethod
-from jgrpo.sampling.sampler import stop_ids_for
+from jgrpo.sampling.sampler import Sampler, stop_ids_for
 from jgrpo.training.checkpoint import Checkpointer, PreemptionFlag, RunCounters, TrainState, latest_data_state
 from jgrpo.training.fingerprint import fingerprint
 from jgrpo.training.iteration_record import count_updates, iteration_metrics, sample_dump
@@ -77,7 +76,7 @@ class Trainer:
         if config.rollout.mode == "async" and jax.process_count() > 1:
             raise ConfigError(f"rollout.mode=async needs one process (this run has {jax.process_count()}): the "
                               "producer thread's programs would reach the processes in different orders")
-        m = config.model
+        m, g = config.model, config.grpo
         # Tokenizer, data and rewards before the weights: a bad data row or a resume onto other data fails in
         # seconds, not after the model has loaded.
         self.tokenizer = load_tokenizer(m.name)
@@ -94,16 +93,17 @@ class Trainer:
         )
         # With LoRA the params that train (and every policy's own copy) are the adapters; the base is frozen.
         params, self.frozen = FrozenBase.split(params, m.lora.rank > 0, self.mesh, config.sampler.weights_dtype)
-        self.method = SamplingMethod.from_config(config.sampler, mesh_platform(self.mesh))
+        self.sampler = Sampler.from_config(config.sampler, graphdef=self.graphdef, num_samples=g.num_generations,
+                                           stop_ids=self.stop_ids, pad_id=self.pad_id, mesh=self.sample_mesh,
+                                           cfg=self.model_config)
+        self.method = self.sampler.method  # the trainer's log-probs process the logits as the sampler does
         root = jax.jit(lambda: sample_root(config.run.seed), out_shardings=replicated(self.sample_mesh))()
-        self.rollouts = RolloutSource(config, data=self.data, graphdef=self.graphdef, tokenizer=self.tokenizer,
-                                      scorer=self.scorer, method=self.method, stop_ids=self.stop_ids,
-                                      pad_id=self.pad_id, mesh=self.sample_mesh, root=root)
+        self.rollouts = RolloutSource(config, data=self.data, sampler=self.sampler, tokenizer=self.tokenizer,
+                                      scorer=self.scorer, root=root)
         self.total_iterations = min(config.run.iterations, len(self.data))
         if self.total_iterations < config.run.iterations:
             log.warning("the data has %d batches (data.epochs=%d), fewer than run.iterations=%d: stopping there",
                         len(self.data), config.data.epochs, config.run.iterations)
-        g = config.grpo
         self.updates_per_iteration = g.inner_steps * g.num_minibatches
         total_updates = self.total_iterations * self.updates_per_iteration
         optimizer = make_optimizer(config.optim, total_updates)
@@ -143,7 +143,7 @@ class Trainer:
         self.preemption = PreemptionFlag()
         self.evaluator = None
         if config.run.eval_every or config.run.eval_before:
-            self.evaluator = Evaluator(config, self.graphdef, self.tokenizer, self.mesh, scorer=self.scorer)
+            self.evaluator = Evaluator(config, self.sampler.replace(mesh=self.mesh), self.tokenizer, scorer=self.scorer)
 
     # ---------------------------------------------------------------- state
 
@@ -238,7 +238,7 @@ class Trainer:
         self._enter_epoch(batch)
         self.state.rng, key = jax.random.split(self.state.rng)
         prompts = self.rollouts.prompt_arrays(batch, self.state.counters)
-        return self.rollouts.sample_round(sample_params, batch, *prompts, key)
+        return self.rollouts.sample_round(sample_params, batch, prompts, key)
 
     def train_iteration(self, logger: MetricsLogger | None = None) -> dict:
         """One iteration of the loop; returns its metrics record (without the iteration number)."""
@@ -249,7 +249,7 @@ class Trainer:
 
         sampled, sample_params, refreshed, rollout_metrics = self.sampling.first_round(s, k, timings)
         self._enter_epoch(sampled.batch)
-        prompt_tokens, prompt_mask = self.rollouts.prompt_arrays(sampled.batch, s.counters, self.mesh)
+        prompt_tokens, prompt_mask, _ = self.rollouts.prompt_arrays(sampled.batch, s.counters, self.mesh)
         if g.shuffles_minibatches:
             s.rng, shuffle_key = jax.random.split(s.rng)
         dynamic = {}
@@ -258,7 +258,7 @@ class Trainer:
                                           group_size=G,
                                           rounds=g.dynamic_sampling_rounds, oversample=g.dynamic_sampling_oversample,
                                           per_reward=g.advantage_reward_normalisation == "per_reward", mesh=self.mesh)
-            prompt_tokens, prompt_mask = self.rollouts.prompt_arrays(sampled.batch, s.counters, self.mesh)
+            prompt_tokens, prompt_mask, _ = self.rollouts.prompt_arrays(sampled.batch, s.counters, self.mesh)
         del sample_params
         batch, out, completions, result = sampled.batch, *sampled.rollout[:3]
         if self.sample_mesh is not self.mesh:  # disaggregated: the samples move to the trainer's devices

@@ -15,7 +15,8 @@ from jgrpo.models.llm import LLM, LLMConfig, forward, param_logical_axes, positi
 from jgrpo.models.lora import LORA_TARGETS, join_adapters, merge_adapters, split_adapters
 from jgrpo.parallel.mesh import SAMPLE_RULES, TRAIN_RULES, make_mesh, place, row_sharding
 from jgrpo.rl.logprobs import token_logprobs
-from jgrpo.sampling.sampler import SamplingMethod, generate
+from jgrpo.sampling.sampler import SamplingMethod
+from tests.helpers import generate
 
 BASE = LLMConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
                  head_dim=8, architecture="qwen2", qkv_bias=True)

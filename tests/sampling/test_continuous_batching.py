@@ -7,7 +7,8 @@ import pytest
 
 from jgrpo.config import MeshConfig
 from jgrpo.parallel.mesh import make_mesh
-from jgrpo.sampling.sampler import SamplingMethod, generate
+from jgrpo.sampling.sampler import SamplingMethod
+from tests.helpers import generate
 from tests.helpers_models import SAMPLER_PROMPTS, sampler_prompts
 
 # Many stop ids: most rows stop after a few tokens, some run to the end, so slots free up at different steps.

@@ -11,7 +11,8 @@ from jgrpo.data.prompts import left_pad
 from jgrpo.models.llm import merge_model, position_ids_from_mask
 from jgrpo.parallel.mesh import make_mesh
 from jgrpo.rl.logprobs import token_logprobs
-from jgrpo.sampling.sampler import SamplingMethod, generate
+from jgrpo.sampling.sampler import SamplingMethod
+from tests.helpers import generate
 from tests.helpers_models import SAMPLER_PROMPTS, sampler_model, sampler_prompts
 
 
@@ -213,7 +214,7 @@ def test_bad_inputs_are_named(tiny_llama):
 
 
 def test_decode_chunking_defaults():
-    from jgrpo.sampling.sampler import decode_chunking
+    from jgrpo.sampling.pool import decode_chunking
 
     assert decode_chunking(256) == (64, 4)  # 255 generated slots fed back
     assert decode_chunking(16) == (15, 1)  # short completions: one phase

@@ -14,7 +14,8 @@ from jgrpo.data.prompts import chat_prompt_ids, left_pad, pad_id_for
 from jgrpo.models.hf import load_model, load_tokenizer, resolve_model_dir
 from jgrpo.models.llm import merge_model, position_ids_from_mask
 from jgrpo.rl.logprobs import token_logprobs
-from jgrpo.sampling.sampler import SamplingMethod, generate, stop_ids_for
+from jgrpo.sampling.sampler import SamplingMethod, stop_ids_for
+from tests.helpers import generate
 
 pytestmark = pytest.mark.slow
 

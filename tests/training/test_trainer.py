@@ -4,6 +4,7 @@ import jax
 import numpy as np
 import pytest
 
+from jgrpo.sampling.sampler import Sampler
 from jgrpo.training.metrics_log import read_metrics
 from jgrpo.training.trainer import Trainer, TrainingDiverged
 from tests.helpers import tiny_config
@@ -43,15 +44,13 @@ def test_on_policy_run_is_finite_changes_params_and_never_recompiles(tmp_path, c
 
         # A NaN in the behaviour log-probs makes the loss NaN: the update is skipped (params untouched), logged
         # and counted; max_nonfinite_steps in a row stop the run after a checkpoint.
-        import jgrpo.rollout.collect as rollout_module  # the trainer samples through jgrpo.rollout.collect
+        real_generate = Sampler.generate
 
-        real_generate = rollout_module.generate
-
-        def nan_generate(*args, **kwargs):
-            out = real_generate(*args, **kwargs)
+        def nan_generate(self, *args, **kwargs):
+            out = real_generate(self, *args, **kwargs)
             return out._replace(logprobs=out.logprobs * np.float32(np.nan))
 
-        monkeypatch.setattr(rollout_module, "generate", nan_generate)
+        monkeypatch.setattr(Sampler, "generate", nan_generate)
         before = _copy(trainer.state.params)
         record = trainer.train_iteration()
         assert record["nonfinite/skipped"] == 1 and record["nonfinite/total"] == 1

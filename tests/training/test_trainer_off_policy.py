@@ -17,10 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import jgrpo.rollout.collect as rollout_module  # the trainer samples through jgrpo.rollout.collect.generate
 import jgrpo.training.trainer as trainer_module
 from jgrpo.models.llm import merge_model
 from jgrpo.rl.objectives import step_normaliser
+from jgrpo.sampling.sampler import Sampler  # the trainer samples through Sampler.generate
 from tests.helpers import space_fraction, tiny_config
 
 REFRESH, TEMPERATURE, EPS, ADV_EPS = 4, 0.7, 0.2, 1e-4
@@ -51,15 +51,15 @@ def stale_iterations(tmp_path_factory):
         "logging.samples_every=0",
     )
     samples, updates = [], []
-    original_generate = rollout_module.generate
+    original_generate = Sampler.generate
 
-    def spy_generate(graphdef, params, prompt_tokens, prompt_mask, **kwargs):
-        out = original_generate(graphdef, params, prompt_tokens, prompt_mask, **kwargs)
-        samples.append(dict(params=jax.tree.map(jnp.copy, params), prompt_tokens=np.asarray(prompt_tokens),
-                            prompt_mask=np.asarray(prompt_mask), out=jax.device_get(out)))
+    def spy_generate(self, params, prompts, key):
+        out = original_generate(self, params, prompts, key)
+        samples.append(dict(params=jax.tree.map(jnp.copy, params), prompt_tokens=np.asarray(prompts.tokens),
+                            prompt_mask=np.asarray(prompts.mask), out=jax.device_get(out)))
         return out
 
-    rollout_module.generate = spy_generate
+    Sampler.generate = spy_generate
     trainer = trainer_module.Trainer(config)
     original_step = trainer.steps.train_step
 
@@ -75,7 +75,7 @@ def stale_iterations(tmp_path_factory):
             trainer.train_iteration()
         yield trainer, config, samples, updates
     finally:
-        rollout_module.generate = original_generate
+        Sampler.generate = original_generate
         trainer.checkpointer.close()
         trainer.close()
 

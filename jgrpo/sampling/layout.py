@@ -1,0 +1,101 @@
+"""Where a sampling program's arrays live on the mesh, and its static shape (`Plan`) for one batch of prompts.
+
+Rows are sharded over the mesh's batch axes and heads over tensor (the sampling rules). Each shard of the row
+axis is one queue of the slot pool (`jgrpo.sampling.pool`), so refills, gathers and output writes stay on the
+device that holds the row; the prefill cache, the decode cache, the per-queue arrays and the prompt store are
+pinned to those shardings inside the program (`Layout.__call__`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jgrpo.models.decode import DecodeCache, resolve_decode_layers
+from jgrpo.parallel.mesh import Rules, logical_to_spec, mesh_platform, row_sharding
+from jgrpo.sampling.pool import Plan, decode_chunking
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Shardings of the decode state; hashable (part of a program's static `PoolSpec`) and called by it as
+    `pin(name, x)` to constrain the prefill cache, the decode cache, the per-queue arrays and the prompt store."""
+
+    prefill_cache: NamedSharding  # [L, B, P, KVH, Dh]
+    prompt_cache: NamedSharding  # one layer's prompt segment [S, KVH, P, Dh]
+    chunk_cache: NamedSharding  # one layer's generated chunk [S, KVH, C, Dh]
+    queues: NamedSharding | None  # [Q, ...]: one queue per shard of the row axis (None: one queue)
+
+    def __call__(self, name: str, x):
+        if name == "prefill":
+            return jax.tree.map(lambda c: _constrain(c, self.prefill_cache), x)
+        if name == "cache":
+            return _constrain_cache(x, self)
+        if self.queues is None:
+            return x
+        if name == "store":  # [L, Q, W, KVH, P, Dh]
+            return _constrain(x, NamedSharding(self.queues.mesh, PartitionSpec(None, *self.queues.spec)))
+        return _constrain(x, self.queues)  # "queues"
+
+
+def queue_count(mesh: Mesh | None, rules: Rules, rows: int, slots: int) -> int:
+    """Q: the number of shards of the row axis when rows and slots both split evenly over them, else 1."""
+    if mesh is None:
+        return 1
+    axes = row_sharding(mesh, rules, (rows, 1)).spec[0]
+    shards = int(np.prod([mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes or ())]))
+    return shards if rows % shards == 0 and slots % shards == 0 else 1
+
+
+def platform(mesh: Mesh | None) -> str:
+    return mesh_platform(mesh) if mesh is not None else jax.devices()[0].platform
+
+
+def plan_and_layout(sampler, batch: int, prompt_len: int, cfg) -> tuple[Plan, Layout | None]:
+    """The program's static shape for `batch` prompts of width `prompt_len`, and (with a mesh) its layout.
+    `sampler` is the `jgrpo.sampling.sampler.Sampler` (its options); `cfg` the model's LLMConfig."""
+    s = sampler
+    rows = batch * s.num_samples
+    slots = rows if s.slots is None else min(s.slots, rows)
+    if slots < 1:
+        raise ValueError(f"slots={slots} must be positive (None = one slot per row)")
+    queues = queue_count(s.mesh, s.rules, rows, slots)
+    chunk_len, chunks = decode_chunking(s.max_new_tokens, s.decode_chunk)
+    plan = Plan(rows=rows, num_samples=s.num_samples, max_new_tokens=s.max_new_tokens, slots=slots, queues=queues,
+                chunk_len=chunk_len, chunks=chunks,
+                scanned=resolve_decode_layers(s.decode_layers, platform(s.mesh)) == "scanned",
+                stop_ids=tuple(sorted({int(i) for i in s.stop_ids})), pad_id=int(s.pad_id))
+    if s.mesh is None:
+        return plan, None
+
+    def sharding(axes, shape):
+        return NamedSharding(s.mesh, logical_to_spec(axes, s.rules, shape, s.mesh))
+
+    cache_axes = ("batch", "kv_heads", "length", "head_dim")
+    layout = Layout(
+        prefill_cache=sharding(("layers", "batch", "length", "kv_heads", "head_dim"),
+                               (cfg.num_layers, batch, prompt_len, cfg.num_kv_heads, cfg.head_dim)),
+        prompt_cache=sharding(cache_axes, (slots, cfg.num_kv_heads, prompt_len, cfg.head_dim)),
+        chunk_cache=sharding(cache_axes, (slots, cfg.num_kv_heads, chunk_len, cfg.head_dim)),
+        queues=row_sharding(s.mesh, s.rules, (queues,)) if queues > 1 else None,
+    )
+    return plan, layout
+
+
+def _constrain(x, sharding):
+    return x if sharding is None else jax.lax.with_sharding_constraint(x, sharding)
+
+
+def _constrain_cache(cache: DecodeCache, layout: Layout) -> DecodeCache:
+    def sharding(s, x):  # a stacked segment [L, ...] keeps its layer axis whole
+        return s if x.ndim == 4 else NamedSharding(s.mesh, PartitionSpec(None, *s.spec))
+
+    def segments(per_layer):  # each layer (or the one stacked entry): (prompt segment, chunk 0, chunk 1, ...)
+        return tuple((_constrain(prompt, sharding(layout.prompt_cache, prompt)),
+                      *(_constrain(c, sharding(layout.chunk_cache, c)) for c in chunks))
+                     for prompt, *chunks in per_layer)
+
+    return DecodeCache(segments(cache.k), segments(cache.v))

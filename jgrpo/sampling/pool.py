@@ -1,0 +1,146 @@
+"""The state of the sampler's slot pool, and the dimension names its shape comments use.
+
+    B  prompts                 G  samples per prompt        R = B*G  rows (completions)
+    N  tokens per row           (max_new_tokens)            V  vocabulary
+    Q  queues (one per shard of the row axis)               Rq = R/Q  rows a queue serves
+    S  slots (rows decoding at once)                        Sq = S/Q  slots a queue owns
+    W  prompts a queue's rows come from                     P  prompt width (left-padded)
+    C  chunk length             T = chunks*C  ring columns  L layers, KVH kv heads, Dh head dim
+
+A program's static shape is its `Plan`; with how tokens are drawn and where arrays live it is a `PoolSpec`, the
+static argument of every jitted function of `jgrpo.sampling.slot_pool`. The dynamic state is the `PromptStore`
+(the prefilled prompts slots are filled from) and the `Pool` (clock, pending rows, slots, rows, cache).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jgrpo.models.decode import DecodeCache
+from jgrpo.models.llm import KVCache
+
+
+class SampleOutput(NamedTuple):
+    tokens: jax.Array  # [R, N] int32; pad_id after a row's stop token
+    logprobs: jax.Array  # [R, N] float32 log-prob under the sampled distribution; 0 where masked
+    completion_mask: jax.Array  # [R, N] bool; True for generated tokens, the stop token included
+    lengths: jax.Array  # [R] int32 number of generated tokens
+    truncated: jax.Array  # [R] bool; True when the row hit max_new_tokens without a stop id
+
+
+def decode_chunking(max_new_tokens: int, chunk_len: int | None = None) -> tuple[int, int]:
+    """(chunk length C, number of chunks) for the generated columns; each chunk is one decode phase.
+
+    A step attends only to the chunks filled so far, so smaller chunks read less of the cache; each chunk
+    is one more compiled copy of the decode loop, so by default there are at most 8 and none shorter than 64.
+    """
+    columns = max(max_new_tokens - 1, 1)  # the last token is drawn but never fed back
+    if chunk_len is None:
+        chunk_len = min(columns, max(64, -(-columns // 8)))
+    if chunk_len < 1:
+        raise ValueError(f"decode chunk length must be positive, got {chunk_len}")
+    return chunk_len, -(-columns // chunk_len)
+
+
+class Plan(NamedTuple):
+    """The static shape of one sampling program (hashable: part of the jit cache key)."""
+
+    rows: int  # R
+    num_samples: int  # G
+    max_new_tokens: int  # N
+    slots: int  # S
+    queues: int  # Q
+    chunk_len: int  # C
+    chunks: int
+    scanned: bool  # decode_step_scanned instead of the unrolled decode_step
+    stop_ids: tuple[int, ...]
+    pad_id: int
+
+    @property
+    def rows_per_queue(self) -> int:  # Rq
+        return self.rows // self.queues
+
+    @property
+    def slots_per_queue(self) -> int:  # Sq
+        return self.slots // self.queues
+
+    @property
+    def ring(self) -> int:  # T
+        return self.chunks * self.chunk_len
+
+    def stops(self) -> jax.Array:
+        return jnp.asarray(self.stop_ids or (-1,), jnp.int32)  # -1 never matches a token: "no stop ids"
+
+
+class PoolSpec(NamedTuple):
+    """The static part of a sampling program: its shapes, how a token is drawn, where its arrays live
+    (`layout(name, x)` pins the sharding of the prefill cache, the decode cache, the per-queue arrays and the
+    prompt store; None on one device). Hashable: a static argument of the jitted programs."""
+
+    plan: Plan
+    method: Any  # jgrpo.sampling.methods.SamplingMethod
+    layout: Any = None
+
+    def pin(self, name: str, x):
+        return x if self.layout is None else self.layout(name, x)
+
+
+class Weights(NamedTuple):
+    """The params a program decodes with, in the forms the steps read them: the merged model (its config and
+    logits), the params pytree, and for the unrolled decode the layers as separate arrays."""
+
+    model: Any
+    params: dict
+    layers: tuple | None
+
+
+class PromptStore(NamedTuple):
+    """What slots are filled from, per queue: the prefilled prompts its rows come from (W of them)."""
+
+    store: KVCache  # [L, Q, W, KVH, P, Dh] keys / values
+    logits: jax.Array  # [Q, W, V] each prompt's last logits (its rows' first tokens are drawn from them)
+    mask: jax.Array  # [Q, W, P] bool
+    keys: jax.Array  # [Q, W] each prompt's sample key
+    index: jax.Array  # [Q, W] int32 each prompt's index in its own batch
+    first: jax.Array  # [Q] int32 the queue's first prompt (global index)
+
+
+class Slots(NamedTuple):  # every field [Q, Sq] (prompt_mask [Q, Sq, P])
+    row: jax.Array  # int32 the queue-local row the slot decodes; Rq = none
+    start: jax.Array  # int32 the clock at which the row feeds its first token (writes its first column)
+    count: jax.Array  # int32 tokens drawn for the row so far = the index of the next one
+    last: jax.Array  # int32 the row's latest token, fed at the next step
+    done: jax.Array  # bool: the row has stopped (or the slot is empty): the slot is free
+    prompt_len: jax.Array  # int32 real tokens in the row's prompt
+    prompt_mask: jax.Array  # bool [Q, Sq, P]
+
+
+class Rows(NamedTuple):  # the output, per queue-local row
+    tokens: jax.Array  # [Q, Rq, N] int32
+    logprobs: jax.Array  # [Q, Rq, N] float32
+    lengths: jax.Array  # [Q, Rq] int32
+    stopped: jax.Array  # [Q, Rq] bool
+
+
+class Pool(NamedTuple):
+    """The decode state: what every step reads and writes."""
+
+    clock: jax.Array  # [] int32 decode steps taken = the ring column written next (mod T)
+    pending: jax.Array  # [Q] int32 the next queue-local row waiting for a slot (Rq = none left)
+    slots: Slots
+    rows: Rows
+    cache: DecodeCache
+
+
+def queue_prompts(batch: int, rows: int, queues: int, group: int) -> np.ndarray:
+    """[Q, W] the prompts each queue's rows come from (queue q's rows q*R/Q .. are prompts row // G), padded
+    with the queue's last prompt; a queue's local prompt index of local row r is (q*R/Q + r) // G - first[q]."""
+    per_queue = rows // queues
+    first = np.arange(queues) * per_queue // group
+    last = (np.arange(queues) * per_queue + per_queue - 1) // group
+    width = int((last - first).max()) + 1
+    return np.minimum(first[:, None] + np.arange(width)[None, :], last[:, None])
