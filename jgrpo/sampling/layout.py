@@ -54,20 +54,25 @@ def platform(mesh: Mesh | None) -> str:
     return mesh_platform(mesh) if mesh is not None else jax.devices()[0].platform
 
 
-def plan_and_layout(sampler, batch: int, prompt_len: int, cfg) -> tuple[Plan, Layout | None]:
+def plan_and_layout(sampler, batch: int, prompt_len: int, cfg, interactive: bool = False) -> tuple[Plan, Layout | None]:
     """The program's static shape for `batch` prompts of width `prompt_len`, and (with a mesh) its layout.
-    `sampler` is the `jgrpo.sampling.sampler.Sampler` (its options); `cfg` the model's LLMConfig."""
+    `sampler` is the `jgrpo.sampling.sampler.Sampler` (its options); `cfg` the model's LLMConfig; `interactive`:
+    the slot interface's programs (`jgrpo.sampling.turns`: a turn at a time, the row's context in the prompt
+    segment)."""
     s = sampler
+    turn = (s.turn_tokens or s.max_new_tokens) if interactive else s.max_new_tokens
     rows = batch * s.num_samples
     slots = rows if s.slots is None else min(s.slots, rows)
     if slots < 1:
         raise ValueError(f"slots={slots} must be positive (None = one slot per row)")
     queues = queue_count(s.mesh, s.rules, rows, slots)
-    chunk_len, chunks = decode_chunking(s.max_new_tokens, s.decode_chunk)
+    chunk_len, chunks = decode_chunking(turn, s.decode_chunk)  # the ring holds one turn
     plan = Plan(rows=rows, num_samples=s.num_samples, max_new_tokens=s.max_new_tokens, slots=slots, queues=queues,
                 chunk_len=chunk_len, chunks=chunks,
                 scanned=resolve_decode_layers(s.decode_layers, platform(s.mesh)) == "scanned",
-                stop_ids=tuple(sorted({int(i) for i in s.stop_ids})), pad_id=int(s.pad_id))
+                stop_ids=tuple(sorted({int(i) for i in s.stop_ids})), pad_id=int(s.pad_id), interactive=interactive,
+                turn_tokens=turn if interactive else 0)
+    segment = prompt_len + s.max_new_tokens if interactive else prompt_len  # a slot's prompt segment
     if s.mesh is None:
         return plan, None
 
@@ -78,7 +83,7 @@ def plan_and_layout(sampler, batch: int, prompt_len: int, cfg) -> tuple[Plan, La
     layout = Layout(
         prefill_cache=sharding(("layers", "batch", "length", "kv_heads", "head_dim"),
                                (cfg.num_layers, batch, prompt_len, cfg.num_kv_heads, cfg.head_dim)),
-        prompt_cache=sharding(cache_axes, (slots, cfg.num_kv_heads, prompt_len, cfg.head_dim)),
+        prompt_cache=sharding(cache_axes, (slots, cfg.num_kv_heads, segment, cfg.head_dim)),
         chunk_cache=sharding(cache_axes, (slots, cfg.num_kv_heads, chunk_len, cfg.head_dim)),
         queues=row_sharding(s.mesh, s.rules, (queues,)) if queues > 1 else None,
     )

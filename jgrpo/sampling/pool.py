@@ -25,11 +25,16 @@ from jgrpo.models.llm import KVCache
 
 
 class SampleOutput(NamedTuple):
-    tokens: jax.Array  # [R, N] int32; pad_id after a row's stop token
-    logprobs: jax.Array  # [R, N] float32 log-prob under the sampled distribution; 0 where masked
-    completion_mask: jax.Array  # [R, N] bool; True for generated tokens, the stop token included
-    lengths: jax.Array  # [R] int32 number of generated tokens
-    truncated: jax.Array  # [R] bool; True when the row hit max_new_tokens without a stop id
+    """The sampled rows, per token [R, N] and per row [R]. A row's tokens are what the sampler drew and, between
+    turns (the slot interface), tokens the host appended: `loss_mask` tells them apart."""
+
+    tokens: jax.Array  # [R, N] int32; pad_id after the row's last token
+    logprobs: jax.Array  # [R, N] float32 log-prob under the sampled distribution; 0 where not drawn
+    completion_mask: jax.Array  # [R, N] bool; the row's tokens (the stop token included)
+    lengths: jax.Array  # [R] int32 the row's tokens
+    truncated: jax.Array  # [R] bool; True when the row hit its token budget without a stop id
+    loss_mask: jax.Array  # [R, N] bool; the tokens the sampler drew (appended ones are False)
+    version: jax.Array  # [R, N] int32; the weights version that drew each token (-1 where not drawn)
 
 
 def decode_chunking(max_new_tokens: int, chunk_len: int | None = None) -> tuple[int, int]:
@@ -59,6 +64,11 @@ class Plan(NamedTuple):
     scanned: bool  # decode_step_scanned instead of the unrolled decode_step
     stop_ids: tuple[int, ...]
     pad_id: int
+    # The slot interface (`jgrpo.sampling.turns`): a row whose turn ends (a stop id, or `turn_tokens` drawn) keeps
+    # its slot, paused, until the host appends tokens to it or finishes it; tokens record their weights version;
+    # each slot's prompt segment holds the row's whole context (P + N columns). The ring holds one turn.
+    interactive: bool = False
+    turn_tokens: int = 0  # 0: max_new_tokens
 
     @property
     def rows_per_queue(self) -> int:  # Rq
@@ -71,6 +81,10 @@ class Plan(NamedTuple):
     @property
     def ring(self) -> int:  # T
         return self.chunks * self.chunk_len
+
+    @property
+    def turn_limit(self) -> int:
+        return self.turn_tokens or self.max_new_tokens
 
     def stops(self) -> jax.Array:
         return jnp.asarray(self.stop_ids or (-1,), jnp.int32)  # -1 never matches a token: "no stop ids"
@@ -107,6 +121,7 @@ class PromptStore(NamedTuple):
     keys: jax.Array  # [Q, W] each prompt's sample key
     index: jax.Array  # [Q, W] int32 each prompt's index in its own batch
     first: jax.Array  # [Q] int32 the queue's first prompt (global index)
+    tokens: jax.Array | None = None  # [Q, W, P] int32 the prompts' ids (interactive: a turn prefills its context)
 
 
 class Slots(NamedTuple):  # every field [Q, Sq] (prompt_mask [Q, Sq, P])
@@ -115,8 +130,10 @@ class Slots(NamedTuple):  # every field [Q, Sq] (prompt_mask [Q, Sq, P])
     count: jax.Array  # int32 tokens drawn for the row so far = the index of the next one
     last: jax.Array  # int32 the row's latest token, fed at the next step
     done: jax.Array  # bool: the row has stopped (or the slot is empty): the slot is free
-    prompt_len: jax.Array  # int32 real tokens in the row's prompt
-    prompt_mask: jax.Array  # bool [Q, Sq, P]
+    prompt_len: jax.Array  # int32 real tokens in the row's prompt (interactive: its context before this turn)
+    prompt_mask: jax.Array  # bool [Q, Sq, P] (interactive: [Q, Sq, P + N], the row's context)
+    held: jax.Array | None = None  # bool (interactive): the row's turn ended; the slot waits for the host
+    turn_start: jax.Array | None = None  # int32 (interactive): the index of the turn's first drawn token
 
 
 class Rows(NamedTuple):  # the output, per queue-local row
@@ -124,6 +141,9 @@ class Rows(NamedTuple):  # the output, per queue-local row
     logprobs: jax.Array  # [Q, Rq, N] float32
     lengths: jax.Array  # [Q, Rq] int32
     stopped: jax.Array  # [Q, Rq] bool
+    drawn: jax.Array | None = None  # [Q, Rq, N] bool (interactive): drawn by the sampler, not appended
+    version: jax.Array | None = None  # [Q, Rq, N] int32 (interactive): the weights version that drew the token
+    finished: jax.Array | None = None  # [Q, Rq] bool (interactive): the row is complete (its budget or the host)
 
 
 class Pool(NamedTuple):
@@ -134,6 +154,7 @@ class Pool(NamedTuple):
     slots: Slots
     rows: Rows
     cache: DecodeCache
+    version: jax.Array | None = None  # [] int32 (interactive): the version of the params decoding now
 
 
 def queue_prompts(batch: int, rows: int, queues: int, group: int) -> np.ndarray:

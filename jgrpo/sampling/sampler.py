@@ -1,6 +1,8 @@
 """The sampler engine: a `Sampler` holds what every sampling call repeats (the model definition, how a token is
 drawn, stop and pad ids, the mesh and its rules, max new tokens, slots, decode layout) and samples G completions
-per prompt with any params of the model (`generate`), or lowers that program for the planner (`lower`).
+per prompt with any params of the model: a whole batch at once (`generate`), or slot by slot, a chunk at a time,
+with rows paused between turns (`start`, `advance`, `append`, `finish`, `drain`: `jgrpo.sampling.turns`). `lower`
+gives the planner the program `generate` runs.
 
 One jitted program per (prompt batch shape, samples per prompt, max new tokens, slots, method, stop ids):
 the prompts are prefilled once, then a pool of slots decodes inside `lax.while_loop`s with the KV cache
@@ -33,7 +35,8 @@ from jax.sharding import Mesh
 from jgrpo.config import SamplerConfig
 from jgrpo.models.attention_backends import mesh_context
 from jgrpo.models.llm import model_config, param_logical_axes
-from jgrpo.parallel.mesh import SAMPLE_RULES, Rules, logical_shardings
+from jgrpo.parallel.mesh import SAMPLE_RULES, Rules, logical_shardings, replicated
+from jgrpo.sampling import turns
 from jgrpo.sampling.layout import plan_and_layout, platform
 from jgrpo.sampling.methods import SamplingMethod
 from jgrpo.sampling.pool import PoolSpec, SampleOutput
@@ -115,6 +118,7 @@ class Sampler:
     decode_chunk: int | None = None
     decode_layers: str = "auto"
     cfg: Any = None
+    turn_tokens: int | None = None  # the slot interface: tokens a turn may draw (None: max_new_tokens)
 
     def __post_init__(self):
         if self.num_samples < 1 or self.max_new_tokens < 1:
@@ -136,29 +140,70 @@ class Sampler:
     def replace(self, **changes) -> Sampler:
         return dataclasses.replace(self, **changes)
 
-    def spec(self, batch: int, prompt_len: int, cfg) -> PoolSpec:
+    def spec(self, batch: int, prompt_len: int, cfg, interactive: bool = False) -> PoolSpec:
         """The static part of the program for `batch` prompts of width `prompt_len`."""
-        plan, layout = plan_and_layout(self, batch, prompt_len, cfg)
+        plan, layout = plan_and_layout(self, batch, prompt_len, cfg, interactive)
         return PoolSpec(plan, self.method, layout)
 
-    def generate(self, params, prompts: Prompts, key: jax.Array) -> SampleOutput:
-        """Sample the prompts' completions. `key`: one key, or [B] keys with `prompts.index` (see `Prompts`)."""
+    def generate(self, params, prompts: Prompts, key: jax.Array, version: int = 0) -> SampleOutput:
+        """Sample the prompts' completions. `key`: one key, or [B] keys with `prompts.index` (see `Prompts`).
+        `version` (the params' version) is recorded with every token."""
+        prompts, cfg = self.checked(params, prompts)
+        spec = self.spec(*prompts.tokens.shape, cfg)
+        with mesh_context(cfg.attention, self.mesh):  # the prefill's attention kernel may need it
+            return sample(self.graphdef, self.placed(params), prompts, _typed(key), np.int32(version), spec=spec)
+
+    # ------------------------------------------------------------ the slot interface (jgrpo.sampling.turns)
+
+    def start(self, params, prompts: Prompts, key: jax.Array, version: int = 0) -> turns.SlotState:
+        """A pool of the prompts' rows: prefilled, every slot's first token drawn (see `jgrpo.sampling.turns`)."""
+        prompts, cfg = self.checked(params, prompts)
+        spec = self.spec(*prompts.tokens.shape, cfg, interactive=True)
+        with mesh_context(cfg.attention, self.mesh):
+            return turns.begin(self.graphdef, self.placed(params), spec, prompts, _typed(key), version)
+
+    def advance(self, params, state: turns.SlotState, chunks: int = 1, version: int = 0) -> turns.SlotState:
+        """Decode with `params` (of `version`) up to `chunks` ring chunk boundaries, or until nothing can run."""
+        with mesh_context(self._config(params).attention, self.mesh):
+            return turns.advance(self.graphdef, self.placed(params), state, chunks, version)
+
+    def append(self, params, state: turns.SlotState, slot: int, token_ids, version: int = 0) -> turns.SlotState:
+        """`token_ids` after paused `slot`'s row; its next turn's first token drawn with `params` (of `version`)."""
+        with mesh_context(self._config(params).attention, self.mesh):
+            return turns.append(self.graphdef, self.placed(params), state, slot, token_ids, version)
+
+    def finish(self, state: turns.SlotState, slot: int) -> turns.SlotState:
+        """Paused `slot`'s row is complete; the slot takes the next pending row at the next `advance`."""
+        return turns.finish(state, slot)
+
+    def drain(self, state: turns.SlotState) -> tuple[np.ndarray, SampleOutput, turns.SlotState]:
+        """(row indices, their outputs, the state): the rows completed since the last drain."""
+        return turns.drain(state)
+
+    # ------------------------------------------------------------ shared checks
+
+    def _config(self, params):
+        return self.cfg or model_config(self.graphdef, params)
+
+    def checked(self, params, prompts: Prompts) -> tuple[Prompts, Any]:
+        """The prompts as device arrays once they pass the checks, and the model's config."""
         longest = _check_prompts(prompts.tokens, prompts.mask)
-        batch, prompt_len = prompts.tokens.shape
-        cfg = self.cfg or model_config(self.graphdef, params)
+        prompt_len = prompts.tokens.shape[1]
+        cfg = self._config(params)
         limit = getattr(cfg, "max_position_embeddings", None)
         if limit and (longest or prompt_len) + self.max_new_tokens > limit:
             raise ValueError(
                 f"a prompt of {longest or prompt_len} tokens plus max_new_tokens={self.max_new_tokens} needs more "
                 f"positions than the model's max_position_embeddings={limit}"
             )
-        spec = self.spec(batch, prompt_len, cfg)
-        if self.mesh is not None:
-            params = jax.device_put(params, logical_shardings(param_logical_axes(params), self.mesh, self.rules,
-                                                              shapes=params))
-        with mesh_context(cfg.attention, self.mesh):  # the prefill's attention kernel may need it
-            return sample(self.graphdef, params, jnp.asarray(prompts.tokens, jnp.int32),
-                          jnp.asarray(prompts.mask, bool), _typed(key), prompts.index, spec=spec)
+        return Prompts(jnp.asarray(prompts.tokens, jnp.int32), jnp.asarray(prompts.mask, bool), prompts.index), cfg
+
+    def placed(self, params):
+        """Params in the sampling layout (resharded once if they are in another, as they are if not)."""
+        if self.mesh is None:
+            return params
+        return jax.device_put(params, logical_shardings(param_logical_axes(params), self.mesh, self.rules,
+                                                        shapes=params))
 
     def lower(self, params, prompts: Prompts, key) -> jax.stages.Lowered:
         """The program `generate` runs for these shapes, lowered for the mesh but not compiled or run.
@@ -167,10 +212,10 @@ class Sampler:
         and the mesh may be made of devices this machine does not have (a TPU topology): this is how `jgrpo.plan`
         compiles the sampler for a TPU slice. Needs `cfg`.
         """
-        batch, prompt_len = prompts.tokens.shape
-        spec = self.spec(batch, prompt_len, self.cfg)
+        spec = self.spec(*prompts.tokens.shape, self.cfg)
         with mesh_context(self.cfg.attention, self.mesh):
-            return sample.lower(self.graphdef, params, prompts.tokens, prompts.mask, key, prompts.index, spec=spec)
+            version = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated(self.mesh) if self.mesh else None)
+            return sample.lower(self.graphdef, params, prompts, key, version, spec=spec)
 
 
 def generate(graphdef, params, prompt_tokens, prompt_mask, *, key, prompt_index=None, **options) -> SampleOutput:

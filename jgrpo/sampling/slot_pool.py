@@ -98,14 +98,33 @@ def draw(spec: PoolSpec, prompts: PromptStore, logits, q, row, count):
     return tokens.reshape(row.shape), logprobs.reshape(row.shape)
 
 
-def record(rows: Rows, row, index, tokens, logprobs, stopped, active) -> Rows:
-    """Write each active slot's token `index` of its row (queue-local scatters; inactive slots write nothing)."""
+def record(rows: Rows, row, index, tokens, logprobs, stopped, active, version=None) -> Rows:
+    """Write each active slot's token `index` of its row (queue-local scatters; inactive slots write nothing);
+    interactive rows also record that the sampler drew it, with weights `version`."""
     where = jnp.where(active, row, rows.lengths.shape[1])  # out of range = dropped
     at_row = jax.vmap(lambda buf, r, v: buf.at[r].set(v, mode="drop"))
     at_token = jax.vmap(lambda buf, r, i, v: buf.at[r, i].set(v, mode="drop"))
-    return Rows(tokens=at_token(rows.tokens, where, index, tokens),
-                logprobs=at_token(rows.logprobs, where, index, logprobs),
-                lengths=at_row(rows.lengths, where, index + 1), stopped=at_row(rows.stopped, where, stopped))
+    written = rows._replace(tokens=at_token(rows.tokens, where, index, tokens),
+                            logprobs=at_token(rows.logprobs, where, index, logprobs),
+                            lengths=at_row(rows.lengths, where, index + 1),
+                            stopped=at_row(rows.stopped, where, stopped))
+    if rows.drawn is None:
+        return written
+    return written._replace(drawn=at_token(rows.drawn, where, index, jnp.ones_like(active)),
+                            version=at_token(rows.version, where, index, jnp.broadcast_to(version, tokens.shape)))
+
+
+def turn_ends(plan: Plan, stopped, count, turn_start):
+    """Interactive: after a token, (the slot stops decoding, it is held for the host, the row is complete). A turn
+    ends at a stop id or after `turn_tokens` drawn tokens; a row is complete when its N tokens are used."""
+    full = count >= plan.max_new_tokens
+    turn_over = stopped | (count - turn_start >= plan.turn_limit)
+    return turn_over | full, turn_over & ~full, full
+
+
+def _mark(flags, row, where):
+    """flags [Q, Rq] bool set at rows `row` [Q, n] where `where`."""
+    return jax.vmap(lambda f, r, w: f.at[jnp.where(w, r, f.shape[0])].set(True, mode="drop"))(flags, row, where)
 
 
 def prefill(spec: PoolSpec, model, tokens, mask, key, prompt_index=None) -> PromptStore:
@@ -122,12 +141,14 @@ def prefill(spec: PoolSpec, model, tokens, mask, key, prompt_index=None) -> Prom
         logits_q, mask_q = spec.pin("queues", last_logits[prompts]), spec.pin("queues", mask[prompts])
         keys_q = jnp.broadcast_to(key, prompts.shape) if key.ndim == 0 else spec.pin("queues", key[prompts])
         index_q = prompts if prompt_index is None else spec.pin("queues", prompt_index[prompts])
-        return PromptStore(store, logits_q, mask_q, keys_q, index_q, prompts[:, 0])
+        ids = spec.pin("queues", tokens[prompts]) if plan.interactive else None  # a turn's context starts with them
+        return PromptStore(store, logits_q, mask_q, keys_q, index_q, prompts[:, 0], ids)
 
 
-def first_tokens(spec: PoolSpec, prompts: PromptStore) -> Pool:
+def first_tokens(spec: PoolSpec, prompts: PromptStore, version=None) -> Pool:
     """Slot s of queue q takes the queue's row s (if any): its first token drawn, its prompt's keys/values as
-    its cache's prompt segment, an empty ring."""
+    its cache's prompt segment, an empty ring. Interactive: the prompt segment has room for the row's context
+    (P + N columns), and `version` is recorded with the tokens."""
     plan = spec.plan
     Q, Rq, Sq, N = plan.queues, plan.rows_per_queue, plan.slots_per_queue, plan.max_new_tokens
     stops = plan.stops()
@@ -139,18 +160,33 @@ def first_tokens(spec: PoolSpec, prompts: PromptStore) -> Pool:
         prompt = local_prompt(plan, prompts, queue_ids, jnp.minimum(row, Rq - 1))  # [Q, Sq]
         first, first_lp = draw(spec, prompts, _pick(prompts.logits, prompt), queue_ids, row, jnp.zeros_like(row))
         slot_prompts = jax.tree.map(lambda x: jax.vmap(_pick, (0, None))(x, prompt), prompts.store)  # [L, Q, Sq, ..]
+        prompt_masks = _pick(prompts.mask, prompt)
+        if plan.interactive:  # the prompt segment grows by the row's N tokens: the context of its later turns
+            slot_prompts = jax.tree.map(lambda x: _widen(x, -2, N), slot_prompts)
+            prompt_masks = _widen(prompt_masks, -1, N)
         cache = decode_cache(jax.tree.map(lambda x: x.reshape(x.shape[0], plan.slots, *x.shape[3:]), slot_prompts),
                              plan.chunks, plan.chunk_len, stacked=plan.scanned)
-        prompt_masks = _pick(prompts.mask, prompt)
         slots = Slots(row=row, start=jnp.zeros((Q, Sq), jnp.int32), count=jnp.ones((Q, Sq), jnp.int32),
                       last=first, done=empty | jnp.isin(first, stops) | (N <= 1),
                       prompt_len=jnp.sum(prompt_masks, -1, dtype=jnp.int32), prompt_mask=prompt_masks)
         rows = Rows(tokens=jnp.full((Q, Rq, N), plan.pad_id, jnp.int32), logprobs=jnp.zeros((Q, Rq, N), jnp.float32),
                     lengths=jnp.zeros((Q, Rq), jnp.int32), stopped=jnp.zeros((Q, Rq), bool))
-        rows = record(rows, slots.row, jnp.zeros_like(row), first, first_lp, jnp.isin(first, stops), ~empty)
+        if plan.interactive:
+            done, held, full = turn_ends(plan, jnp.isin(first, stops), slots.count, 0)
+            slots = slots._replace(done=empty | done, held=~empty & held, turn_start=jnp.zeros((Q, Sq), jnp.int32))
+            rows = rows._replace(drawn=jnp.zeros((Q, Rq, N), bool), version=jnp.full((Q, Rq, N), -1, jnp.int32),
+                                 finished=_mark(jnp.zeros((Q, Rq), bool), row, ~empty & full))
+        rows = record(rows, slots.row, jnp.zeros_like(row), first, first_lp, jnp.isin(first, stops), ~empty, version)
         per_queue = functools.partial(jax.tree.map, lambda x: spec.pin("queues", x))
         return Pool(clock=jnp.int32(0), pending=jnp.full((Q,), min(Sq, Rq), jnp.int32), slots=per_queue(slots),
-                    rows=per_queue(rows), cache=spec.pin("cache", cache))
+                    rows=per_queue(rows), cache=spec.pin("cache", cache), version=version)
+
+
+def _widen(x, axis: int, extra: int):
+    """`x` zero-padded (False for masks) by `extra` entries at the end of `axis`."""
+    pad = [(0, 0)] * x.ndim
+    pad[axis % x.ndim] = (0, extra)
+    return jnp.pad(x, pad)
 
 
 def feed(spec: PoolSpec, w: Weights, prompts: PromptStore, pool: Pool, chunk: int, visible: int) -> Pool:
@@ -175,10 +211,14 @@ def feed(spec: PoolSpec, w: Weights, prompts: PromptStore, pool: Pool, chunk: in
     active = ~sl.done
     tokens = jnp.where(active, tokens, plan.pad_id)
     stopped = active & jnp.isin(tokens, plan.stops())
-    rows = record(pool.rows, sl.row, sl.count, tokens, logprobs, stopped, active)
+    rows = record(pool.rows, sl.row, sl.count, tokens, logprobs, stopped, active, pool.version)
     count = sl.count + active
     slots = sl._replace(last=tokens, count=count, done=sl.done | stopped | (count >= N))
-    return Pool(pool.clock + 1, pool.pending, slots, rows, spec.pin("cache", cache))
+    if plan.interactive:  # a turn that ends holds its slot for the host
+        done, held, full = turn_ends(plan, stopped, count, sl.turn_start)
+        slots = slots._replace(done=sl.done | (active & done), held=sl.held | (active & held))
+        rows = rows._replace(finished=_mark(rows.finished, sl.row, active & full))
+    return pool._replace(clock=pool.clock + 1, slots=slots, rows=rows, cache=spec.pin("cache", cache))
 
 
 def refill(spec: PoolSpec, prompts: PromptStore, pool: Pool, width: int) -> Pool:
@@ -187,10 +227,11 @@ def refill(spec: PoolSpec, prompts: PromptStore, pool: Pool, width: int) -> Pool
     plan = spec.plan
     Q, Rq, Sq, N, M = plan.queues, plan.rows_per_queue, plan.slots_per_queue, plan.max_new_tokens, width
     sl = pool.slots
+    free = free_slots(plan, sl)
     queue_ids = jnp.arange(Q)[:, None]
-    rank = jnp.cumsum(sl.done, axis=1) - 1  # [Q, Sq] the free slots' order within their queue
-    n = jnp.minimum(jnp.minimum(jnp.sum(sl.done, axis=1), Rq - pool.pending), M)  # [Q] rows that start now
-    starting = sl.done & (rank < n[:, None])
+    rank = jnp.cumsum(free, axis=1) - 1  # [Q, Sq] the free slots' order within their queue
+    n = jnp.minimum(jnp.minimum(jnp.sum(free, axis=1), Rq - pool.pending), M)  # [Q] rows that start now
+    starting = free & (rank < n[:, None])
     # Per queue, M starters: starter m takes slot target[m] (Sq = none) and row pending + m.
     target = _per_queue(lambda r: jnp.full((M,), Sq, jnp.int32).at[r].set(jnp.arange(Sq), mode="drop"),
                         jnp.where(starting, rank, M))
@@ -200,8 +241,10 @@ def refill(spec: PoolSpec, prompts: PromptStore, pool: Pool, width: int) -> Pool
     cache = _copy_prompts(plan, pool.cache, prompts.store, target, prompt)
     first, first_lp = draw(spec, prompts, _pick(prompts.logits, prompt), queue_ids, row, jnp.zeros_like(row))
     first_stop = jnp.isin(first, plan.stops())
-    rows = record(pool.rows, row, jnp.zeros_like(row), first, first_lp, first_stop, valid)
+    rows = record(pool.rows, row, jnp.zeros_like(row), first, first_lp, first_stop, valid, pool.version)
     masks = _pick(prompts.mask, prompt)  # [Q, M, P]
+    if plan.interactive:
+        masks = _widen(masks, -1, N)
 
     def put(field, values):  # slot field [Q, Sq, ...] <- values [Q, M, ...] at the starters' slots
         return _per_queue(lambda f, t, v: f.at[t].set(v, mode="drop"), field, target, values)
@@ -210,8 +253,18 @@ def refill(spec: PoolSpec, prompts: PromptStore, pool: Pool, width: int) -> Pool
                   count=put(sl.count, jnp.ones_like(row)), last=put(sl.last, first),
                   done=put(sl.done, first_stop | (N <= 1)),
                   prompt_len=put(sl.prompt_len, jnp.sum(masks, -1, dtype=jnp.int32)),
-                  prompt_mask=put(sl.prompt_mask, masks))
-    return Pool(pool.clock, pool.pending + n, slots, rows, spec.pin("cache", cache))
+                  prompt_mask=put(sl.prompt_mask, masks), held=sl.held, turn_start=sl.turn_start)
+    if plan.interactive:
+        done, held, full = turn_ends(plan, first_stop, jnp.ones_like(row), 0)
+        slots = slots._replace(done=put(sl.done, done), held=put(sl.held, held),
+                               turn_start=put(sl.turn_start, jnp.zeros_like(row)))
+        rows = rows._replace(finished=_mark(rows.finished, row, valid & full))
+    return pool._replace(pending=pool.pending + n, slots=slots, rows=rows, cache=spec.pin("cache", cache))
+
+
+def free_slots(plan: Plan, slots: Slots):
+    """[Q, Sq] bool: slots a pending row may take (interactive: not held for the host)."""
+    return slots.done & ~slots.held if plan.interactive else slots.done
 
 
 def _copy_prompts(plan: Plan, cache: DecodeCache, store: KVCache, target, prompt) -> DecodeCache:
@@ -219,7 +272,10 @@ def _copy_prompts(plan: Plan, cache: DecodeCache, store: KVCache, target, prompt
     Q, Sq = plan.queues, plan.slots_per_queue
 
     def copy_prompt(segment, stored):  # segment [(L,) S, KVH, P, Dh] <- stored [(L,) Q, W, KVH, P, Dh]
-        put = jax.vmap(lambda seg, st, t, src: seg.at[t].set(st[src], mode="drop"))
+        if segment.shape[-2] != stored.shape[-2]:  # interactive: [prompt | context] segments take the prompt first
+            put = jax.vmap(lambda seg, st, t, src: seg.at[t, :, :st.shape[-2]].set(st[src], mode="drop"))
+        else:
+            put = jax.vmap(lambda seg, st, t, src: seg.at[t].set(st[src], mode="drop"))
         if segment.ndim == 4:  # one layer
             return put(segment.reshape(Q, Sq, *segment.shape[1:]), stored, target, prompt).reshape(segment.shape)
         shaped = segment.reshape(segment.shape[0], Q, Sq, *segment.shape[2:])
@@ -243,14 +299,17 @@ def step(spec: PoolSpec, w: Weights, prompts: PromptStore, pool: Pool, chunk: in
     # No slot to refill (most steps), a few, or more (a wave of rows that started together and all ran to N).
     Rq, Sq = plan.rows_per_queue, plan.slots_per_queue
     few = max(1, -(-Sq // 4))  # the usual refill width: a step's prompt copies are sized by it, not by all slots
-    starting = jnp.max(jnp.minimum(jnp.sum(pool.slots.done, axis=1), Rq - pool.pending))
+    starting = jnp.max(jnp.minimum(jnp.sum(free_slots(plan, pool.slots), axis=1), Rq - pool.pending))
     branch = jnp.where(starting == 0, 0, jnp.where(starting <= few, 1, 2))
     return jax.lax.switch(branch, (lambda p: p, functools.partial(refill, spec, prompts, width=few),
                                    functools.partial(refill, spec, prompts, width=Sq)), pool)
 
 
 def finished(plan: Plan, pool: Pool):
-    """Every slot is free and no row is pending."""
+    """Every slot is free and no row is pending (interactive: nothing can decode until the host acts)."""
+    if plan.interactive:
+        free = free_slots(plan, pool.slots)
+        return jnp.all(pool.slots.done) & jnp.all(~jnp.any(free, axis=1) | (pool.pending >= plan.rows_per_queue))
     return jnp.all(pool.slots.done) & jnp.all(pool.pending >= plan.rows_per_queue)
 
 
@@ -300,21 +359,34 @@ def decode(spec: PoolSpec, w: Weights, prompts: PromptStore, pool: Pool) -> Pool
     return pool
 
 
-def outputs(plan: Plan, pool: Pool) -> SampleOutput:
-    """The rows, in order, as [R, ...] arrays."""
+def outputs(plan: Plan, pool: Pool, version=None) -> SampleOutput:
+    """The rows, in order, as [R, ...] arrays. Without the interactive records, every token was drawn with the
+    params of `version`."""
     R, N = plan.rows, plan.max_new_tokens
     out = pool.rows
     lengths = out.lengths.reshape(R)
+    completion_mask = jnp.arange(N)[None, :] < lengths[:, None]
+    if plan.interactive:
+        loss_mask, versions = out.drawn.reshape(R, N), out.version.reshape(R, N)
+    else:
+        loss_mask, versions = completion_mask, jnp.where(completion_mask, version, -1).astype(jnp.int32)
     return SampleOutput(tokens=out.tokens.reshape(R, N), logprobs=out.logprobs.reshape(R, N),
-                        completion_mask=jnp.arange(N)[None, :] < lengths[:, None], lengths=lengths,
-                        truncated=~out.stopped.reshape(R))
+                        completion_mask=completion_mask, lengths=lengths, truncated=~out.stopped.reshape(R),
+                        loss_mask=loss_mask, version=versions)
+
+
+def start(spec: PoolSpec, w: Weights, prompts, key, version) -> tuple[PromptStore, Pool]:
+    """Fill the pool: the prompts prefilled (`prompts`: tokens, mask, index), every slot's first token drawn."""
+    store = prefill(spec, w.model, prompts.tokens, prompts.mask, key, prompts.index)
+    return store, first_tokens(spec, store, version if spec.plan.interactive else None)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "spec"))
-def sample(graphdef, params, prompt_tokens, prompt_mask, key, prompt_index=None, *, spec: PoolSpec) -> SampleOutput:
+def sample(graphdef, params, prompts, key, version, *, spec: PoolSpec) -> SampleOutput:
     """Sample G completions for each of the B left-padded prompts (rows b*G .. b*G+G-1 belong to prompt b), in
-    one program: `prefill`, `first_tokens`, `decode`, `outputs`. `key`, `prompt_index`: see `prefill`."""
+    one program: `start` (prefill, first tokens), `decode` until every row is done, `outputs`. `prompts` is the
+    sampler's (tokens [B, P], mask [B, P], index [B] or None); `key`: see `prefill`; `version` [] int32: the
+    params' version, recorded with every token."""
     w = weights(graphdef, params, spec.plan)
-    prompts = prefill(spec, w.model, prompt_tokens, prompt_mask, key, prompt_index)
-    pool = first_tokens(spec, prompts)
-    return outputs(spec.plan, decode(spec, w, prompts, pool))
+    store, pool = start(spec, w, prompts, key, version)
+    return outputs(spec.plan, decode(spec, w, store, pool), version)

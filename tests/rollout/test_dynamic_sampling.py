@@ -45,7 +45,8 @@ def _round(mesh, tag: int, signal: list[bool]) -> Round:
     output = SampleOutput(tokens=put(np.repeat(rows[:, None], n, 1).astype(np.int32)),
                           logprobs=put(np.repeat(-rows[:, None], n, 1).astype(np.float32)),
                           completion_mask=put(np.ones((B * G, n), bool)), lengths=put(np.full(B * G, n, np.int32)),
-                          truncated=put(np.zeros(B * G, bool)))
+                          truncated=put(np.zeros(B * G, bool)), loss_mask=put(np.ones((B * G, n), bool)),
+                          version=put(np.zeros((B * G, n), np.int32)))
     scores = RewardResult(total=rewards, per_function={"f": rewards}, failures={"f": tag}, timeouts={"f": 0})
     batch = PromptBatch(token_ids=[[tag, b] for b in range(B)], texts=[f"{tag}.{b}" for b in range(B)],
                         questions=[f"q{tag}.{b}" for b in range(B)], references=[{"tag": tag}] * B, epoch=tag // 2,
