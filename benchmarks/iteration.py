@@ -54,7 +54,8 @@ def bench_jgrpo(args, refresh: int, iterations: int, run_dir: Path) -> dict:
         f"run.output_dir={run_dir}", "reward.num_workers=1",
     ]
     trainer = Trainer(load_config(None, overrides))
-    trainer.stop_ids = ()  # every row runs to max_new_tokens, as on the Tunix side
+    source = trainer.collector.source  # every row runs to max_new_tokens, as on the Tunix side: no stop ids
+    source.sampler = source.sampler.replace(stop_ids=())
     try:
         records = [trainer.train_iteration() for _ in range(iterations)]
         trainer.checkpointer.wait()

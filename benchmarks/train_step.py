@@ -98,17 +98,22 @@ def jgrpo_step_setup(graphdef, params, host, *, chunk: int, generations: int, sh
     from jgrpo.models.lora import join_adapters
     from jgrpo.parallel.mesh import make_mesh
     from jgrpo.sampling.methods import SamplingMethod
+    from jgrpo.sampling.pool import SampleOutput
     from jgrpo.training.optimizer import make_optimizer
-    from jgrpo.training.steps import StepFunctions
+    from jgrpo.training.steps import StepFunctions, StepOptions
 
     grpo = GRPOConfig(num_generations=generations, beta=BETA, clip_eps_low=CLIP_EPS, clip_eps_high=CLIP_EPS)
     optimizer = make_optimizer(OptimConfig(learning_rate=LR, max_grad_norm=1.0), total_steps=1000)
-    steps = StepFunctions(graphdef=graphdef, params=params, mesh=make_mesh(MeshConfig()), grpo=grpo,
-                          optimizer=optimizer, method=SamplingMethod(), logprob_chunk=chunk,
-                          new_tokens=host["tokens"].shape[1], share_prompts=share_prompts, frozen=frozen)
-    placeholder = jnp.zeros(host["tokens"].shape, jnp.float32)
-    batch, _ = steps.assemble(host["prompt_tokens"], host["prompt_mask"], host["tokens"], host["completion_mask"],
-                              placeholder, host["rewards"])
+    options = StepOptions(grpo=grpo, method=SamplingMethod(), logprob_chunk=chunk, new_tokens=host["tokens"].shape[1],
+                          share_prompts=share_prompts)
+    steps = StepFunctions(graphdef=graphdef, params=params, mesh=make_mesh(MeshConfig()), optimizer=optimizer,
+                          options=options, frozen=frozen)
+    mask = jnp.asarray(host["completion_mask"], bool)
+    samples = SampleOutput(tokens=jnp.asarray(host["tokens"]), logprobs=jnp.zeros(mask.shape, jnp.float32),
+                           completion_mask=mask, lengths=mask.sum(-1, dtype=jnp.int32),
+                           truncated=jnp.zeros(mask.shape[0], bool), loss_mask=mask,
+                           version=jnp.zeros(mask.shape, jnp.int32))
+    batch, _ = steps.assemble(host["prompt_tokens"], host["prompt_mask"], samples, host["rewards"])
     lp = steps.logprobs(join_adapters(params, frozen), batch)  # on-policy: behaviour = reference = current params
     batch = batch._replace(lp_alpha=lp, lp_ref=lp)
     return steps, jax.block_until_ready(batch), steps.init_opt_state(params)

@@ -96,3 +96,17 @@ def generate(graphdef, params, tokens, mask, *, key, prompt_index=None, **option
     from jgrpo.sampling.sampler import Prompts, Sampler
 
     return Sampler(graphdef, **options).generate(params, Prompts(tokens, mask, prompt_index), key)
+
+
+def sampled(tokens, completion_mask, logprobs, truncated=None):
+    """A sampler record (`SampleOutput`) of given rows: every real token drawn, by version 0."""
+    import jax.numpy as jnp
+
+    from jgrpo.sampling.pool import SampleOutput
+
+    completion_mask = jnp.asarray(completion_mask, bool)
+    truncated = jnp.zeros(completion_mask.shape[0], bool) if truncated is None else jnp.asarray(truncated, bool)
+    return SampleOutput(tokens=jnp.asarray(tokens, jnp.int32), logprobs=jnp.asarray(logprobs, jnp.float32),
+                        completion_mask=completion_mask, lengths=completion_mask.sum(-1, dtype=jnp.int32),
+                        truncated=truncated, loss_mask=completion_mask,
+                        version=jnp.where(completion_mask, 0, -1).astype(jnp.int32))

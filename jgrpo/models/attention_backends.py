@@ -19,6 +19,7 @@ traced offset).
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -41,9 +42,14 @@ def resolve_attention(choice: str, platform: str) -> str:
 def mesh_context(implementation: str, mesh):
     """The context to trace (call or lower) programs of a model using `implementation` in: `jax.set_mesh(mesh)`
     for the kernel that is placed per device with `shard_map` (splash), nothing otherwise."""
+    return mesh_context_factory(implementation, mesh)()
+
+
+def mesh_context_factory(implementation: str, mesh):
+    """`mesh_context`'s choice made once: a callable that gives the context (for objects that trace every call)."""
     if implementation == "splash" and mesh is not None:
-        return jax.set_mesh(mesh)
-    return contextlib.nullcontext()
+        return functools.partial(jax.set_mesh, mesh)
+    return contextlib.nullcontext
 
 
 def causal_attention(implementation: str, q: jax.Array, k: jax.Array, v: jax.Array, kv_valid: jax.Array):

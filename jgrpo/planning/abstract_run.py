@@ -3,16 +3,11 @@
 `topology_devices("v5e:2x4")` describes a TPU slice's devices with libtpu's compiler (no TPU attached);
 `abstract_run` builds the run's mesh over them, its params / optimiser state as `jax.ShapeDtypeStruct`s with
 the training and sampling shardings (from the model's shape description, `models.shapes`) and its
-`StepFunctions`; `lower_iteration` lowers one iteration's programs exactly as the trainer calls them, through
-the same public functions (`Sampler.lower`, `StepFunctions`):
-
-    sample        the sampler's generate (B prompts x G samples) from the sampling-layout params
-    assemble      sampler outputs + rewards -> the step batch and advantages
-    ref_logprobs  reference log-probs (beta > 0)
-    lp_k          log-probs at the start of the iteration (when `lp_k_source` is "computed")
-    update        one optimiser step (params and optimiser state donated); runs once per update
-    behaviour     current -> the sampling layout (and `sampler.weights_dtype`): the behaviour copy when v > 1
-    eval          held-out generate, greedy, when run.eval_every is set
+`StepFunctions` and `Sampler`, built as the trainer builds them (`jgrpo.training.programs`); `lower_iteration`
+lowers the programs of one iteration (`programs.iteration_programs`: sample, assemble, ref_logprobs, lp_k,
+m2po_mask, shuffle, update, behaviour, eval) exactly as the trainer calls them, through the same functions
+(`Sampler.lower`, the `StepFunctions` jits, the sampling copy). A test checks the list against the programs a real
+run compiles (tests/planning/test_programs.py).
 """
 
 from __future__ import annotations
@@ -45,10 +40,12 @@ from jgrpo.parallel.mesh import (
     row_sharding,
 )
 from jgrpo.planning.roofline import CHIPS, Chip
+from jgrpo.rollout.sampling_weights import sampling_copy
 from jgrpo.sampling.methods import SamplingMethod
+from jgrpo.sampling.pool import SampleOutput
 from jgrpo.sampling.sampler import Prompts, Sampler
-from jgrpo.training.optimizer import make_optimizer
-from jgrpo.training.steps import StepFunctions, lp_k_source
+from jgrpo.training.programs import iteration_programs, step_functions
+from jgrpo.training.steps import StepFunctions
 
 # Topologies checked on this project's machines (a name is "<chip>:<AxB[xC]>").
 EXAMPLE_TOPOLOGIES = ("v5e:2x4", "v5p:2x2x2", "v6e:2x4", "v4:2x2x1")
@@ -119,6 +116,7 @@ class AbstractRun:
     sample_params: dict  # sampling layout
     opt_state: object
     steps: StepFunctions
+    sampler: Sampler
     base: dict | None = None  # LoRA's frozen base, training layout (`jgrpo.models.frozen_base`)
     sample_base: dict | None = None  # and its sampling-layout copy, only where that layout or dtype differs
 
@@ -153,15 +151,13 @@ def abstract_run(config: Config, devices: list, *, train_rules: Rules = TRAIN_RU
             shardings, dtype = layout
             sample_base = jax.tree.map(lambda b, s: jax.ShapeDtypeStruct(b.shape, dtype or b.dtype, sharding=s),
                                        base, shardings)
-    optimizer = make_optimizer(c.optim, max(c.run.iterations * g.inner_steps * g.num_minibatches, 1))
-    steps = StepFunctions(graphdef=graphdef, params=params, frozen=base, mesh=mesh, grpo=g, optimizer=optimizer,
-                          method=SamplingMethod.from_config(c.sampler, mesh_platform(mesh)),
-                          logprob_chunk=m.logprob_chunk,
-                          new_tokens=c.sampler.max_new_tokens, share_prompts=m.share_prompts,
-                          skip_empty_steps=c.optim.skip_empty_steps, rules=train_rules,
-                          reward_weights=c.reward.component_weights(), on_policy=c.samples_on_policy)
-    opt_state = _abstract(jax.eval_shape(optimizer.init, shapes), steps.opt_shardings)
-    return AbstractRun(mesh, cfg, graphdef, params, sample_params, opt_state, steps, base, sample_base)
+    # The run's sampler (stop id 0 stands for the tokenizer's: only the program's shape matters here).
+    sampler = Sampler.from_config(c.sampler, graphdef=graphdef, num_samples=g.num_generations, stop_ids=(0,),
+                                  pad_id=0, mesh=mesh, cfg=cfg).replace(rules=sample_rules)
+    steps, _ = step_functions(config, graphdef=graphdef, params=params, mesh=mesh, method=sampler.method,
+                              iterations=c.run.iterations, frozen=base, rules=train_rules)
+    opt_state = _abstract(jax.eval_shape(steps.optimizer.init, shapes), steps.opt_shardings)
+    return AbstractRun(mesh, cfg, graphdef, params, sample_params, opt_state, steps, sampler, base, sample_base)
 
 
 
@@ -182,24 +178,7 @@ class Iteration:
     shape: dict[str, int]  # B prompts, G samples, P prompt width, N new tokens
 
 
-def program_names(config: Config) -> tuple[str, ...]:
-    """The programs one iteration of `config` runs, in order."""
-    g = config.grpo
-    names = ["sample", "assemble"]
-    if g.beta > 0:
-        names.append("ref_logprobs")
-    if lp_k_source(g, config.samples_on_policy) == "computed":
-        names.append("lp_k")
-    names.append("update")
-    # The sampling copy: the behaviour copy every v iterations, or each iteration when v = 1 and the sampler's
-    # weights dtype differs (with equal dtypes, v = 1 reshards the current params by device_put).
-    # Async rollouts publish such a copy every rollout.publish_every iterations.
-    if (g.keeps_behaviour_copy or config.rollout.mode == "async"
-            or config.sampler.weights_dtype != config.model.param_dtype):
-        names.append("behaviour")
-    if config.run.eval_every:
-        names.append("eval")
-    return tuple(names)
+program_names = iteration_programs  # the planner's older name
 
 
 def lower_iteration(config: Config, devices: list, *, names: tuple[str, ...] | None = None,
@@ -207,79 +186,104 @@ def lower_iteration(config: Config, devices: list, *, names: tuple[str, ...] | N
     """Lower the programs of one iteration of `config` over `devices` (all, or those in `names`)."""
     c, g = config, config.grpo
     run = abstract_run(config, devices, train_rules=train_rules, sample_rules=sample_rules)
-    mesh, cfg, graphdef, steps = run.mesh, run.cfg, run.graphdef, run.steps
-    steps.check_rows(c.data.batch_size * g.num_generations)
     hosts = len({d.process_index for d in devices})
     if c.data.batch_size % hosts:
         raise ValueError(f"data.batch_size={c.data.batch_size} prompts cannot be split over the {hosts} hosts of "
                          f"this slice (each host loads an equal share): use a multiple of {hosts}")
-    params, sample_params, opt_state = run.params, run.sample_params, run.opt_state
     B, G, N = c.data.batch_size, g.num_generations, c.sampler.max_new_tokens
-    R, P = B * G, bucketed_length(c.data.max_prompt_length, c.sampler.prompt_bucket)
-    runs = program_names(config)
-    wanted = (lambda name: name in runs) if names is None else (lambda name: name in runs and name in names)
-    key = jax.ShapeDtypeStruct((), jax.eval_shape(jax.random.key, 0).dtype, sharding=replicated(mesh))
-    prompts = Prompts(_rows(mesh, sample_rules, (B, P), jnp.int32), _rows(mesh, sample_rules, (B, P), jnp.bool_))
-    sampler = Sampler.from_config(c.sampler, graphdef=graphdef, num_samples=G, stop_ids=(0,), pad_id=0, mesh=mesh,
-                                  cfg=cfg).replace(rules=sample_rules, method=steps.method)
+    shape = {"B": B, "G": G, "P": bucketed_length(c.data.max_prompt_length, c.sampler.prompt_bucket), "N": N}
+    runs = iteration_programs(config)
+    wanted = [n for n in runs if names is None or n in names]
+    resident = _resident(config, run)
+    lowered = {**_sampling_programs(config, run, resident, shape, sample_rules, wanted),
+               **_step_programs(config, run, resident, shape, train_rules, wanted)}
+    return Iteration(run, resident, [lowered[n] for n in wanted], shape)
 
-    resident = {"params": per_chip_bytes(params), "opt_state": per_chip_bytes(opt_state)}
+
+def _resident(config: Config, run: AbstractRun) -> dict[str, int]:
+    """Per-chip bytes of the buffers alive across the whole iteration (the step batch's added later)."""
+    g = config.grpo
+    resident = {"params": per_chip_bytes(run.params), "opt_state": per_chip_bytes(run.opt_state)}
     if run.base is not None:  # LoRA: the frozen base, once (twice where the sampling layout differs)
         resident["base"] = per_chip_bytes(run.base)
         resident["sample_base"] = per_chip_bytes(run.sample_base) if run.sample_base is not None else 0
     if g.beta > 0:  # a copy of the initial params; with LoRA the base itself, or a frozen adapter copy after a swap
         resident["reference"] = resident["params"] if run.base is None or g.swap_reference else 0
-    if g.keeps_behaviour_copy or c.rollout.mode == "async":  # async: the published copy the producer samples with
-        resident["behaviour"] = per_chip_bytes(sample_params)
+    if sampling_copy(config) in ("behaviour", "published"):  # a copy that lives across iterations
+        resident["behaviour"] = per_chip_bytes(run.sample_params)
+    return resident
+
+
+def _sampling_programs(config, run: AbstractRun, resident, shape, rules, wanted) -> dict[str, Program]:
+    """The sampler (one iteration's prompts, or a behaviour window's), the sampling copy, held-out greedy."""
+    c, g, mesh, sampler = config, config.grpo, run.mesh, run.sampler
+    B, P, R = shape["B"], shape["P"], shape["B"] * shape["G"]
+    key = jax.ShapeDtypeStruct((), jax.eval_shape(jax.random.key, 0).dtype, sharding=replicated(mesh))
     sampling_base = resident.get("sample_base") or resident.get("base", 0)
-    whole, sample_whole = run.whole(), run.whole(sample=True)
-    programs = []
-    if wanted("sample") and c.rollout.mode == "window":  # one pool for the v iterations of a behaviour window
+    sample_whole = run.whole(sample=True)
+    programs = {}
+    if "sample" in wanted and c.rollout.mode == "window":  # one pool for the v iterations of a behaviour window
         v = g.behaviour_refresh
-        window = Prompts(*(_rows(mesh, sample_rules, shape, dtype) for shape, dtype in (
+        window = Prompts(*(_rows(mesh, rules, s, dtype) for s, dtype in (
             ((v * B, P), jnp.int32), ((v * B, P), jnp.bool_), ((v * B,), jnp.int32))))
-        programs.append(Program("sample", sampler.replace(slots=c.sampler.slots or R).lower(
-            sample_whole, window, _rows(mesh, sample_rules, (v * B,), key.dtype)),
-            resident.get("behaviour", 0) + sampling_base, runs=1 / v))
-    elif wanted("sample"):
-        programs.append(Program("sample", sampler.lower(sample_whole, prompts, key),
-                                resident.get("behaviour", 0) + sampling_base))
-    outputs = (_rows(mesh, train_rules, (R, N), jnp.int32), _rows(mesh, train_rules, (R, N), jnp.bool_),
-               _rows(mesh, train_rules, (R, N), jnp.float32),
-               _rows(mesh, train_rules, (R, 1 + len(c.reward.component_names())), jnp.float32),  # reward table
-               _rows(mesh, train_rules, (R,), jnp.bool_))  # truncated
-    train_prompts = _rows(mesh, train_rules, (B, P), jnp.int32), _rows(mesh, train_rules, (B, P), jnp.bool_)
-    assemble = steps.assemble.lower(*train_prompts, *outputs)
-    if wanted("assemble"):
-        programs.append(Program("assemble", assemble, 0))
-    # The step batch's shardings are what the compiled assembly produces (a second compile of it is cheap).
-    batch = _abstract(jax.eval_shape(steps.assemble, *train_prompts, *outputs),
-                      assemble.compile().output_shardings)[0]
-    batch = batch._replace(lp_ref=batch.lp_alpha if g.beta > 0 else None,
-                           lp_k=batch.lp_alpha if steps.lp_k_source == "computed" else None,
-                           m2po_drop=batch.completion_mask if g.m2po_tau is not None else None)
-    resident["step_batch"] = per_chip_bytes(batch)
-    read_only = resident["params"] + resident.get("base", 0) + resident["step_batch"]
-    if wanted("ref_logprobs"):  # with LoRA (and no swap) the reference is the base alone
-        reference = run.base if run.base is not None and not g.swap_reference else whole
-        ref_bytes = resident["step_batch"] + per_chip_bytes(reference)
-        programs.append(Program("ref_logprobs", steps.reference_logprobs.lower(reference, batch), ref_bytes))
-    if wanted("lp_k"):
-        programs.append(Program("lp_k", steps.logprobs.lower(whole, batch), read_only))
-    if wanted("update"):
-        update = steps.train_step.lower(params, opt_state, batch, jnp.int32(0), jnp.bool_(True), frozen=run.base)
-        programs.append(Program("update", update, read_only + resident["opt_state"],
-                                runs=g.inner_steps * g.num_minibatches))
-    if wanted("behaviour"):
-        copy = param_copier(jax.tree.map(lambda x: x.sharding, sample_params), c.sampler.weights_dtype)
+        lowered = sampler.replace(slots=c.sampler.slots or R).lower(sample_whole, window,
+                                                                      _rows(mesh, rules, (v * B,), key.dtype))
+        programs["sample"] = Program("sample", lowered, resident.get("behaviour", 0) + sampling_base, runs=1 / v)
+    elif "sample" in wanted:
+        prompts = Prompts(_rows(mesh, rules, (B, P), jnp.int32), _rows(mesh, rules, (B, P), jnp.bool_))
+        programs["sample"] = Program("sample", sampler.lower(sample_whole, prompts, key),
+                                     resident.get("behaviour", 0) + sampling_base)
+    if "behaviour" in wanted:
+        copy = param_copier(jax.tree.map(lambda x: x.sharding, run.sample_params), c.sampler.weights_dtype)
         # Adaptive v plans for the worst case, a refresh every iteration.
         every = g.behaviour_refresh if isinstance(g.behaviour_refresh, int) else 1
         every = c.rollout.publish_every if c.rollout.mode == "async" else every
-        programs.append(Program("behaviour", copy.lower(params), resident["params"], runs=1 / every))
-    if wanted("eval"):
+        programs["behaviour"] = Program("behaviour", copy.lower(run.params), resident["params"], runs=1 / every)
+    if "eval" in wanted:
         eval_batch = c.run.eval_batch_size or B
-        eval_prompts = Prompts(_rows(mesh, sample_rules, (eval_batch, P), jnp.int32),
-                               _rows(mesh, sample_rules, (eval_batch, P), jnp.bool_))
+        prompts = Prompts(_rows(mesh, rules, (eval_batch, P), jnp.int32), _rows(mesh, rules, (eval_batch, P),
+                                                                               jnp.bool_))
         greedy = sampler.replace(num_samples=1, method=SamplingMethod(temperature=0.0))
-        programs.append(Program("eval", greedy.lower(sample_whole, eval_prompts, key), sampling_base))
-    return Iteration(run, resident, programs, {"B": B, "G": G, "P": P, "N": N})
+        programs["eval"] = Program("eval", greedy.lower(sample_whole, prompts, key), sampling_base)
+    return programs
+
+
+def _step_programs(config, run: AbstractRun, resident, shape, rules, wanted) -> dict[str, Program]:
+    """The step batch's assembly, its log-prob passes, M2PO's mask, the minibatch shuffle and the update."""
+    c, g, mesh, steps = config, config.grpo, run.mesh, run.steps
+    B, P, N, R = shape["B"], shape["P"], shape["N"], shape["B"] * shape["G"]
+    samples = SampleOutput(*(_rows(mesh, rules, s, dtype) for s, dtype in (
+        ((R, N), jnp.int32), ((R, N), jnp.float32), ((R, N), jnp.bool_), ((R,), jnp.int32), ((R,), jnp.bool_),
+        ((R, N), jnp.bool_), ((R, N), jnp.int32))))
+    rewards = _rows(mesh, rules, (R, 1 + len(c.reward.component_names())), jnp.float32)  # the reward table
+    prompts = _rows(mesh, rules, (B, P), jnp.int32), _rows(mesh, rules, (B, P), jnp.bool_)
+    assemble = steps.assemble.lower(*prompts, samples, rewards)
+    # The step batch's shardings are what the compiled assembly produces (a second compile of it is cheap).
+    assembled = _abstract(jax.eval_shape(steps.assemble, *prompts, samples, rewards),
+                          assemble.compile().output_shardings)[0]
+    # The batch as each program receives it (`StepFunctions.build` adds lp_ref, then lp_k, then M2PO's mask).
+    with_ref = assembled._replace(lp_ref=assembled.lp_alpha if g.beta > 0 else None)
+    with_lp_k = with_ref._replace(lp_k=assembled.lp_alpha if steps.lp_k_source == "computed" else None)
+    batch = with_lp_k._replace(m2po_drop=assembled.completion_mask if g.m2po_tau is not None else None)
+    resident["step_batch"] = per_chip_bytes(batch)
+    read_only = resident["params"] + resident.get("base", 0) + resident["step_batch"]
+    whole = run.whole()
+    programs = {"assemble": Program("assemble", assemble, 0)}
+    if "ref_logprobs" in wanted:  # with LoRA (and no swap) the reference is the base alone
+        reference = run.base if run.base is not None and not g.swap_reference else whole
+        programs["ref_logprobs"] = Program("ref_logprobs", steps.reference_logprobs.lower(reference, assembled),
+                                           resident["step_batch"] + per_chip_bytes(reference))
+    if "lp_k" in wanted:
+        programs["lp_k"] = Program("lp_k", steps.logprobs.lower(whole, with_ref), read_only)
+    if "m2po_mask" in wanted:
+        programs["m2po_mask"] = Program("m2po_mask", steps.m2po_mask.lower(with_lp_k), resident["step_batch"])
+    if "shuffle" in wanted:
+        key = jax.ShapeDtypeStruct((), jax.eval_shape(jax.random.key, 0).dtype, sharding=replicated(mesh))
+        programs["shuffle"] = Program("shuffle", steps.shuffle_groups.lower(batch, key), resident["step_batch"],
+                                      runs=g.inner_steps - 1)
+    if "update" in wanted:
+        update = steps.train_step.lower(run.params, run.opt_state, batch, jnp.int32(0), jnp.bool_(True),
+                                        frozen=run.base)
+        programs["update"] = Program("update", update, read_only + resident["opt_state"],
+                                     runs=g.inner_steps * g.num_minibatches)
+    return programs

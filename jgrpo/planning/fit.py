@@ -105,7 +105,7 @@ def _program_key(name: str, config: Config) -> tuple:
     mesh = (config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
     if name in ("sample", "eval", "behaviour"):
         return rest, name, mesh
-    if name == "assemble":
+    if name in ("assemble", "m2po_mask", "shuffle"):
         return rest, name, mesh, g.micro_batches
     if name in ("ref_logprobs", "lp_k"):
         return rest, name, mesh, g.micro_batches, m.logprob_chunk

@@ -18,6 +18,8 @@ the bound vacuous, are exactly the ones the objective drops).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -114,6 +116,7 @@ def theorem1_accumulators(lp, lp_alpha, lp_k, adv, valid) -> dict[str, jax.Array
     }
 
 
+@functools.lru_cache(maxsize=1024)  # a pure function of the metric's name, asked every iteration
 def extreme_kind(key: str) -> str | None:
     """"min" or "max" for a metric that is an extreme (its name ends in `_min` / `_max`), else None.
 

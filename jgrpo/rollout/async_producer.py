@@ -34,13 +34,13 @@ import time
 import types
 from typing import NamedTuple
 
-from jgrpo.rollout.dynamic_sampling import Round
+from jgrpo.rollout.records import Rollout
 
 log = logging.getLogger(__name__)
 
 
 class Produced(NamedTuple):
-    round: Round  # the batch, sampled and scored
+    rollout: Rollout  # the batch, sampled and scored
     version: int  # the iteration count of the params that sampled it
     index: int  # j: the batch's place in the order drawn (its key is fold_in(sample_root, j))
     data_state: dict  # the prompt iterator's state right after this batch
@@ -134,7 +134,7 @@ class AsyncRollouts:
                 batch = self.source.next_batch(index)
                 data_state = self.source.data.get_state()
                 prompts = self.source.prompt_arrays(batch, self._width)
-                item = Produced(self.source.sample_round(params, batch, prompts, self.source.sample_key(index)),
+                item = Produced(self.source.sample(params, batch, prompts, self.source.sample_key(index), version),
                                 version, index, data_state)
             except BaseException as e:  # noqa: BLE001 - handed to the trainer, which raises it (DataExhausted too)
                 item = e

@@ -18,24 +18,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import NamedTuple
 
 import numpy as np
 
-from jgrpo.data import PromptBatch
 from jgrpo.parallel.host_arrays import global_max, global_sum, local_rows, to_global_rows
 from jgrpo.parallel.mesh import SAMPLE_RULES
 from jgrpo.rewards.scorer import RewardResult
-from jgrpo.rollout.collect import Rollout
-from jgrpo.sampling.sampler import SampleOutput
-
-
-class Round(NamedTuple):
-    """One batch of this process's prompts, sampled and scored."""
-
-    batch: PromptBatch
-    rollout: Rollout
-    table: np.ndarray  # [rows, 1 + F] float32: total reward, then each reward column (`rollout.reward_table`)
+from jgrpo.rollout.records import Rollout
+from jgrpo.sampling.pool import SampleOutput
 
 
 def groups_with_signal(table: np.ndarray, group_size: int, per_reward: bool) -> np.ndarray:
@@ -46,14 +36,14 @@ def groups_with_signal(table: np.ndarray, group_size: int, per_reward: bool) -> 
     return ~np.all(grouped == grouped[:, :1], axis=(1, 2))
 
 
-def fill_batch(first: Round, draw: Callable[[], Round | None], *, group_size: int, rounds: int, oversample: int,
-               per_reward: bool, mesh) -> tuple[Round, dict]:
+def fill_batch(first: Rollout, draw: Callable[[], Rollout | None], *, group_size: int, rounds: int, oversample: int,
+               per_reward: bool, mesh) -> tuple[Rollout, dict]:
     """The iteration's batch: `first` with its zero-variance groups replaced by groups with signal from extra
     rounds (`draw()` samples the next batch of prompts; None = the data is exhausted). Returns the batch (its
-    output as global arrays in the sampling layout) and `dynamic/*` metrics."""
-    wanted = len(first.batch)
+    samples as global arrays in the sampling layout) and `dynamic/*` metrics."""
+    wanted = len(first.prompts)
     drawn = [first]
-    signal = [groups_with_signal(first.table, group_size, per_reward)]
+    signal = [groups_with_signal(first.rewards, group_size, per_reward)]
     extra = 0
     exhausted = False
 
@@ -69,19 +59,19 @@ def fill_batch(first: Round, draw: Callable[[], Round | None], *, group_size: in
                 exhausted = True
                 break
             drawn.append(more)
-            signal.append(groups_with_signal(more.table, group_size, per_reward))
+            signal.append(groups_with_signal(more.rewards, group_size, per_reward))
     chosen = [(r, i) for r, s in enumerate(signal) for i in np.flatnonzero(s)][:wanted]
     short = wanted - len(chosen)
     chosen += [(0, i) for i in np.flatnonzero(~signal[0])[:short]]  # masked zero-variance groups, counted
-    counts = global_sum(np.asarray([len(first.batch), int(signal[0].sum()), short], np.int64))  # over processes
+    counts = global_sum(np.asarray([len(first.prompts), int(signal[0].sum()), short], np.int64))  # over processes
     metrics = {"dynamic/extra_rounds": float(extra), "dynamic/prompts_sampled": float(counts[0] * len(drawn)),
                "dynamic/first_round_signal_frac": float(counts[1] / counts[0]),
                "dynamic/short_groups": float(counts[2]), "dynamic/data_exhausted": float(exhausted)}
     return _gather(drawn, chosen, group_size, mesh), metrics
 
 
-def _gather(drawn: list[Round], chosen: list[tuple[int, int]], group_size: int, mesh) -> Round:
-    """The chosen (round, group) pairs of this process as one Round; outputs rebuilt as global arrays."""
+def _gather(drawn: list[Rollout], chosen: list[tuple[int, int]], group_size: int, mesh) -> Rollout:
+    """The chosen (round, group) pairs of this process as one Rollout; samples rebuilt as global arrays."""
     rows = [(r, i * group_size + j) for r, i in chosen for j in range(group_size)]
 
     def pick(values_of):  # values_of(round) -> this process's row-indexed values of that round
@@ -92,21 +82,18 @@ def _gather(drawn: list[Round], chosen: list[tuple[int, int]], group_size: int, 
         return np.stack(pick(values_of))
 
     first = drawn[0]
-    batch = dataclasses.replace(
-        first.batch, **{field: [getattr(drawn[r].batch, field)[i] for r, i in chosen]
-                        for field in ("token_ids", "texts", "questions", "references")},
-        epoch=drawn[-1].batch.epoch)
-    global_rows = first.rollout.output.tokens.shape[0]
-    output = SampleOutput(*(to_global_rows(stacked(lambda d, f=f: local_rows(getattr(d.rollout.output, f))),
-                                           mesh, SAMPLE_RULES, global_rows) for f in SampleOutput._fields))
+    prompts = dataclasses.replace(
+        first.prompts, **{field: [getattr(drawn[r].prompts, field)[i] for r, i in chosen]
+                          for field in ("token_ids", "texts", "questions", "references")},
+        epoch=drawn[-1].prompts.epoch)
+    global_rows = first.samples.tokens.shape[0]
+    samples = SampleOutput(*(to_global_rows(stacked(lambda d, f=f: local_rows(getattr(d.samples, f))),
+                                            mesh, SAMPLE_RULES, global_rows) for f in SampleOutput._fields))
     scores = RewardResult(
-        total=stacked(lambda d: d.rollout.scores.total),
-        per_function={name: stacked(lambda d, n=name: d.rollout.scores.per_function[n])
-                      for name in first.rollout.scores.per_function},
-        failures={name: sum(d.rollout.scores.failures[name] for d in drawn) for name in first.rollout.scores.failures},
-        timeouts={name: sum(d.rollout.scores.timeouts[name] for d in drawn) for name in first.rollout.scores.timeouts},
+        total=stacked(lambda d: d.scores.total),
+        per_function={name: stacked(lambda d, n=name: d.scores.per_function[n]) for name in first.scores.per_function},
+        failures={name: sum(d.scores.failures[name] for d in drawn) for name in first.scores.failures},
+        timeouts={name: sum(d.scores.timeouts[name] for d in drawn) for name in first.scores.timeouts},
     )
-    rollout = Rollout(output, pick(lambda d: d.rollout.completions), scores,
-                      sum(d.rollout.sample_seconds for d in drawn), sum(d.rollout.score_seconds for d in drawn))
-    return Round(batch, rollout, stacked(lambda d: d.table))
-
+    return Rollout(prompts, samples, stacked(lambda d: d.rewards), pick(lambda d: d.completions), scores,
+                   sum(d.sample_seconds for d in drawn), sum(d.score_seconds for d in drawn))

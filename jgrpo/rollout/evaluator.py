@@ -16,7 +16,7 @@ from jgrpo.data import bucketed_length, build_prompt_iterator
 from jgrpo.parallel.host_arrays import global_max, global_sum
 from jgrpo.parallel.mesh import replicated_key
 from jgrpo.rewards import RewardScorer
-from jgrpo.rollout.collect import prompt_arrays, sample_and_score
+from jgrpo.rollout.collect import Scoring, prompt_arrays, sample_and_score
 from jgrpo.sampling.methods import SamplingMethod
 from jgrpo.sampling.sampler import Sampler
 
@@ -41,6 +41,7 @@ class Evaluator:
         self.pad_id = sampler.pad_id
         self.scorer = scorer or RewardScorer(config.reward)
         self._own_scorer = scorer is None
+        self.scoring = Scoring(tokenizer, self.scorer, config.reward, config.sampler.max_new_tokens)
         self.modes = {"greedy": sampler.replace(method=SamplingMethod(temperature=0.0), num_samples=1)}
         if config.run.eval_samples:
             self.modes["sampled"] = sampler.replace(num_samples=config.run.eval_samples)
@@ -76,8 +77,7 @@ class Evaluator:
             ids = list(batch.token_ids) + [batch.token_ids[-1]] * (local_size - real)  # pad a short last batch
             padded = prompt_arrays(ids, width=self.width, pad_id=self.pad_id, mesh=self.mesh,
                                    global_prompts=self.batch_size)
-            rollout = sample_and_score(sampler, params, padded, batch, jax.random.fold_in(key, index),
-                                       tokenizer=self.tokenizer, scorer=self.scorer)
+            rollout = sample_and_score(sampler, params, padded, batch, jax.random.fold_in(key, index), self.scoring)
             first = rollout.scores.per_function[self.config.reward.functions[0]]
             first = first.reshape(real, sampler.num_samples) >= 1.0
             correct += first.sum()

@@ -30,8 +30,8 @@ import numpy as np
 from jgrpo.data import bucketed_length
 from jgrpo.parallel.host_arrays import global_max, local_rows, process_rank, to_global_rows
 from jgrpo.parallel.mesh import SAMPLE_RULES
-from jgrpo.rollout.collect import prompt_arrays, reward_table, sample_and_score, score_rows
-from jgrpo.rollout.dynamic_sampling import Round
+from jgrpo.rollout.collect import Scoring, prompt_arrays, sample_and_score
+from jgrpo.rollout.records import Rollout
 from jgrpo.sampling.sampler import Prompts, SampleOutput, Sampler
 
 log = logging.getLogger(__name__)
@@ -51,11 +51,11 @@ def sample_root(seed: int) -> jax.Array:
 class RolloutSource:
     """The trainer's prompts and samples: batches from the data iterator, padded, sampled and scored."""
 
-    def __init__(self, config, *, data, sampler: Sampler, tokenizer, scorer, root):
-        self.config, self.data, self.sampler, self.tokenizer, self.scorer = config, data, sampler, tokenizer, scorer
+    def __init__(self, config, *, data, sampler: Sampler, scoring: Scoring, root):
+        self.config, self.data, self.sampler, self.scoring = config, data, sampler, scoring
         self.pad_id, self.mesh = sampler.pad_id, sampler.mesh
         self.root = root  # mesh-replicated sample_root(run.seed)
-        self.window: collections.deque[Round] = collections.deque()  # sampled rounds not trained on yet
+        self.window: collections.deque[Rollout] = collections.deque()  # sampled batches not trained on yet
         self.window_start = None  # the iterator's state before the current window's batches
 
     def sample_key(self, iteration: int) -> jax.Array:
@@ -81,17 +81,15 @@ class RolloutSource:
         return prompt_arrays(batch.token_ids, width=width, pad_id=self.pad_id, mesh=mesh or self.mesh,
                              global_prompts=c.data.batch_size)
 
-    def sample_round(self, params, batch, prompts: Prompts, key) -> Round:
-        c = self.config
-        rollout = sample_and_score(self.sampler, params, prompts, batch, key, tokenizer=self.tokenizer,
-                                   scorer=self.scorer)
-        return Round(batch, rollout, reward_table(rollout.scores, rollout.output, c.reward, c.sampler.max_new_tokens))
+    def sample(self, params, batch, prompts: Prompts, key, version: int = 0) -> Rollout:
+        """`batch` sampled with `params` (of `version`) and `key`, and scored."""
+        return sample_and_score(self.sampler, params, prompts, batch, key, self.scoring, version)
 
-    def first_round(self, params, iteration: int, counters) -> Round:
+    def first(self, params, iteration: int, counters, version: int = 0) -> Rollout:
         """Iteration `iteration`'s batch, sampled with `params` (the behaviour policy) and scored."""
         if self.config.rollout.mode == "sync":
             batch = self.next_batch(iteration)
-            return self.sample_round(params, batch, self.prompt_arrays(batch, counters), self.sample_key(iteration))
+            return self.sample(params, batch, self.prompt_arrays(batch, counters), self.sample_key(iteration), version)
         if not self.window:
             v = self.config.grpo.behaviour_refresh
             first = iteration - iteration % v  # a resumed run starts inside a window: sample all of it again
@@ -105,7 +103,7 @@ class RolloutSource:
             if len(batches) <= iteration - first:
                 raise DataExhausted(f"the prompt data is exhausted after {iteration} iterations "
                                     f"(data.epochs={self.config.data.epochs}); raise data.epochs")
-            self.window.extend(self._sample_window(params, batches, first)[iteration - first:])
+            self.window.extend(self._sample_window(params, batches, first, version)[iteration - first:])
         return self.window.popleft()
 
     def data_state(self) -> dict:
@@ -116,8 +114,8 @@ class RolloutSource:
         self.data.set_state(state)
         self.window.clear()
 
-    def _sample_window(self, params, batches, first: int) -> list[Round]:
-        """Batches of iterations first, first + 1, ... sampled in one slot pool; one scored Round per batch."""
+    def _sample_window(self, params, batches, first: int, version: int) -> list[Rollout]:
+        """Batches of iterations first, first + 1, ... sampled in one slot pool; one scored Rollout per batch."""
         c, G = self.config, self.config.grpo.num_generations
         B, local = c.data.batch_size, len(batches[0])
         start = time.perf_counter()
@@ -133,16 +131,13 @@ class RolloutSource:
         index = to_global_rows(index.astype(np.int32), self.mesh, SAMPLE_RULES, len(batches) * B)
         pool = self.sampler.replace(slots=c.sampler.slots or B * G)  # one iteration's rows decode at once
         out = pool.generate(params, Prompts(tokens, mask, index),
-                            to_global_rows(keys, self.mesh, SAMPLE_RULES, len(batches) * B))
+                            to_global_rows(keys, self.mesh, SAMPLE_RULES, len(batches) * B), version)
         fields = [local_rows(x) for x in jax.block_until_ready(out)]  # this process's rows, batch after batch
         seconds = time.perf_counter() - start
         per_batch = local * G
-        rounds = []
+        rollouts = []
         for j, batch in enumerate(batches):
-            part = [x[j * per_batch:(j + 1) * per_batch] for x in fields]
-            output = SampleOutput(*(to_global_rows(x, self.mesh, SAMPLE_RULES, rows // len(batches)) for x in part))
-            rollout = score_rows(output, part[0], part[3], batch, tokenizer=self.tokenizer, scorer=self.scorer,
-                                 sample_seconds=seconds if j == 0 else 0.0)
-            rounds.append(Round(batch, rollout,
-                                reward_table(rollout.scores, output, c.reward, c.sampler.max_new_tokens)))
-        return rounds
+            part = SampleOutput(*(x[j * per_batch:(j + 1) * per_batch] for x in fields))
+            samples = SampleOutput(*(to_global_rows(x, self.mesh, SAMPLE_RULES, rows // len(batches)) for x in part))
+            rollouts.append(self.scoring.score(samples, batch, part.tokens, part.lengths, seconds if j == 0 else 0.0))
+        return rollouts

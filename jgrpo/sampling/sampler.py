@@ -33,7 +33,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jgrpo.config import SamplerConfig
-from jgrpo.models.attention_backends import mesh_context
+from jgrpo.models.attention_backends import mesh_context_factory
 from jgrpo.models.llm import model_config, param_logical_axes
 from jgrpo.parallel.mesh import SAMPLE_RULES, Rules, logical_shardings, replicated
 from jgrpo.sampling import turns
@@ -127,6 +127,8 @@ class Sampler:
         if not isinstance(self.method, SamplingMethod):
             raise TypeError(f"method must be a SamplingMethod, got {type(self.method).__name__}")
         object.__setattr__(self, "stop_ids", tuple(sorted({int(i) for i in self.stop_ids})))
+        # What a call derives from its shapes, once per shape: program specs, params shardings, trace contexts.
+        object.__setattr__(self, "_derived", {})
 
     @classmethod
     def from_config(cls, config: SamplerConfig, *, graphdef, num_samples: int, stop_ids, pad_id: int, mesh,
@@ -142,15 +144,25 @@ class Sampler:
 
     def spec(self, batch: int, prompt_len: int, cfg, interactive: bool = False) -> PoolSpec:
         """The static part of the program for `batch` prompts of width `prompt_len`."""
-        plan, layout = plan_and_layout(self, batch, prompt_len, cfg, interactive)
-        return PoolSpec(plan, self.method, layout)
+        key = ("spec", batch, prompt_len, cfg, interactive)
+        if key not in self._derived:
+            plan, layout = plan_and_layout(self, batch, prompt_len, cfg, interactive)
+            self._derived[key] = PoolSpec(plan, self.method, layout)
+        return self._derived[key]
+
+    def _context(self, cfg):
+        """The context the prefill's attention kernel traces in (a mesh for splash), a new one per call."""
+        key = ("context", cfg.attention)
+        if key not in self._derived:
+            self._derived[key] = mesh_context_factory(cfg.attention, self.mesh)
+        return self._derived[key]()
 
     def generate(self, params, prompts: Prompts, key: jax.Array, version: int = 0) -> SampleOutput:
         """Sample the prompts' completions. `key`: one key, or [B] keys with `prompts.index` (see `Prompts`).
         `version` (the params' version) is recorded with every token."""
         prompts, cfg = self.checked(params, prompts)
         spec = self.spec(*prompts.tokens.shape, cfg)
-        with mesh_context(cfg.attention, self.mesh):  # the prefill's attention kernel may need it
+        with self._context(cfg):  # the prefill's attention kernel may need it
             return sample(self.graphdef, self.placed(params), prompts, _typed(key), np.int32(version), spec=spec)
 
     # ------------------------------------------------------------ the slot interface (jgrpo.sampling.turns)
@@ -159,17 +171,17 @@ class Sampler:
         """A pool of the prompts' rows: prefilled, every slot's first token drawn (see `jgrpo.sampling.turns`)."""
         prompts, cfg = self.checked(params, prompts)
         spec = self.spec(*prompts.tokens.shape, cfg, interactive=True)
-        with mesh_context(cfg.attention, self.mesh):
+        with self._context(cfg):
             return turns.begin(self.graphdef, self.placed(params), spec, prompts, _typed(key), version)
 
     def advance(self, params, state: turns.SlotState, chunks: int = 1, version: int = 0) -> turns.SlotState:
         """Decode with `params` (of `version`) up to `chunks` ring chunk boundaries, or until nothing can run."""
-        with mesh_context(self._config(params).attention, self.mesh):
+        with self._context(self._config(params)):
             return turns.advance(self.graphdef, self.placed(params), state, chunks, version)
 
     def append(self, params, state: turns.SlotState, slot: int, token_ids, version: int = 0) -> turns.SlotState:
         """`token_ids` after paused `slot`'s row; its next turn's first token drawn with `params` (of `version`)."""
-        with mesh_context(self._config(params).attention, self.mesh):
+        with self._context(self._config(params)):
             return turns.append(self.graphdef, self.placed(params), state, slot, token_ids, version)
 
     def finish(self, state: turns.SlotState, slot: int) -> turns.SlotState:
@@ -202,8 +214,10 @@ class Sampler:
         """Params in the sampling layout (resharded once if they are in another, as they are if not)."""
         if self.mesh is None:
             return params
-        return jax.device_put(params, logical_shardings(param_logical_axes(params), self.mesh, self.rules,
-                                                        shapes=params))
+        key = ("shardings", jax.tree.structure(params), tuple(x.shape for x in jax.tree.leaves(params)))
+        if key not in self._derived:
+            self._derived[key] = logical_shardings(param_logical_axes(params), self.mesh, self.rules, shapes=params)
+        return jax.device_put(params, self._derived[key])
 
     def lower(self, params, prompts: Prompts, key) -> jax.stages.Lowered:
         """The program `generate` runs for these shapes, lowered for the mesh but not compiled or run.
@@ -213,7 +227,7 @@ class Sampler:
         compiles the sampler for a TPU slice. Needs `cfg`.
         """
         spec = self.spec(*prompts.tokens.shape, self.cfg)
-        with mesh_context(self.cfg.attention, self.mesh):
+        with self._context(self.cfg):
             version = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated(self.mesh) if self.mesh else None)
             return sample.lower(self.graphdef, params, prompts, key, version, spec=spec)
 

@@ -116,10 +116,11 @@ def advance(graphdef, params, state: SlotState, chunks: int, version: int) -> Sl
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "spec"), donate_argnames=("pool",))
-def _append(graphdef, params, store: PromptStore, pool: Pool, q, j, ids, count, version, *, spec: PoolSpec) -> Pool:
-    """Slot j of queue q: `count` ids (of `ids` [N]) after its row's tokens, its context prefilled into its prompt
-    segment, the next turn's first token drawn."""
+def _append(graphdef, params, store: PromptStore, pool: Pool, slot, ids, count, version, *, spec: PoolSpec) -> Pool:
+    """`slot`: `count` ids (of `ids` [N]) after its row's tokens, its context prefilled into its prompt segment,
+    the next turn's first token drawn."""
     plan = spec.plan
+    q, j = slot // plan.slots_per_queue, slot % plan.slots_per_queue
     w = weights(graphdef, params, plan)
     N = plan.max_new_tokens
     sl, rows = pool.slots, pool.rows
@@ -156,7 +157,7 @@ def _append(graphdef, params, store: PromptStore, pool: Pool, q, j, ids, count, 
                         held=sl.held.at[q, j].set(held), turn_start=sl.turn_start.at[q, j].set(length - 1),
                         prompt_len=sl.prompt_len.at[q, j].set(jnp.sum(mask, dtype=jnp.int32)),
                         prompt_mask=sl.prompt_mask.at[q, j].set(mask))
-    cache = _write_segment(plan, pool.cache, cache, q * plan.slots_per_queue + j)
+    cache = _write_segment(plan, pool.cache, cache, slot)
     return pool._replace(slots=slots, rows=rows, cache=spec.pin("cache", cache))
 
 
@@ -185,11 +186,10 @@ def append(graphdef, params, state: SlotState, slot: int, token_ids, version: in
         raise ValueError(f"row {status.row[slot]} has {status.length[slot]} of its max_new_tokens="
                          f"{plan.max_new_tokens} tokens: {len(ids)} more and a turn do not fit (at most {room}); "
                          "finish the row instead")
-    q, j = divmod(slot, plan.slots_per_queue)
     padded = np.zeros(plan.max_new_tokens, np.int32)
     padded[:len(ids)] = ids
-    pool = _append(graphdef, params, state.store, state.pool, jnp.int32(q), jnp.int32(j), jnp.asarray(padded),
-                   jnp.int32(len(ids)), np.int32(version), spec=state.spec)
+    pool = _append(graphdef, params, state.store, state.pool, np.int32(slot), padded, np.int32(len(ids)),
+                   np.int32(version), spec=state.spec)
     return dataclasses.replace(state, pool=pool)
 
 

@@ -30,6 +30,7 @@ averaged over the updates where lp_k is the real pi_k (`lp_k_exact`), and the lo
 from __future__ import annotations
 
 import logging
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -107,9 +108,23 @@ def _update_means(update_metrics: list[dict], behaviour_is_current: bool) -> dic
     return record
 
 
-def iteration_metrics(*, update_metrics: list[dict], reward_table, reward_names, result, out, timings: dict,
-                      staleness: int, behaviour_is_current: bool, lr: float, lr_last: float, prompt_mask,
-                      inner_steps: int) -> dict:
+class IterationFacts(NamedTuple):
+    """What the loop knows of an iteration besides its samples and updates."""
+
+    reward_names: tuple[str, ...]  # the reward table's columns after the total
+    timings: dict  # seconds per phase
+    staleness: int  # k - version(behaviour)
+    behaviour_is_current: bool  # the first update ran at the behaviour params (mismatch metrics are meaningful)
+    lr: float  # of the first update
+    lr_last: float  # of the last one
+    inner_steps: int
+
+
+def iteration_metrics(rollout, update_metrics: list[dict], facts: IterationFacts, reward_table, prompt_mask) -> dict:
+    """The record of one iteration: `rollout` (its samples: global arrays; its scores: this process's rows),
+    the finalised `update_metrics`, the global `reward_table` [R, 1 + F] and `prompt_mask` [B, P]."""
+    out, result, timings = rollout.samples, rollout.scores, facts.timings
+    reward_names, inner_steps = facts.reward_names, facts.inner_steps
     stats = jax.device_get(_batch_stats(reward_table, out.lengths, out.truncated, prompt_mask))
     record = {"reward/mean": float(stats["mean"][0]), "reward/std": float(stats["std"][0])}
     functions = [n for n in reward_names if n in result.failures]  # (not the overlong punishment's column)
@@ -125,10 +140,10 @@ def iteration_metrics(*, update_metrics: list[dict], reward_table, reward_names,
     for key in ("length_mean", "length_min", "length_max", "truncated_frac"):
         record[f"completion/{key}"] = float(stats[key])
 
-    record.update(_update_means(update_metrics, behaviour_is_current))
-    record["theorem1/staleness"] = staleness
-    record["optim/lr"] = lr
-    record["optim/lr_last"] = lr_last
+    record.update(_update_means(update_metrics, facts.behaviour_is_current))
+    record["theorem1/staleness"] = facts.staleness
+    record["optim/lr"] = facts.lr
+    record["optim/lr_last"] = facts.lr_last
 
     for phase, seconds in timings.items():
         record[f"time/{phase}"] = seconds
@@ -142,8 +157,9 @@ def iteration_metrics(*, update_metrics: list[dict], reward_table, reward_names,
     return record
 
 
-def sample_dump(batch, completions: list[str], result, generations: int, max_prompts: int = 4) -> list[dict]:
+def sample_dump(rollout, generations: int, max_prompts: int = 4) -> list[dict]:
     """Rows for samples.jsonl: the first `max_prompts` local prompts with all their completions and rewards."""
+    batch, completions, result = rollout.prompts, rollout.completions, rollout.scores
     rows = []
     for b in range(min(len(batch), max_prompts)):
         for j in range(generations):

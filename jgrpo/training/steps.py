@@ -26,7 +26,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 
 from jgrpo.config import GRPOConfig
-from jgrpo.models.attention_backends import mesh_context
+from jgrpo.models.attention_backends import mesh_context_factory
 from jgrpo.models.llm import abstract_model, merge_model, model_config, param_logical_axes, position_ids_from_mask
 from jgrpo.models.lora import is_adapter, join_adapters, without_lora
 from jgrpo.models.shared_prompt import forward_shared_prompts
@@ -45,6 +45,7 @@ from jgrpo.rl.diagnostics import extreme_kind, finalize_metrics
 from jgrpo.rl.logprobs import token_logprobs
 from jgrpo.rl.objectives import grpo_loss, step_has_signal, step_normaliser
 from jgrpo.sampling.methods import SamplingMethod
+from jgrpo.sampling.pool import SampleOutput
 
 # Where lp_k (log-probs at the start of the iteration) comes from after the first update of an iteration
 # (at the first update it is always stop_gradient(lp): the params are still pi_k).
@@ -82,7 +83,7 @@ class StepBatch(NamedTuple):
     input_mask: jax.Array  # [C, r, P+N-1] bool: real tokens (left padding and post-stop padding False)
     positions: jax.Array  # [C, r, P+N-1] int32
     targets: jax.Array  # [C, r, N] int32: the completion tokens
-    completion_mask: jax.Array  # [C, r, N] bool
+    completion_mask: jax.Array  # [C, r, N] bool: the tokens in the loss (the sampler drew them)
     lp_alpha: jax.Array  # [C, r, N] float32: behaviour log-probs recorded by the sampler
     adv: GroupAdvantages  # fields [C, r]
     lp_k: jax.Array | None = None  # [C, r, N] float32
@@ -111,6 +112,19 @@ class _InContext:
             return self.jitted.lower(*args, **kwargs)
 
 
+class StepOptions(NamedTuple):
+    """What the step functions compute, besides the model, its params and the mesh."""
+
+    grpo: GRPOConfig  # the objective and the loop's shape
+    method: SamplingMethod  # the sampler's: the log-probs process the logits as it does
+    logprob_chunk: int  # positions per log-prob chunk (`rl.logprobs`)
+    new_tokens: int  # N, the sampler's max_new_tokens
+    share_prompts: bool = True  # compute each prompt once for its group (`models.shared_prompt`)
+    skip_empty_steps: bool = True  # a step with nothing in the loss changes nothing
+    reward_weights: tuple[float, ...] | None = None  # of the reward table's columns (per-reward advantages)
+    on_policy: bool | None = None  # the sampling params are always pi_k (`Config.samples_on_policy`)
+
+
 class StepFunctions:
     """The jitted functions of one run, closed over its static configuration and shardings.
 
@@ -118,19 +132,18 @@ class StepFunctions:
     keeps the width fixed after the first batch (see `Trainer`).
     """
 
-    def __init__(self, *, graphdef, params, mesh: Mesh, grpo: GRPOConfig, optimizer: optax.GradientTransformation,
-                 method: SamplingMethod, logprob_chunk: int, new_tokens: int, share_prompts: bool = True,
-                 skip_empty_steps: bool = True, rules: Rules = TRAIN_RULES,
-                 reward_weights: tuple[float, ...] | None = None, frozen: dict | None = None,
-                 on_policy: bool | None = None):
+    def __init__(self, *, graphdef, params, mesh: Mesh, optimizer: optax.GradientTransformation,
+                 options: StepOptions, rules: Rules = TRAIN_RULES, frozen: dict | None = None):
         """`params` are what trains (with LoRA the adapters only); `frozen` is the LoRA base, passed to every
         program that runs the model (`jgrpo.models.frozen_base`), never trained, donated or copied."""
+        o = options
+        grpo = o.grpo
         self.graphdef, self.mesh, self.grpo, self.optimizer = graphdef, mesh, grpo, optimizer
-        self.reward_weights = reward_weights  # of the reward table's columns (per-reward advantages only)
-        self.method, self.chunk, self.new_tokens = method, logprob_chunk, new_tokens
-        self.share_prompts, self.skip_empty_steps, self.rules = share_prompts, skip_empty_steps, rules
+        self.reward_weights = o.reward_weights  # of the reward table's columns (per-reward advantages only)
+        self.method, self.chunk, self.new_tokens = o.method, o.logprob_chunk, o.new_tokens
+        self.share_prompts, self.skip_empty_steps, self.rules = o.share_prompts, o.skip_empty_steps, rules
         self.chunks = grpo.num_minibatches * grpo.micro_batches
-        self.lp_k_source = lp_k_source(grpo, on_policy)
+        self.lp_k_source = lp_k_source(grpo, o.on_policy)
         # Log-probs shard the vocabulary over the axes that shard the weights (`token_logprobs`): rows over the
         # data axis only, vocabulary over fsdp and tensor. Constraints where a dimension does not divide are
         # dropped by logical_to_spec (then XLA chooses, as without them).
@@ -146,7 +159,7 @@ class StepFunctions:
         # The reference of a LoRA run is the base alone: the same model without adapter leaves.
         self.base_graphdef = abstract_model(without_lora(cfg))[0] if cfg.lora_rank else None
         # Programs that run the model are traced in the mesh context where the attention kernel needs it.
-        context = functools.partial(mesh_context, cfg.attention, mesh)
+        context = mesh_context_factory(cfg.attention, mesh)
         self.init_opt_state = jax.jit(optimizer.init, out_shardings=self.opt_shardings)
         # A real copy (new buffers) even where layouts agree: the original is donated to the next update.
         self.copy_params = param_copier(self.param_shardings)
@@ -174,13 +187,47 @@ class StepFunctions:
 
     # ------------------------------------------------------------------ batch
 
-    def _assemble(self, prompt_tokens, prompt_mask, tokens, completion_mask, lp_alpha, rewards, truncated=None):
-        """Sampler outputs + rewards -> StepBatch (without lp_k / lp_ref) and the flat advantages.
+    def build(self, prompt_tokens, prompt_mask, samples: SampleOutput, rewards, *, reference, current,
+              frozen=None) -> StepBatch:
+        """The update's batch: the prompts [B, P], the sampler's record of their rows and the reward table, with
+        the log-probs of the `reference` params (beta > 0) and of the `current` ones (pi_k, when `lp_k_source` is
+        "computed"), and M2PO's token mask. Every program on the train mesh. With LoRA, `reference` and `current`
+        are adapters (the reference may have none) and `frozen` the base they join."""
+        batch, _ = self.assemble(prompt_tokens, prompt_mask, samples, rewards)
+        if self.grpo.beta > 0:
+            batch = batch._replace(lp_ref=self.reference_logprobs(join_adapters(reference, frozen), batch))
+        if self.lp_k_source == "computed":
+            batch = batch._replace(lp_k=self.logprobs(join_adapters(current, frozen), batch))
+        if self.grpo.m2po_tau is not None:
+            batch = batch._replace(m2po_drop=self.m2po_mask(batch))
+        return jax.block_until_ready(batch)
 
-        `rewards` is [R] (the total) or the reward table [R, 1 + F] (the total, then each column of
-        `reward_weights`, which per-reward advantages need); `truncated` [R] (rows cut at max_new_tokens) is
-        needed by `grpo.overlong_filter`, which takes them out of the loss.
+    def update(self, params, opt_state, batch: StepBatch, shuffle_key=None, frozen=None):
+        """grpo.inner_steps passes over `batch`, each grpo.num_minibatches optimiser steps (params and optimiser
+        state donated to each); with `shuffle_key`, whole groups are re-dealt to the minibatches at every inner
+        step after the first. Returns (params, optimiser state, each step's metrics on the host)."""
+        g = self.grpo
+        metrics = []
+        for inner in range(g.inner_steps):
+            dealt = batch
+            if inner and shuffle_key is not None:
+                dealt = self.shuffle_groups(batch, jax.random.fold_in(shuffle_key, inner))
+            for minibatch in range(g.num_minibatches):
+                first = inner == 0 and minibatch == 0
+                params, opt_state, m = self.train_step(params, opt_state, dealt, jnp.int32(minibatch),
+                                                       jnp.bool_(first), frozen=frozen)
+                metrics.append(m)
+        return params, opt_state, jax.device_get(metrics)
+
+    def _assemble(self, prompt_tokens, prompt_mask, samples: SampleOutput, rewards):
+        """Sampler record + rewards -> StepBatch (without lp_k / lp_ref) and the flat advantages.
+
+        The record's tokens follow the prompts (its completion mask marks the real ones); its loss mask (the tokens
+        the sampler drew) is what the loss sums over, with lp_alpha their log-probs. `rewards` is [R] (the total)
+        or the reward table [R, 1 + F] (the total, then each column of `reward_weights`, which per-reward
+        advantages need); rows the sampler truncated leave the loss with `grpo.overlong_filter`.
         """
+        tokens, completion_mask, truncated = samples.tokens, samples.completion_mask, samples.truncated
         R, B = tokens.shape[0], prompt_tokens.shape[0]
         G, C = R // B, self.chunks
         seq = jnp.concatenate([jnp.repeat(prompt_tokens, G, axis=0), tokens], axis=1)  # [R, P+N]
@@ -190,8 +237,6 @@ class StepFunctions:
         # Over the whole batch, before any chunking.
         adv = group_advantages(table[:, 0], self.grpo, components=table[:, 1:], weights=self.reward_weights)
         if self.grpo.overlong_filter:
-            if truncated is None:
-                raise ValueError("grpo.overlong_filter needs the sampler's truncated flags")
             adv = adv._replace(in_loss=adv.in_loss & ~truncated.astype(bool))
 
         def chunked(x):  # [R, ...] -> [C, R/C, ...]
@@ -202,8 +247,8 @@ class StepFunctions:
             input_mask=chunked(mask[:, :-1]),
             positions=chunked(positions[:, :-1]),
             targets=chunked(tokens),
-            completion_mask=chunked(completion_mask),
-            lp_alpha=chunked(lp_alpha.astype(jnp.float32)),
+            completion_mask=chunked(samples.loss_mask),
+            lp_alpha=chunked(samples.logprobs.astype(jnp.float32)),
             adv=GroupAdvantages(*(chunked(x) for x in adv)),
         )
         return batch, adv

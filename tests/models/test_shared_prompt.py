@@ -15,7 +15,8 @@ from jgrpo.models.llm import LLM, LLMConfig, merge_model, position_ids_from_mask
 from jgrpo.models.shared_prompt import forward_shared_prompts
 from jgrpo.parallel.mesh import make_mesh
 from jgrpo.sampling.methods import SamplingMethod
-from jgrpo.training.steps import StepFunctions
+from jgrpo.training.steps import StepFunctions, StepOptions
+from tests.helpers import sampled
 
 GQA = LLMConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_layers=3, num_heads=4, num_kv_heads=2,
                 head_dim=16, rope_theta=100000.0, qkv_bias=True, qk_norm=True)
@@ -113,12 +114,12 @@ def test_step_functions_agree_with_and_without_sharing(micro_batches, shares, mo
     lp_alpha = jnp.asarray(rng.normal(size=tokens.shape) - 3.0, jnp.float32)
     results = {}
     for share in (True, False):
-        steps = StepFunctions(graphdef=graphdef, params=params, mesh=make_mesh(MeshConfig()), grpo=grpo,
-                              optimizer=optax.sgd(1.0),  # new params = params - gradient (Adam would hide it)
-                              method=SamplingMethod(temperature=0.7), logprob_chunk=4, new_tokens=N,
+        options = StepOptions(grpo=grpo, method=SamplingMethod(temperature=0.7), logprob_chunk=4, new_tokens=N,
                               share_prompts=share)
+        steps = StepFunctions(graphdef=graphdef, params=params, mesh=make_mesh(MeshConfig()), options=options,
+                              optimizer=optax.sgd(1.0))  # new params = params - gradient (Adam would hide it)
         placed = steps.copy_params(params)  # placed on the mesh, new buffers: the train step donates them
-        batch, _ = steps.assemble(prompt_tokens, prompt_mask, tokens, completion_mask, lp_alpha, rewards)
+        batch, _ = steps.assemble(prompt_tokens, prompt_mask, sampled(tokens, completion_mask, lp_alpha), rewards)
         lp = steps.logprobs(placed, batch)
         batch = batch._replace(lp_ref=lp - 0.1)
         new_params, _, metrics = steps.train_step(placed, steps.init_opt_state(placed), batch, jnp.int32(0),
@@ -148,10 +149,12 @@ def test_assemble_takes_the_reward_table_and_filters_overlong_rows():
     for overlong_filter, normalisation in ((False, "sum"), (True, "sum"), (True, "per_reward")):
         grpo = GRPOConfig(num_generations=G, overlong_filter=overlong_filter,
                           advantage_reward_normalisation=normalisation)
-        steps = StepFunctions(graphdef=graphdef, params=params, mesh=make_mesh(MeshConfig()), grpo=grpo,
-                              optimizer=optax.sgd(1.0), method=SamplingMethod(temperature=0.7), logprob_chunk=4,
-                              new_tokens=N, reward_weights=(1.0,))
-        _, adv = steps.assemble(prompt_tokens, prompt_mask, tokens, completion_mask, lp_alpha, table, truncated)
+        options = StepOptions(grpo=grpo, method=SamplingMethod(temperature=0.7), logprob_chunk=4, new_tokens=N,
+                              reward_weights=(1.0,))
+        steps = StepFunctions(graphdef=graphdef, params=params, mesh=make_mesh(MeshConfig()), options=options,
+                              optimizer=optax.sgd(1.0))
+        _, adv = steps.assemble(prompt_tokens, prompt_mask, sampled(tokens, completion_mask, lp_alpha, truncated),
+                                table)
         live = np.repeat([True, False, True], G)
         np.testing.assert_array_equal(adv.in_loss, live & ~np.asarray(truncated) if overlong_filter else live)
         plain = np.asarray(adv.advantages)

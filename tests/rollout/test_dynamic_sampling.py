@@ -11,8 +11,8 @@ from jgrpo.data import PromptBatch
 from jgrpo.parallel.host_arrays import to_global_rows
 from jgrpo.parallel.mesh import SAMPLE_RULES, make_mesh
 from jgrpo.rewards.scorer import RewardResult
-from jgrpo.rollout.collect import Rollout
-from jgrpo.rollout.dynamic_sampling import Round, fill_batch, groups_with_signal
+from jgrpo.rollout.dynamic_sampling import fill_batch, groups_with_signal
+from jgrpo.rollout.records import Rollout
 from jgrpo.sampling.sampler import SampleOutput
 from jgrpo.training.metrics_log import read_metrics
 from jgrpo.training.trainer import Trainer
@@ -31,7 +31,7 @@ def test_groups_with_signal_by_total_or_by_any_reward_column():
     assert groups_with_signal(table, G, per_reward=True).tolist() == [True, True, False]
 
 
-def _round(mesh, tag: int, signal: list[bool]) -> Round:
+def _round(mesh, tag: int, signal: list[bool]) -> Rollout:
     """A round of len(signal) prompts whose rows are numbered 100 * tag + row (tokens, log-probs, rewards),
     with constant rewards in the groups marked False."""
     B = len(signal)
@@ -51,14 +51,13 @@ def _round(mesh, tag: int, signal: list[bool]) -> Round:
     batch = PromptBatch(token_ids=[[tag, b] for b in range(B)], texts=[f"{tag}.{b}" for b in range(B)],
                         questions=[f"q{tag}.{b}" for b in range(B)], references=[{"tag": tag}] * B, epoch=tag // 2,
                         step=tag)
-    rollout = Rollout(output, [f"c{r}" for r in rows], scores, 1.0, 0.5)
-    return Round(batch, rollout, np.stack([rewards, rewards], axis=1))
+    return Rollout(batch, output, np.stack([rewards, rewards], axis=1), [f"c{r}" for r in rows], scores, 1.0, 0.5)
 
 
 def _fill(first, more, rounds, oversample):
     queue = list(more)
     return fill_batch(first, lambda: queue.pop(0) if queue else None, group_size=G, rounds=rounds,
-                      oversample=oversample, per_reward=False, mesh=first.rollout.output.tokens.sharding.mesh)
+                      oversample=oversample, per_reward=False, mesh=first.samples.tokens.sharding.mesh)
 
 
 @pytest.fixture(scope="module")
@@ -74,16 +73,16 @@ def test_fill_keeps_groups_with_signal_in_order_then_tops_up_with_masked_ones(me
     filled, metrics = _fill(first, [r1, r2], rounds=2, oversample=1)
     chosen = [(0, 0), (0, 2), (0, 5), (1, 1), (1, 3), (1, 4), (1, 7), (2, 0)]  # (round, group)
     rows = [100 * t + 2 * i + j for t, i in chosen for j in range(G)]
-    assert np.asarray(filled.rollout.output.tokens)[:, 0].tolist() == rows
-    assert np.asarray(filled.rollout.output.logprobs)[:, 0].tolist() == [-r for r in rows]
-    assert filled.rollout.completions == [f"c{r}" for r in rows]
-    assert filled.batch.token_ids == [[t, i] for t, i in chosen]
-    assert filled.batch.questions == [f"q{t}.{i}" for t, i in chosen]
-    assert filled.batch.epoch == 1 and filled.batch.step == 0  # the last drawn batch's epoch; the first's step
-    assert filled.rollout.scores.failures == {"f": 0 + 1 + 2}  # every reward call counts, kept or not
-    assert filled.rollout.sample_seconds == 3.0
-    assert groups_with_signal(filled.table, G, per_reward=False).all()
-    assert filled.rollout.output.tokens.sharding == first.rollout.output.tokens.sharding
+    assert np.asarray(filled.samples.tokens)[:, 0].tolist() == rows
+    assert np.asarray(filled.samples.logprobs)[:, 0].tolist() == [-r for r in rows]
+    assert filled.completions == [f"c{r}" for r in rows]
+    assert filled.prompts.token_ids == [[t, i] for t, i in chosen]
+    assert filled.prompts.questions == [f"q{t}.{i}" for t, i in chosen]
+    assert filled.prompts.epoch == 1 and filled.prompts.step == 0  # the last drawn batch's epoch; the first's step
+    assert filled.scores.failures == {"f": 0 + 1 + 2}  # every reward call counts, kept or not
+    assert filled.sample_seconds == 3.0
+    assert groups_with_signal(filled.rewards, G, per_reward=False).all()
+    assert filled.samples.tokens.sharding == first.samples.tokens.sharding
     assert metrics == {"dynamic/extra_rounds": 2.0, "dynamic/prompts_sampled": 24.0,
                        "dynamic/first_round_signal_frac": 3 / 8, "dynamic/short_groups": 0.0,
                        "dynamic/data_exhausted": 0.0}
@@ -95,18 +94,18 @@ def test_fill_stops_when_full_and_tops_up_when_rounds_run_out(mesh):
     r1, r2, r3 = _round(mesh, 1, [0, 1, 0, 0, 0, 0, 0, 0]), _round(mesh, 2, [1] * 8), _round(mesh, 3, [1] * 8)
     filled, metrics = _fill(first, [r1, r2, r3], rounds=3, oversample=2)
     assert metrics["dynamic/extra_rounds"] == 1 and metrics["dynamic/prompts_sampled"] == 24
-    assert filled.batch.token_ids == [[0, 0], [0, 2], [0, 5], [1, 1], [2, 0], [2, 1], [2, 2], [2, 3]]
+    assert filled.prompts.token_ids == [[0, 0], [0, 2], [0, 5], [1, 1], [2, 0], [2, 1], [2, 2], [2, 3]]
     # Data exhausted after one more batch with one group of signal: 4 of 8, topped up with round 0's first four
     # zero-variance groups (1, 3, 4, 6), which the loss masks; counted.
     filled, metrics = _fill(first, [r1], rounds=3, oversample=1)
-    assert filled.batch.token_ids == [[0, 0], [0, 2], [0, 5], [1, 1], [0, 1], [0, 3], [0, 4], [0, 6]]
+    assert filled.prompts.token_ids == [[0, 0], [0, 2], [0, 5], [1, 1], [0, 1], [0, 3], [0, 4], [0, 6]]
     assert metrics["dynamic/short_groups"] == 4 and metrics["dynamic/data_exhausted"] == 1
-    assert groups_with_signal(filled.table, G, per_reward=False).tolist() == [True] * 4 + [False] * 4
+    assert groups_with_signal(filled.rewards, G, per_reward=False).tolist() == [True] * 4 + [False] * 4
     # A first round with signal everywhere takes no extra round (and rebuilds the same rows).
     full = _round(mesh, 0, [1] * 8)
     filled, metrics = _fill(full, [r2], rounds=2, oversample=1)
     assert metrics["dynamic/extra_rounds"] == 0 and metrics["dynamic/prompts_sampled"] == 8
-    assert np.array_equal(np.asarray(filled.rollout.output.tokens), np.asarray(full.rollout.output.tokens))
+    assert np.array_equal(np.asarray(filled.samples.tokens), np.asarray(full.samples.tokens))
 
 
 def test_dynamic_sampling_config_errors():

@@ -16,7 +16,8 @@ import pytest
 from jgrpo.config import ConfigError
 from jgrpo.config.loading import load_config
 from jgrpo.rollout.async_producer import AsyncRollouts
-from jgrpo.rollout.sampling_weights import SamplingPolicy
+from jgrpo.rollout.collector import Collector
+from jgrpo.rollout.sources import RolloutSource
 from jgrpo.training.trainer import Trainer
 from tests.helpers import tiny_config
 
@@ -26,16 +27,25 @@ COMMON = ["checkpoint.every=1", "logging.samples_every=0", "grpo.beta=0.04", "op
 def _run(run_dir, iterations, monkeypatch, *overrides):
     """Train; returns (params leaves, {iteration: (tokens, questions, device ids)}, metrics records, state)."""
     config = tiny_config(run_dir, f"run.iterations={iterations}", *COMMON, *overrides)
-    seen = {}
-    first_round = SamplingPolicy.first_round
+    seen, sampled_on = {}, []
+    collect, sample = Collector.collect, RolloutSource.sample
 
-    def spy(self, state, k, timings):
-        out = first_round(self, state, k, timings)
-        tokens = out[0].rollout.output.tokens
-        seen[k] = (np.asarray(tokens), tuple(out[0].batch.questions), {d.id for d in tokens.sharding.device_set})
+    def spy(self, state, timings):
+        out = collect(self, state, timings)
+        # The devices the rows were sampled on (before they move to the trainer's, with mesh.rollout_devices).
+        devices = set().union(*sampled_on)
+        sampled_on.clear()
+        seen[state.iteration] = (np.asarray(out.rollout.samples.tokens), tuple(out.rollout.prompts.questions),
+                                 devices)
         return out
 
-    monkeypatch.setattr(SamplingPolicy, "first_round", spy)
+    def sample_spy(self, *args, **kwargs):
+        rollout = sample(self, *args, **kwargs)
+        sampled_on.append({d.id for d in rollout.samples.tokens.sharding.device_set})
+        return rollout
+
+    monkeypatch.setattr(Collector, "collect", spy)
+    monkeypatch.setattr(RolloutSource, "sample", sample_spy)
     trainer = Trainer(config)
     try:
         assert trainer.run() == "done"
@@ -57,13 +67,13 @@ def test_async_at_staleness_0_is_sync_at_v1(tmp_path, monkeypatch):
     # iteration took SmolLM2's async run to 24 GB): the arrays alive at each iteration's end stay the same from
     # iteration 2 on (the first creates a few lasting ones). Counted before the publish, when the producer
     # (staleness 0) is waiting for it. Measured: 707, 716, 716, 716; before the fix 707, 727, 738, 749.
-    live, after_iteration = [], SamplingPolicy.after_iteration
+    live, after_update = [], Collector.after_update
 
-    def count_then_publish(self, state, timings):
+    def count_then_publish(self, state, requested, last, timings):
         live.append(len(jax.live_arrays()))
-        after_iteration(self, state, timings)
+        return after_update(self, state, requested, last, timings)
 
-    monkeypatch.setattr(SamplingPolicy, "after_iteration", count_then_publish)
+    monkeypatch.setattr(Collector, "after_update", count_then_publish)
     gc.disable()
     try:
         asyn, async_seen, records, state = _run(tmp_path / "async", 4, monkeypatch, "rollout.mode=async",
@@ -110,7 +120,7 @@ def test_split_placement_samples_like_shared_devices(tmp_path, monkeypatch):
                                          "mesh.rollout_devices=4")
     for k in range(3):
         np.testing.assert_array_equal(shared_seen[k][0], split_seen[k][0], err_msg=f"iteration {k + 1}")
-        assert split_seen[k][2] <= {d.id for d in jax.devices()[:4]}  # sampled on the sampler's sub-mesh
+        assert split_seen[k][2] == {d.id for d in jax.devices()[:4]}  # sampled on the sampler's sub-mesh
     # The trainer itself runs on 4 devices instead of 8: other reduction orders, which AdamW's g / sqrt(v)
     # magnifies on the few weights whose gradient is ~0 (measured: 11 of 3.1M weights differ by up to 2e-4).
     _close(shared, split, 1e-3)

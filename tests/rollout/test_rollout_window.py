@@ -22,18 +22,18 @@ def _run(run_dir, iterations, mode, monkeypatch, *overrides):
     config = tiny_config(run_dir, f"run.iterations={iterations}", "checkpoint.every=1", "logging.samples_every=0",
                          f"rollout.mode={mode}", *WINDOW, *overrides)
     tokens, windows = {}, []
-    first_round, sample_window = RolloutSource.first_round, RolloutSource._sample_window
+    first_batch, sample_window = RolloutSource.first, RolloutSource._sample_window
 
-    def spy_first_round(self, params, iteration, counters):
-        sampled = first_round(self, params, iteration, counters)
-        tokens[iteration] = np.asarray(sampled.rollout.output.tokens)
-        return sampled
+    def spy_first(self, params, iteration, counters, version=0):
+        rollout = first_batch(self, params, iteration, counters, version)
+        tokens[iteration] = np.asarray(rollout.samples.tokens)
+        return rollout
 
-    def spy_window(self, params, batches, first):
+    def spy_window(self, params, batches, first, version):
         windows.append((first, len(batches)))
-        return sample_window(self, params, batches, first)
+        return sample_window(self, params, batches, first, version)
 
-    monkeypatch.setattr(RolloutSource, "first_round", spy_first_round)
+    monkeypatch.setattr(RolloutSource, "first", spy_first)
     monkeypatch.setattr(RolloutSource, "_sample_window", spy_window)
     trainer = Trainer(config)
     try:

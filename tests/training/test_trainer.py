@@ -119,7 +119,7 @@ def test_bfloat16_sampling_weights_off_and_on_policy_and_resume(tmp_path):
         assert trainer.run() == "done"
         behaviour = trainer.state.behaviour  # refreshed at iteration 0: the initial params, rounded
         for b, p, s in zip(jax.tree.leaves(behaviour), jax.tree.leaves(initial),
-                           jax.tree.leaves(trainer.sample_shardings), strict=True):
+                           jax.tree.leaves(trainer.weights.shardings), strict=True):
             assert b.dtype == jnp.bfloat16 and b.sharding == s
             np.testing.assert_array_equal(np.asarray(b), np.asarray(jnp.asarray(p).astype(jnp.bfloat16)))
         saved = _copy(behaviour)

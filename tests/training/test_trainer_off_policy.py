@@ -53,8 +53,8 @@ def stale_iterations(tmp_path_factory):
     samples, updates = [], []
     original_generate = Sampler.generate
 
-    def spy_generate(self, params, prompts, key):
-        out = original_generate(self, params, prompts, key)
+    def spy_generate(self, params, prompts, key, version=0):
+        out = original_generate(self, params, prompts, key, version)
         samples.append(dict(params=jax.tree.map(jnp.copy, params), prompt_tokens=np.asarray(prompts.tokens),
                             prompt_mask=np.asarray(prompts.mask), out=jax.device_get(out)))
         return out

@@ -1,0 +1,179 @@
+"""An iteration's scored samples, and what changes on the sampling side after its updates: the trainer's two calls
+into the rollout room.
+
+`collect(state, timings)`: the batch for iteration k, sampled with the params `SamplingWeights` gives (sync or
+window, `sources`), or taken from the async producer (`async_producer`), then topped up by DAPO dynamic sampling
+(`dynamic_sampling`) when on. It returns a `Collected` (the record, the version of the params that sampled it, the
+run's rng after the extra rounds' keys, metrics); of the trainer's state it only advances the run counters that
+follow the data (the prompt width, and the async producer's batches drawn and dropped).
+
+`after_update(state, requested, last)`: behaviour <- current if iteration k + 1 must sample from a fresh copy
+(the one place this is decided, `SamplingWeights.refresh_for`), and the async producer's new published copy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import NamedTuple
+
+import jax
+
+from jgrpo.parallel.host_arrays import to_global_rows
+from jgrpo.parallel.mesh import SAMPLE_RULES, TRAIN_RULES, row_sharding
+from jgrpo.rollout.async_producer import AsyncRollouts
+from jgrpo.rollout.dynamic_sampling import fill_batch
+from jgrpo.rollout.records import Rollout
+from jgrpo.rollout.sampling_weights import Refresh, SamplingWeights
+from jgrpo.rollout.sources import DataExhausted, RolloutSource
+from jgrpo.sampling.pool import SampleOutput
+
+log = logging.getLogger(__name__)
+
+
+class TrainingInputs(NamedTuple):
+    """The batch on the trainer's devices: what `StepFunctions.build` takes."""
+
+    prompt_tokens: jax.Array  # [B, P]
+    prompt_mask: jax.Array  # [B, P]
+    samples: SampleOutput  # per token [R, N], per row [R]
+    rewards: jax.Array  # [R, 1 + F] the reward table
+
+
+class Collected(NamedTuple):
+    rollout: Rollout  # this process's view: prompts, completions, scores (samples: on the trainer's devices)
+    inputs: TrainingInputs
+    version: int  # the iteration count of the params that sampled it (behaviour_version)
+    refresh: Refresh | None  # a behaviour copy made for this iteration (the run's first, or after a resume)
+    rng: jax.Array  # the run's rng after dynamic sampling's keys
+    metrics: dict  # rollout/* (async) and dynamic/* metrics
+
+
+class AfterUpdate(NamedTuple):
+    refresh: Refresh | None  # behaviour <- current, for the next iteration
+    pending: int  # after the run's last iteration: adaptive v's request, kept for a run resumed to go on
+
+
+class Collector:
+    """The trainer's rollout room: prompts, weights, sampler and rewards behind one call per iteration."""
+
+    def __init__(self, config, *, source: RolloutSource, weights: SamplingWeights, train_mesh):
+        self.config, self.source, self.weights, self.train_mesh = config, source, weights, train_mesh
+        self.rows = config.data.batch_size * config.grpo.num_generations
+        self.producer: AsyncRollouts | None = None  # rollout.mode=async: started at the first iteration
+        self._taken_data_state = None
+
+    def collect(self, state, timings: dict) -> Collected:
+        """Iteration `state.iteration`'s batch, sampled and scored (see the module doc)."""
+        c, k = self.config, state.iteration
+        metrics, rng, refresh = {}, state.rng, None
+        if c.rollout.mode == "async":
+            rollout, version, metrics = self._take(state)
+            params = None
+        else:
+            start = time.perf_counter()
+            # The run's first iteration, or a resume without a fresh behaviour copy (`refresh_for`).
+            refresh = self.weights.refresh_for(state, k, state.counters.refresh_requested)
+            params = self.weights.for_sampling(state, refresh)
+            if self.weights.copy_kind != "behaviour":
+                version = k  # on-policy: the current params
+            else:
+                version = refresh.version if refresh is not None else state.behaviour_version
+            timings["weight_sync"] = timings.get("weight_sync", 0.0) + time.perf_counter() - start
+            rollout = self.source.first(params, k, state.counters, version)
+        g = c.grpo
+        if g.dynamic_sampling_rounds:  # DAPO: replace zero-variance groups by newly sampled groups with signal
+            rngs = [rng]
+
+            def draw() -> Rollout | None:
+                try:
+                    batch = self.source.next_batch(k)
+                except DataExhausted as e:
+                    log.warning("dynamic sampling: %s", e)
+                    return None
+                rngs[0], key = jax.random.split(rngs[0])
+                prompts = self.source.prompt_arrays(batch, state.counters)
+                return self.source.sample(params, batch, prompts, key, version)
+
+            rollout, dynamic = fill_batch(rollout, draw, group_size=g.num_generations,
+                                          rounds=g.dynamic_sampling_rounds, oversample=g.dynamic_sampling_oversample,
+                                          per_reward=g.advantage_reward_normalisation == "per_reward",
+                                          mesh=self.source.mesh)
+            metrics.update(dynamic)
+            rng = rngs[0]
+        timings["sample"] = rollout.sample_seconds
+        rollout, inputs = self._for_training(rollout, state.counters, timings)
+        return Collected(rollout, inputs, version, refresh, rng, metrics)
+
+    def _for_training(self, rollout: Rollout, counters, timings: dict) -> tuple[Rollout, TrainingInputs]:
+        """The batch as global arrays on the trainer's devices (the samples move there when the sampler has its
+        own devices, `mesh.rollout_devices`)."""
+        start = time.perf_counter()
+        prompts = self.source.prompt_arrays(rollout.prompts, counters, self.train_mesh)
+        samples = rollout.samples
+        if self.source.mesh is not self.train_mesh:
+            samples = jax.device_put(samples, jax.tree.map(
+                lambda x: row_sharding(self.train_mesh, SAMPLE_RULES, x.shape), samples))
+        rewards = to_global_rows(rollout.rewards, self.train_mesh, TRAIN_RULES, self.rows)
+        timings["reward"] = rollout.score_seconds + time.perf_counter() - start
+        return (dataclasses.replace(rollout, samples=samples),
+                TrainingInputs(prompts.tokens, prompts.mask, samples, rewards))
+
+    def after_update(self, state, update_metrics: list[dict], last: bool, timings: dict) -> AfterUpdate:
+        """After iteration k's updates (`state.iteration` is k + 1 already): the behaviour copy iteration k + 1
+        samples from, if it needs a fresh one (adaptive v judges k's `update_metrics`; none after the run's
+        `last` iteration), and the async producer's newer published copy."""
+        start = time.perf_counter()
+        requested, why = self.weights.policy.request(update_metrics)  # (adaptive v only)
+        if why:
+            log.info("iteration %d: %s: the behaviour policy refreshes before the next sampling", state.iteration, why)
+        refresh = None if last else self.weights.refresh_for(state, state.iteration, requested)
+        if self.producer is not None and state.iteration % self.config.rollout.publish_every == 0:
+            self.producer.publish(jax.block_until_ready(self.weights.published(state)), state.iteration)
+        elif refresh is None:
+            return AfterUpdate(None, requested if last else 0)
+        timings["weight_sync"] = timings.get("weight_sync", 0.0) + time.perf_counter() - start
+        return AfterUpdate(refresh, 0)
+
+    # ------------------------------------------------------------------ async rollouts
+
+    def _take(self, state):
+        """The producer's batch for iteration k: (rollout, version, metrics). The run counters follow the batches
+        the producer handed over (trained or dropped as too stale)."""
+        if self.producer is None:
+            self._start(state)
+        try:
+            produced, metrics = self.producer.take(state.iteration)
+        finally:  # dropped batches are consumed too, also when the data then runs out
+            counters, producer = state.counters, self.producer
+            counters.batches_drawn, counters.stale_dropped = producer.taken, producer.dropped
+            self._taken_data_state = producer.taken_data_state or self._taken_data_state
+        return produced.rollout, produced.version, metrics
+
+    def _start(self, state) -> None:
+        """Async rollouts from the state's data position, the current params published as their version."""
+        if self._taken_data_state is not None:  # restarted after `stop`: the batches sampled ahead are dropped
+            self.source.set_data_state(self._taken_data_state)
+        self.producer = AsyncRollouts(self.source, max_staleness=self.config.rollout.max_staleness,
+                                      first_index=state.counters.batches_drawn, dropped=state.counters.stale_dropped,
+                                      prompt_width=state.counters.prompt_width)
+        self.producer.publish(self.weights.published(state), state.iteration)
+
+    def data_state(self) -> dict:
+        """The prompt iterator's state of the batches trained on (not of those sampled ahead)."""
+        return self._taken_data_state if self._taken_data_state is not None else self.source.data_state()
+
+    def set_data_state(self, data_state: dict) -> None:
+        """A resume: the iterator back to the state of the batches trained on (any in flight are drawn again)."""
+        self.source.set_data_state(data_state)
+        self._taken_data_state = None
+
+    def stop(self) -> str | None:
+        """Stop the async producer, if any; returns its staleness summary for the log."""
+        if self.producer is None:
+            return None
+        producer, self.producer = self.producer, None
+        producer.close()
+        return (f"async rollouts: staleness (iterations: batches) {producer.histogram()}; {producer.dropped} "
+                f"dropped as staler than rollout.max_staleness={self.config.rollout.max_staleness}")
