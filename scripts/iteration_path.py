@@ -121,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
           f"callbacks into the loop: {result['callbacks']}")
     if args.calls:
         print("\n".join(result["calls"]))
-    print(json.dumps({k: result[k] for k in ("files", "algorithm_files", "hops", "returns_to_loop", "returns_from_other_rooms", "callbacks")}))
+    counts = ("files", "algorithm_files", "hops", "returns_to_loop", "returns_from_other_rooms", "callbacks")
+    print(json.dumps({k: result[k] for k in counts}))
     return 0
 
 
