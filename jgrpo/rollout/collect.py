@@ -26,7 +26,7 @@ from jgrpo.rewards.scorer import RewardResult
 from jgrpo.rollout.records import Rollout
 from jgrpo.sampling.sampler import Prompts, SampleOutput, Sampler
 
-__all__ = ["Rollout", "Scoring", "prompt_arrays", "reward_table", "sample_and_score"]
+__all__ = ["Scoring", "prompt_arrays", "reward_table", "sample_and_score"]
 
 
 def prompt_arrays(token_ids: Sequence[Sequence[int]], *, width: int, pad_id: int, mesh,

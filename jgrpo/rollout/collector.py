@@ -7,8 +7,9 @@ window, `sources`), or taken from the async producer (`async_producer`), then to
 run's rng after the extra rounds' keys, metrics); of the trainer's state it only advances the run counters that
 follow the data (the prompt width, and the async producer's batches drawn and dropped).
 
-`after_update(state, requested, last)`: behaviour <- current if iteration k + 1 must sample from a fresh copy
-(the one place this is decided, `SamplingWeights.refresh_for`), and the async producer's new published copy.
+`after_update(state, update_metrics, last, timings)`: behaviour <- current if iteration k + 1 must sample from a
+fresh copy (the one place this is decided, `SamplingWeights.refresh_for`), and the async producer's new published
+copy.
 """
 
 from __future__ import annotations
@@ -129,12 +130,13 @@ class Collector:
         if why:
             log.info("iteration %d: %s: the behaviour policy refreshes before the next sampling", state.iteration, why)
         refresh = None if last else self.weights.refresh_for(state, state.iteration, requested)
-        if self.producer is not None and state.iteration % self.config.rollout.publish_every == 0:
+        publishes = self.producer is not None and state.iteration % self.config.rollout.publish_every == 0
+        if publishes:
             self.producer.publish(jax.block_until_ready(self.weights.published(state)), state.iteration)
-        elif refresh is None:
-            return AfterUpdate(None, requested if last else 0)
-        timings["weight_sync"] = timings.get("weight_sync", 0.0) + time.perf_counter() - start
-        return AfterUpdate(refresh, 0)
+        if publishes or refresh is not None:
+            timings["weight_sync"] = timings.get("weight_sync", 0.0) + time.perf_counter() - start
+        # A request is consumed by refresh_for at once, except after the last iteration (there is no next one).
+        return AfterUpdate(refresh, requested if last else 0)
 
     # ------------------------------------------------------------------ async rollouts
 

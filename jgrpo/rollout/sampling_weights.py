@@ -30,11 +30,10 @@ log = logging.getLogger(__name__)
 
 
 class Refresh(NamedTuple):
-    """behaviour <- current: the new copy (in the sampling layout), the first iteration it samples, and why."""
+    """behaviour <- current: the new copy (in the sampling layout) and the first iteration it samples."""
 
     behaviour: Any
     version: int
-    reason: str
 
 
 def sampling_copy(config) -> str | None:
@@ -90,7 +89,7 @@ class SamplingWeights:
         if why is None:
             return None
         log.info("iteration %d: behaviour <- current params (%s)", k + 1, why)
-        return Refresh(self.copy(state.params), k, why)
+        return Refresh(self.copy(state.params), k)
 
     def abstract_copy(self, params):
         """The behaviour copy's shapes, dtypes (`sampler.weights_dtype` for floating leaves) and shardings."""

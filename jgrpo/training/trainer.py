@@ -61,8 +61,6 @@ class TrainingDiverged(RuntimeError):
     """Too many optimiser steps in a row had a non-finite loss or gradient."""
 
 
-
-
 class Trainer:
     """Owns the model, data, rewards, state and sinks of one run; `run()` trains to `run.iterations`."""
 
@@ -81,7 +79,6 @@ class Trainer:
         if self.total_iterations < config.run.iterations:
             log.warning("the data has %d batches (data.epochs=%d), fewer than run.iterations=%d: stopping there",
                         len(self.data), config.data.epochs, config.run.iterations)
-        self.rows = config.data.batch_size * g.num_generations
         self.shuffles, self.reward_names = g.shuffles_minibatches, config.reward.component_names()
         self.steps, self.schedule = step_functions(config, graphdef=self.graphdef, params=params, mesh=self.mesh,
                                                    method=self.sampler.method, iterations=self.total_iterations,
