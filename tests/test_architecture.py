@@ -110,7 +110,7 @@ LEVELS = {
     "jgrpo.config": 1,
     "jgrpo.parallel": 2,
     "jgrpo.models": 3, "jgrpo.data": 3, "jgrpo.rewards": 3,
-    "jgrpo.sampling": 4, "jgrpo.rl": 4,
+    "jgrpo.sampling": 4, "jgrpo.rl": 4, "jgrpo.envs": 4,
     "jgrpo.rollout": 5,
     "jgrpo.training": 6,
     "jgrpo.planning": 7,

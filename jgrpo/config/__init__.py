@@ -5,6 +5,7 @@ room raises for bad input (`errors`). The lowest room: it imports no other part 
 `from jgrpo.config import Config, SamplerConfig, ConfigError` is how the rest of jgrpo names them.
 """
 
+from jgrpo.config.env import EnvConfig
 from jgrpo.config.errors import ConfigError, DataError, PathError, RewardSetupError, UserError
 from jgrpo.config.grpo import GRPOConfig
 from jgrpo.config.sections import (
@@ -22,6 +23,6 @@ from jgrpo.config.sections import (
     SamplerConfig,
 )
 
-__all__ = ["CheckpointConfig", "Config", "ConfigError", "DataConfig", "DataError", "GRPOConfig", "LoggingConfig",
-           "LoraConfig", "MeshConfig", "ModelConfig", "OptimConfig", "PathError", "RewardConfig", "RewardSetupError",
-           "RolloutConfig", "RunConfig", "SamplerConfig", "UserError"]
+__all__ = ["CheckpointConfig", "Config", "ConfigError", "DataConfig", "DataError", "EnvConfig", "GRPOConfig",
+           "LoggingConfig", "LoraConfig", "MeshConfig", "ModelConfig", "OptimConfig", "PathError", "RewardConfig",
+           "RewardSetupError", "RolloutConfig", "RunConfig", "SamplerConfig", "UserError"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
+from jgrpo.config.env import EnvConfig  # the env section lives in its own file too
 from jgrpo.config.errors import ConfigError  # noqa: F401 - re-exported: callers import it from jgrpo.config
 from jgrpo.config.errors import check as _check
 from jgrpo.config.grpo import GRPOConfig  # the grpo section lives in its own file; importable from here too
@@ -299,6 +300,7 @@ class Config:
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     reward: RewardConfig = dataclasses.field(default_factory=RewardConfig)
+    env: EnvConfig = dataclasses.field(default_factory=EnvConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
     run: RunConfig = dataclasses.field(default_factory=RunConfig)
@@ -322,9 +324,28 @@ class Config:
                    "(rollout.publish_every, rollout.max_staleness), there is no behaviour copy to refresh")
             _check(not self.grpo.dynamic_sampling_rounds, "rollout.mode", "async",
                    "it needs grpo.dynamic_sampling_rounds=0 (the producer's batches are fixed when sampled)")
+        if self.env.on:
+            self._check_env()
         if self.mesh.rollout_devices:
             _check(self.model.lora.rank == 0, "mesh.rollout_devices", self.mesh.rollout_devices,
                    "0 with LoRA (model.lora.rank > 0): the frozen base would need a copy on the sampler's devices")
+
+    def _check_env(self) -> None:
+        e = self.env
+        _check(e.max_total_tokens >= self.sampler.max_new_tokens, "env.max_total_tokens", e.max_total_tokens,
+               f">= sampler.max_new_tokens={self.sampler.max_new_tokens} (one turn's budget)")
+        _check(self.rollout.mode != "async", "rollout.mode", "async",
+               f"sync or window with env.name={e.name}: episodes are driven from the host through the slot "
+               "interface turn by turn, and the async producer samples whole batches in one call")
+        _check(self.grpo.advantage_reward_normalisation != "per_reward", "grpo.advantage_reward_normalisation",
+               "per_reward", f"group with env.name={e.name}: the environment's rewards are no reward.functions "
+                             "column to normalise on its own")
+
+    @property
+    def completion_tokens(self) -> int:
+        """N, the width of a row's tokens after its prompt: env.max_total_tokens with an environment (turns and
+        replies together), else sampler.max_new_tokens."""
+        return self.env.max_total_tokens if self.env.on else self.sampler.max_new_tokens
 
     @property
     def samples_on_policy(self) -> bool:

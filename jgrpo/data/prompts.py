@@ -71,6 +71,14 @@ def chat_prompt_text(tokenizer, message: str, system: str | None = None) -> str:
     return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
 
 
+def render_chat(tokenizer, messages, *, tools=None, generation_prompt: bool = True) -> str:
+    """Any conversation in the tokenizer's chat template (`tools`: the function schemas, for templates that render
+    them); with the assistant header when `generation_prompt`. Multi-turn episodes render through this."""
+    _require_chat_template(tokenizer)
+    return tokenizer.apply_chat_template(list(messages), tools=tools, tokenize=False,
+                                         add_generation_prompt=generation_prompt)
+
+
 def chat_prompt_ids(tokenizer, message: str, system: str | None = None) -> list[int]:
     """Token ids of `chat_prompt_text` (the template wrote the special tokens: none are added again)."""
     return tokenizer(chat_prompt_text(tokenizer, message, system), add_special_tokens=False)["input_ids"]

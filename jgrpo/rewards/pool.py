@@ -10,14 +10,14 @@ garbage collected, or the interpreter exits.
 from __future__ import annotations
 
 import logging
-import os
-import subprocess
 import sys
 import time
 import weakref
 from collections import deque
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import wait
 from typing import NamedTuple
+
+from jgrpo.parallel.subprocesses import ChildProcess
 
 log = logging.getLogger("jgrpo.rewards")
 
@@ -30,33 +30,12 @@ class Outcome(NamedTuple):
     message: str = ""
 
 
-class _Worker:
+class _Worker(ChildProcess):
     def __init__(self, paths: list[str], startup_timeout_s: float):
-        env = dict(os.environ)
-        # Custom reward modules importable here (e.g. via the current directory) must be importable there too.
-        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))
-        self.proc = subprocess.Popen([sys.executable, "-m", "jgrpo.rewards.worker", *paths],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
-        self.inbox = Connection(os.dup(self.proc.stdout.fileno()), writable=False)
-        self.outbox = Connection(os.dup(self.proc.stdin.fileno()), readable=False)
-        self.proc.stdout.close()
-        self.proc.stdin.close()
+        super().__init__("jgrpo.rewards.worker", *paths)
         self.ready = False
         self.task: int | None = None
         self.deadline = time.monotonic() + startup_timeout_s  # ready-by, then done-by for the current task
-
-    def kill(self) -> None:
-        for conn in (self.inbox, self.outbox):
-            try:
-                conn.close()
-            except OSError:
-                pass
-        if self.proc.poll() is None:
-            self.proc.kill()
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:  # unkillable (D state); nothing more we can do
-            log.error("reward worker %d did not exit after SIGKILL", self.proc.pid)
 
 
 def _kill_all(workers: list[_Worker]) -> None:

@@ -12,20 +12,11 @@ from __future__ import annotations
 import math
 import numbers
 import os
-import signal
 import sys
-import threading
-import time
-from multiprocessing.connection import Connection
 
 import numpy as np
 
-
-def _exit_when_orphaned(parent_pid: int) -> None:
-    # A parent killed with SIGKILL runs no cleanup; without this an endlessly looping worker would outlive it.
-    while os.getppid() == parent_pid:
-        time.sleep(1.0)
-    os._exit(0)
+from jgrpo.parallel.subprocesses import child_pipes
 
 
 class NotAReward(Exception):
@@ -54,12 +45,7 @@ def as_reward(value: object) -> float:
 
 
 def main(paths: list[str]) -> None:
-    inbox = Connection(os.dup(0), writable=False)
-    outbox = Connection(os.dup(1), readable=False)
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it then kills us
-    threading.Thread(target=_exit_when_orphaned, args=(os.getppid(),), daemon=True).start()
+    inbox, outbox = child_pipes()
 
     from jgrpo.rewards.registry import get_reward
 

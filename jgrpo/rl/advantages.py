@@ -25,7 +25,7 @@ class GroupAdvantages(NamedTuple):
 
 
 def group_advantages(rewards: jax.Array, config: GRPOConfig, components: jax.Array | None = None,
-                     weights: tuple[float, ...] | None = None) -> GroupAdvantages:
+                     weights: tuple[float, ...] | None = None, valid: jax.Array | None = None) -> GroupAdvantages:
     """A_i = (r_i - mean_group(r)) / scale, with the scale chosen by the config (docs/algorithm.md §2).
 
     - `advantage_scale`: "group" divides by the group's std (paper eq. 2), "batch" by the std of all
@@ -38,6 +38,9 @@ def group_advantages(rewards: jax.Array, config: GRPOConfig, components: jax.Arr
       reward, `rewards` being their weighted sum) and their `weights`: each column is centred and scaled within
       its group as above, the weighted sum is standardised over the batch's rows with signal; a group is
       zero-variance when every column is constant in it.
+    - `valid` [B*G] bool (None: every row): rows left out of the loss and of their group's statistics (an
+      episode whose environment failed, `env.on_failure: mask`): a group's mean and std are over its valid rows,
+      an invalid row gets A = 0 and `in_loss` False, and a group with fewer than two valid rows is zero-variance.
     """
     rewards = jnp.asarray(rewards, jnp.float32)
     g = config.num_generations
@@ -53,6 +56,10 @@ def group_advantages(rewards: jax.Array, config: GRPOConfig, components: jax.Arr
     eps = jnp.float32(config.advantage_eps)
 
     grouped = rewards.reshape(-1, g)  # [B, G]
+    if valid is not None:
+        if config.advantage_reward_normalisation == "per_reward":
+            raise ValueError("advantage_reward_normalisation='per_reward' does not take valid rows")
+        return _with_valid_rows(grouped, jnp.asarray(valid, bool).reshape(grouped.shape), config, ddof, eps)
     if config.advantage_reward_normalisation == "per_reward":
         if components is None or weights is None or components.shape != (rewards.shape[0], len(weights)):
             raise ValueError("advantage_reward_normalisation='per_reward' needs components [B*G, F] and F weights, "
@@ -108,3 +115,35 @@ def _normalised(grouped: jax.Array, config: GRPOConfig, ddof: int, eps: jax.Arra
         # With eps = 0 a zero-variance group divides 0 by 0; the where below puts the 0 of docs/algorithm.md §2.
         advantages = centred / denominator
     return jnp.where(zero_variance, 0.0, advantages), zero_variance
+
+
+def _with_valid_rows(grouped: jax.Array, valid: jax.Array, config: GRPOConfig, ddof: int,
+                     eps: jax.Array) -> GroupAdvantages:
+    """`group_advantages` over the valid rows of each group only (see its `valid`)."""
+    w = valid.astype(jnp.float32)  # [B, G]
+    count = w.sum(axis=1, keepdims=True)  # [B, 1]
+    mean = (grouped * w).sum(axis=1, keepdims=True) / jnp.maximum(count, 1.0)
+    centred = (grouped - mean) * w
+    first = jnp.take_along_axis(grouped, jnp.argmax(valid, axis=1)[:, None], axis=1)  # a valid row's reward
+    zero_variance = jnp.all(~valid | (grouped == first), axis=1, keepdims=True) | (count < 2)
+    population = (jnp.square(centred)).sum(axis=1, keepdims=True) / jnp.maximum(count, 1.0)
+    if config.advantage_scale == "none":
+        advantages = centred
+    else:
+        if config.advantage_scale == "group":
+            var = jnp.square(centred).sum(axis=1, keepdims=True) / jnp.maximum(count - ddof, 1.0)
+        else:
+            total = jnp.maximum(w.sum(), 1.0)
+            batch_mean = (grouped * w).sum() / total
+            var = (jnp.square(grouped - batch_mean) * w).sum() / jnp.maximum(total - ddof, 1.0)
+        denominator = jnp.sqrt(var + eps) if config.advantage_eps_placement == "inside_sqrt" else jnp.sqrt(var) + eps
+        advantages = centred / denominator
+    advantages = jnp.where(zero_variance | ~valid, 0.0, advantages)
+    s = jnp.sqrt(population + eps)  # Theorem 1's s over the valid rows (population variance, eps inside)
+    in_loss = (~zero_variance if config.mask_zero_variance else jnp.ones_like(zero_variance)) & valid
+
+    def rows(x):
+        return jnp.broadcast_to(x, grouped.shape).reshape(-1)
+
+    return GroupAdvantages(advantages=rows(advantages), in_loss=rows(in_loss), zero_variance=rows(zero_variance),
+                           tv_weight=rows((1.0 - s) / s))

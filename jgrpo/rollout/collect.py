@@ -8,6 +8,7 @@ tables the rewards the advantages are computed from. The result is one `Rollout`
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 from collections.abc import Sequence
@@ -57,6 +58,53 @@ class Scoring:
         scores = self.scorer.score(batch.questions, completions, batch.references)
         table = reward_table(scores, np.asarray(lengths), self.reward, self.max_new_tokens)
         return Rollout(batch, samples, table, completions, scores, sample_seconds, time.perf_counter() - start)
+
+
+    def score_episodes(self, out: SampleOutput, episodes, batch, mesh, on_failure: str,
+                       sample_seconds: float = 0.0) -> Rollout:
+        """Played episodes as one record: `out` (numpy rows, `EpisodeRunner.run`) as global arrays with `valid`
+        (False for failed episodes under `env.on_failure: mask`); each episode's reward the sum of its
+        environment's rewards, plus `reward.functions` on its last turn when the last step gave none; a failed
+        episode's reward 0. `completions` are the whole trajectories (special tokens shown)."""
+        start = time.perf_counter()
+        R = len(episodes)
+        last = [ep.last_text for ep in episodes]
+        G = R // len(batch)
+        scores = self.scorer.score([q for q in batch.questions for _ in range(G)], last,
+                                   [r for r in batch.references for _ in range(G)])
+        by_functions = np.asarray([not ep.final_reward for ep in episodes])
+        failed = np.asarray([ep.failed is not None for ep in episodes])
+        env_reward = np.asarray([ep.reward for ep in episodes], np.float32)
+        total = np.where(failed, 0.0, env_reward + np.where(by_functions, scores.total, 0.0)).astype(np.float32)
+        per_function = {f: np.where(failed | ~by_functions, 0.0, v).astype(np.float32)
+                        for f, v in scores.per_function.items()}
+        scores = RewardResult(total, {**per_function, "env": np.where(failed, 0.0, env_reward)}, scores.failures,
+                              scores.timeouts)
+        out = out._replace(truncated=np.asarray([ep.truncated for ep in episodes]),
+                           valid=~failed if on_failure == "mask" else np.ones(R, bool))
+        samples = out.map(lambda x: to_global_rows(np.asarray(x), mesh, SAMPLE_RULES, R))
+        completions = self.tokenizer.batch_decode([row[:n] for row, n in zip(out.tokens, out.lengths, strict=True)],
+                                                  skip_special_tokens=False)
+        table = reward_table(scores, np.asarray(out.lengths), self.reward, self.max_new_tokens)
+        return Rollout(batch, samples, table, completions, scores, sample_seconds, time.perf_counter() - start,
+                       episode_metrics(episodes))
+
+
+def episode_metrics(episodes) -> dict:
+    """env/*: per episode means (turns, reward, truncated, failed) and per batch sums (pauses, tool calls, the
+    environments' counters, failures by kind), and the time the host waited for environments."""
+    counts = collections.Counter()
+    for ep in episodes:
+        counts.update(ep.counts)
+    n = len(episodes)
+    metrics = {"env/turns": sum(ep.turns for ep in episodes) / n,
+               "env/pauses": float(sum(ep.pauses for ep in episodes)),
+               "env/reward": sum(ep.reward for ep in episodes) / n,
+               "env/truncated": sum(ep.truncated for ep in episodes) / n,
+               "env/failed": sum(ep.failed is not None for ep in episodes) / n,
+               "env/tool_calls": float(counts.pop("tool_calls", 0)), "env/wait_s": float(counts.pop("wait_s", 0.0))}
+    metrics.update({f"env/{k}": float(v) for k, v in counts.items()})
+    return metrics
 
 
 def sample_and_score(sampler: Sampler, params, prompts: Prompts, batch, key: jax.Array, scoring: Scoring,

@@ -87,8 +87,9 @@ def _gather(drawn: list[Rollout], chosen: list[tuple[int, int]], group_size: int
                           for field in ("token_ids", "texts", "questions", "references")},
         epoch=drawn[-1].prompts.epoch)
     global_rows = first.samples.tokens.shape[0]
-    samples = SampleOutput(*(to_global_rows(stacked(lambda d, f=f: local_rows(getattr(d.samples, f))),
-                                            mesh, SAMPLE_RULES, global_rows) for f in SampleOutput._fields))
+    samples = SampleOutput(*(None if getattr(first.samples, f) is None else to_global_rows(
+        stacked(lambda d, f=f: local_rows(getattr(d.samples, f))), mesh, SAMPLE_RULES, global_rows)
+        for f in SampleOutput._fields))
     scores = RewardResult(
         total=stacked(lambda d: d.scores.total),
         per_function={name: stacked(lambda d, n=name: d.scores.per_function[n]) for name in first.scores.per_function},

@@ -31,3 +31,4 @@ class Rollout:
     scores: RewardResult  # of those rows
     sample_seconds: float
     score_seconds: float
+    metrics: dict = dataclasses.field(default_factory=dict)  # env/* of multi-turn episodes

@@ -32,7 +32,7 @@ from jgrpo.parallel.host_arrays import global_max, local_rows, process_rank, to_
 from jgrpo.parallel.mesh import SAMPLE_RULES
 from jgrpo.rollout.collect import Scoring, prompt_arrays, sample_and_score
 from jgrpo.rollout.records import Rollout
-from jgrpo.sampling.sampler import Prompts, SampleOutput, Sampler
+from jgrpo.sampling.sampler import Prompts, Sampler
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +51,9 @@ def sample_root(seed: int) -> jax.Array:
 class RolloutSource:
     """The trainer's prompts and samples: batches from the data iterator, padded, sampled and scored."""
 
-    def __init__(self, config, *, data, sampler: Sampler, scoring: Scoring, root):
+    def __init__(self, config, *, data, sampler: Sampler, scoring: Scoring, root, episodes=None):
         self.config, self.data, self.sampler, self.scoring = config, data, sampler, scoring
+        self.episodes = episodes  # an EpisodeRunner with env.name set: rows are multi-turn episodes
         self.pad_id, self.mesh = sampler.pad_id, sampler.mesh
         self.root = root  # mesh-replicated sample_root(run.seed)
         self.window: collections.deque[Rollout] = collections.deque()  # sampled batches not trained on yet
@@ -62,8 +63,9 @@ class RolloutSource:
         return jax.random.fold_in(self.root, iteration)
 
     def next_batch(self, iteration: int):
+        """The next batch of prompts (with an environment: the prompts its episodes open with)."""
         try:
-            return next(self.data)
+            return self._opened(next(self.data))
         except StopIteration:
             raise DataExhausted(f"the prompt data is exhausted after {iteration} iterations "
                                 f"(data.epochs={self.config.data.epochs}); raise data.epochs") from None
@@ -81,9 +83,17 @@ class RolloutSource:
         return prompt_arrays(batch.token_ids, width=width, pad_id=self.pad_id, mesh=mesh or self.mesh,
                              global_prompts=c.data.batch_size)
 
+    def _opened(self, batch):
+        return batch if self.episodes is None else self.episodes.open(batch)
+
     def sample(self, params, batch, prompts: Prompts, key, version: int = 0) -> Rollout:
-        """`batch` sampled with `params` (of `version`) and `key`, and scored."""
-        return sample_and_score(self.sampler, params, prompts, batch, key, self.scoring, version)
+        """`batch` sampled with `params` (of `version`) and `key`, and scored (episodes: played to the end)."""
+        if self.episodes is None:
+            return sample_and_score(self.sampler, params, prompts, batch, key, self.scoring, version)
+        start = time.perf_counter()
+        out, episodes = self.episodes.run(params, prompts, batch, key, version)
+        return self.scoring.score_episodes(out, episodes, batch, self.mesh, self.config.env.on_failure,
+                                           time.perf_counter() - start)
 
     def first(self, params, iteration: int, counters, version: int = 0) -> Rollout:
         """Iteration `iteration`'s batch, sampled with `params` (the behaviour policy) and scored."""
@@ -97,14 +107,24 @@ class RolloutSource:
             batches = []
             for _ in range(v):
                 try:
-                    batches.append(next(self.data))
+                    batches.append(self._opened(next(self.data)))
                 except StopIteration:
                     break
             if len(batches) <= iteration - first:
                 raise DataExhausted(f"the prompt data is exhausted after {iteration} iterations "
                                     f"(data.epochs={self.config.data.epochs}); raise data.epochs")
-            self.window.extend(self._sample_window(params, batches, first, version)[iteration - first:])
+            if self.episodes is None:
+                self.window.extend(self._sample_window(params, batches, first, version)[iteration - first:])
+            else:  # episodes: one slot pool per batch, each with its iteration's key (the tokens sync samples)
+                self.window.extend(self.sample(params, b, self._window_prompts(b), self.sample_key(first + j), version)
+                                   for j, b in enumerate(batches) if j >= iteration - first)
         return self.window.popleft()
+
+    def _window_prompts(self, batch) -> Prompts:
+        c = self.config
+        longest = max(len(ids) for ids in batch.token_ids)
+        return prompt_arrays(batch.token_ids, width=global_max(bucketed_length(longest, c.sampler.prompt_bucket)),
+                             pad_id=self.pad_id, mesh=self.mesh, global_prompts=c.data.batch_size)
 
     def data_state(self) -> dict:
         """The iterator state a checkpoint keeps: inside a window, the window's start (its batches are in flight)."""
@@ -132,12 +152,12 @@ class RolloutSource:
         pool = self.sampler.replace(slots=c.sampler.slots or B * G)  # one iteration's rows decode at once
         out = pool.generate(params, Prompts(tokens, mask, index),
                             to_global_rows(keys, self.mesh, SAMPLE_RULES, len(batches) * B), version)
-        fields = [local_rows(x) for x in jax.block_until_ready(out)]  # this process's rows, batch after batch
+        fields = jax.block_until_ready(out).map(local_rows)  # this process's rows, batch after batch
         seconds = time.perf_counter() - start
         per_batch = local * G
         rollouts = []
         for j, batch in enumerate(batches):
-            part = SampleOutput(*(x[j * per_batch:(j + 1) * per_batch] for x in fields))
-            samples = SampleOutput(*(to_global_rows(x, self.mesh, SAMPLE_RULES, rows // len(batches)) for x in part))
+            part = fields.map(lambda x, j=j: x[j * per_batch:(j + 1) * per_batch])
+            samples = part.map(lambda x: to_global_rows(x, self.mesh, SAMPLE_RULES, rows // len(batches)))
             rollouts.append(self.scoring.score(samples, batch, part.tokens, part.lengths, seconds if j == 0 else 0.0))
         return rollouts

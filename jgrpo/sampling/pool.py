@@ -35,6 +35,13 @@ class SampleOutput(NamedTuple):
     truncated: jax.Array  # [R] bool; True when the row hit its token budget without a stop id
     loss_mask: jax.Array  # [R, N] bool; the tokens the sampler drew (appended ones are False)
     version: jax.Array  # [R, N] int32; the weights version that drew each token (-1 where not drawn)
+    # [R] bool: the row is in the loss and in its group's statistics; None: every row is (False: a multi-turn
+    # episode whose environment failed, env.on_failure: mask).
+    valid: jax.Array | None = None
+
+    def map(self, fn) -> SampleOutput:
+        """`fn` applied to every field that is set (a missing `valid` stays None)."""
+        return SampleOutput(*(None if x is None else fn(x) for x in self))
 
 
 def decode_chunking(max_new_tokens: int, chunk_len: int | None = None) -> tuple[int, int]:

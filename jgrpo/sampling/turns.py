@@ -215,7 +215,7 @@ def drain(state: SlotState) -> tuple[np.ndarray, SampleOutput, SlotState]:
     complete = np.asarray(jax.device_get(state.pool.rows.finished)).reshape(-1) & ~state.drained
     rows = np.flatnonzero(complete)
     drained = state.drained | complete
-    return rows, SampleOutput(*(np.asarray(x)[rows] for x in out)), dataclasses.replace(state, drained=drained)
+    return rows, out.map(lambda x: np.asarray(x)[rows]), dataclasses.replace(state, drained=drained)
 
 
 def begin(graphdef, params, spec: PoolSpec, prompts, key, version: int) -> SlotState:

@@ -24,7 +24,7 @@ def step_functions(config: Config, *, graphdef, params, mesh, method, iterations
     g, m = config.grpo, config.model
     total_updates = max(iterations * g.inner_steps * g.num_minibatches, 1)
     options = StepOptions(grpo=g, method=method, logprob_chunk=m.logprob_chunk,
-                          new_tokens=config.sampler.max_new_tokens, share_prompts=m.share_prompts,
+                          new_tokens=config.completion_tokens, share_prompts=m.share_prompts,
                           skip_empty_steps=config.optim.skip_empty_steps,
                           reward_weights=config.reward.component_weights(), on_policy=config.samples_on_policy)
     steps = StepFunctions(graphdef=graphdef, params=params, frozen=frozen, mesh=mesh, rules=rules,

@@ -235,7 +235,8 @@ class StepFunctions:
         positions = position_ids_from_mask(mask)  # completion token j sits at prompt_len + j, as when sampled
         table = rewards if rewards.ndim == 2 else rewards[:, None]
         # Over the whole batch, before any chunking.
-        adv = group_advantages(table[:, 0], self.grpo, components=table[:, 1:], weights=self.reward_weights)
+        adv = group_advantages(table[:, 0], self.grpo, components=table[:, 1:], weights=self.reward_weights,
+                               valid=samples.valid)
         if self.grpo.overlong_filter:
             adv = adv._replace(in_loss=adv.in_loss & ~truncated.astype(bool))
 

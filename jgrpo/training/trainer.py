@@ -42,6 +42,7 @@ from jgrpo.parallel.mesh import (
 from jgrpo.rewards import RewardScorer
 from jgrpo.rollout.collect import Scoring
 from jgrpo.rollout.collector import Collected, Collector
+from jgrpo.rollout.episodes import EpisodeRunner
 from jgrpo.rollout.evaluator import Evaluator
 from jgrpo.rollout.sampling_weights import Refresh, SamplingWeights
 from jgrpo.rollout.sources import DataExhausted, RolloutSource, sample_root
@@ -84,8 +85,11 @@ class Trainer:
                                                    method=self.sampler.method, iterations=self.total_iterations,
                                                    frozen=self.frozen.train)
         root = jax.jit(lambda: sample_root(config.run.seed), out_shardings=replicated(self.sample_mesh))()
-        scoring = Scoring(self.tokenizer, self.scorer, config.reward, config.sampler.max_new_tokens)
-        source = RolloutSource(config, data=self.data, sampler=self.sampler, scoring=scoring, root=root)
+        scoring = Scoring(self.tokenizer, self.scorer, config.reward, config.completion_tokens)
+        self.episodes = (EpisodeRunner.from_config(config, sampler=self.sampler, tokenizer=self.tokenizer)
+                         if config.env.on else None)  # rows are multi-turn episodes with an environment
+        source = RolloutSource(config, data=self.data, sampler=self.sampler, scoring=scoring, root=root,
+                               episodes=self.episodes)
         self.weights = SamplingWeights(config, params, frozen=self.frozen, train_mesh=self.mesh,
                                        sample_mesh=self.sample_mesh)
         self.collector = Collector(config, source=source, weights=self.weights, train_mesh=self.mesh)
@@ -198,6 +202,8 @@ class Trainer:
         self.collector.stop()
         self.checkpointer.close()
         self.scorer.close()
+        if self.episodes is not None:
+            self.episodes.close()
 
     def train_iteration(self, logger: MetricsLogger | None = None) -> dict:
         """One iteration of the loop (the module doc; paper Algorithm 1); returns its metrics record."""
@@ -256,7 +262,8 @@ class Trainer:
                                behaviour_is_current=version == k, lr=lr, lr_last=lr_last, inner_steps=g.inner_steps)
         inputs = collected.inputs
         record = iteration_metrics(collected.rollout, update_metrics, facts, inputs.rewards, inputs.prompt_mask)
-        record.update({**eval_metrics, **collected.metrics, "epoch": s.epoch, "behaviour_version": version,
+        record.update({**eval_metrics, **collected.rollout.metrics, **collected.metrics, "epoch": s.epoch,
+                       "behaviour_version": version,
                        "optim/steps": s.counters.optimizer_steps, "nonfinite/skipped": skipped,
                        "nonfinite/total": s.counters.nonfinite_total, "loss/empty_steps": empty,
                        "behaviour/refreshed": float(self.weights.copy_kind == "behaviour" and version == k),

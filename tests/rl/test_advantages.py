@@ -104,3 +104,23 @@ def test_soft_overlong_punishment_in_tokens():
     np.testing.assert_allclose(overlong_punishment([13], max_new_tokens=16, buffer=4, penalty=0.5), [-0.125])
     with pytest.raises(ValueError, match="overlong_buffer"):
         overlong_punishment([1], max_new_tokens=16, buffer=20, penalty=1.0)
+
+
+def test_invalid_rows_leave_their_groups_statistics():
+    # Group 0: r = [1, 0, 7, 1] with row 2 invalid (its environment failed): the group is [1, 0, 1], mean 2/3,
+    # population var ((1/3)^2 * 2 + (2/3)^2) / 3 = 2/9, A = (r - 2/3) / sqrt(2/9 + 1e-4); row 2 gets 0, out of
+    # the loss. Group 1: r = [3, 5, 5, 5] with rows 1-3 invalid: one valid row, no signal (zero-variance).
+    valid = jnp.array([True, True, False, True, True, False, False, False])
+    adv = group_advantages(jnp.array([1.0, 0, 7, 1, 3, 5, 5, 5]), _cfg(advantage_eps=1e-4), valid=valid)
+    d = math.sqrt(2 / 9 + 1e-4)
+    np.testing.assert_allclose(adv.advantages, [(1 / 3) / d, (-2 / 3) / d, 0, (1 / 3) / d, 0, 0, 0, 0], rtol=1e-6)
+    np.testing.assert_array_equal(adv.in_loss, [True, True, False, True, False, False, False, False])
+    np.testing.assert_array_equal(adv.zero_variance, [False] * 4 + [True] * 4)
+    np.testing.assert_allclose(adv.tv_weight[:4], (1 - d) / d, rtol=1e-5)
+    # Every row valid: the same numbers as without `valid`.
+    rewards = jnp.array([1.0, 0, 0, 1, 2, 3, 5, 7])
+    for kw in ({}, {"advantage_std": "bessel"}, {"advantage_scale": "batch"}, {"advantage_scale": "none"}):
+        ref = group_advantages(rewards, _cfg(**kw))
+        got = group_advantages(rewards, _cfg(**kw), valid=jnp.ones(8, bool))
+        for a, b in zip(ref, got, strict=True):
+            np.testing.assert_allclose(np.asarray(b, np.float32), np.asarray(a, np.float32), rtol=1e-6, atol=1e-7)

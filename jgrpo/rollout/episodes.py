@@ -1,0 +1,230 @@
+"""Multi-turn episodes on the sampler's slot interface: environments answer between turns, token in, token out.
+
+A batch's rows are episodes (row b*G + g: prompt b's episode g, all G of a group starting from the same
+`reset`). `open(batch)` resets their environments (in the worker processes, `jgrpo.envs.workers`) and gives the
+batch the prompts the environments opened with; `run(...)` drives the sampler's slot pool:
+
+    state = sampler.start(params, prompts, key)          every episode's first turn starts
+    loop, one chunk of the decode ring at a time:
+        a slot whose turn ended (a stop id or sampler.max_new_tokens) is paused: its turn goes to its
+            environment now (`env.schedule: pool`), or when no slot decodes any more (`turn_sync`);
+        at boundary b + env.resume_after (pool; turn_sync: once every environment has answered) the host takes
+            the answer, waiting for it if need be (`env/wait_s`), and appends the reply's delta ids to the row
+            (`jgrpo.envs.rendering`), or finishes the episode (done, `env.max_turns`, the token budget, a failure);
+        sampler.advance(params, state, 1)                meanwhile the other slots decode
+    rows = sampler.drain(state)
+
+Resuming at a fixed boundary, not when the answer happens to arrive, makes the schedule, and so every
+trajectory, independent of the environments' latency (tested). The record keeps exactly the sampled and
+appended ids; the loss mask marks the sampled ones (appended tokens have no log-prob and never train).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import time
+
+import jax
+import numpy as np
+
+from jgrpo.envs.base import Turn, row_of
+from jgrpo.envs.rendering import Renderer
+from jgrpo.envs.workers import EnvironmentWorkers
+from jgrpo.sampling.sampler import Prompts, SampleOutput, Sampler
+from jgrpo.sampling.turns import DECODING, PAUSED
+
+log = logging.getLogger("jgrpo.envs")
+
+
+@dataclasses.dataclass
+class Episode:
+    """One row's episode, on the host."""
+
+    id: int  # unique in the run: batch step * rows + row
+    transcript: list[dict]  # the messages so far (the assistant's as the text of its turns)
+    turns: int = 0
+    reward: float = 0.0  # the sum of the environment's per-turn rewards
+    final_reward: bool = False  # the last step gave a reward (else reward.functions score the last turn)
+    last_text: str = ""
+    truncated: bool = False  # ended by env.max_turns, the token budget or a cut reply, not by the environment
+    failed: str | None = None  # why the environment failed (the episode follows env.on_failure)
+    pauses: int = 0  # turns that waited for the environment and resumed
+    stop_id: int | None = None  # the stop token that ended the last turn (None: cut by sampler.max_new_tokens)
+    counts: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+
+
+class EpisodeRunner:
+    """Episodes of one run: its environment workers, renderer and the sampler in its multi-turn form."""
+
+    def __init__(self, config, *, sampler: Sampler, tokenizer, workers: EnvironmentWorkers, renderer: Renderer):
+        e = config.env
+        self.config, self.env, self.tokenizer, self.workers, self.renderer = config, e, tokenizer, workers, renderer
+        # A row's N tokens are the whole episode after its prompt; one turn draws at most sampler.max_new_tokens.
+        self.sampler = sampler.replace(max_new_tokens=e.max_total_tokens, turn_tokens=config.sampler.max_new_tokens)
+        self.group = config.grpo.num_generations
+        self.opened: dict[int, list[Episode]] = {}  # batch step -> its episodes, between open and run
+        self.failure_logged: set[str] = set()
+
+    @classmethod
+    def from_config(cls, config, *, sampler: Sampler, tokenizer) -> EpisodeRunner:
+        """The run's episodes: its environment built once here (a class that does not import or build is a config
+        error now, not at the first episode), its tools rendered per `env.tool_format`, its workers started."""
+        from jgrpo.config import ConfigError
+        from jgrpo.envs.builtin import environment_class
+
+        e = config.env
+        if jax.process_count() > 1:
+            raise ConfigError(f"env.name={e.name} runs in one process (this run has {jax.process_count()}): the "
+                              "host drives the slot pool turn by turn")
+        try:
+            tools = environment_class(e.name)(config).tools
+        except Exception as error:  # the user's environment: its failure is a setup error  # noqa: BLE001
+            raise ConfigError(f"env.name={e.name}: the environment does not build: {type(error).__name__}: "
+                              f"{error}") from error
+        renderer = Renderer(tokenizer, tools=tools, tool_format=e.tool_format, turn_prefix=e.turn_prefix)
+        return cls(config, sampler=sampler, tokenizer=tokenizer, workers=EnvironmentWorkers(config), renderer=renderer)
+
+    def close(self) -> None:
+        self.workers.close()
+
+    # ------------------------------------------------------------------ reset
+
+    def seed(self, step: int, prompt: int) -> int:
+        """The environment seed of a batch's prompt: from the run's seed, the batch and the prompt (so the G
+        episodes of a group, and a resumed run, get the same one)."""
+        return int(np.random.SeedSequence([self.config.run.seed, step, prompt]).generate_state(1)[0])
+
+    def open(self, batch):
+        """`batch` with the prompts its environments open with; the episodes wait for `run`."""
+        G, R = self.group, len(batch) * self.group
+        episodes = []
+        for b, (question, reference) in enumerate(zip(batch.questions, batch.references, strict=True)):
+            for g in range(G):
+                episodes.append(Episode(batch.step * R + b * G + g, []))
+                self.workers.submit(episodes[-1].id, "reset", row_of(question, reference), self.seed(batch.step, b))
+        token_ids, texts = list(batch.token_ids), list(batch.texts)
+        for b in range(len(batch)):
+            group = episodes[b * G:(b + 1) * G]
+            outcomes = [self.workers.result(ep.id) for ep in group]
+            opening = next((o.value for o in outcomes if o.error is None), None)
+            for ep, o in zip(group, outcomes, strict=True):
+                if o.error is not None or o.value != opening:
+                    self._fail(ep, o.error or "reset gave other messages than its group's first episode (same row "
+                                              "and seed)", "reset")
+            if opening is None:  # the whole group failed: it samples from the data's prompt, masked
+                continue
+            transcript, ids = self.renderer.prompt(opening)
+            if len(ids) > self.config.data.max_prompt_length:
+                for ep in group:
+                    self._fail(ep, f"the opening prompt has {len(ids)} tokens, over data.max_prompt_length="
+                                   f"{self.config.data.max_prompt_length}", "reset")
+                continue
+            for ep in group:
+                ep.transcript = [dict(m) for m in transcript]
+            token_ids[b], texts[b] = ids, self.tokenizer.decode(ids)
+        self.opened[batch.step] = episodes
+        return dataclasses.replace(batch, token_ids=token_ids, texts=texts)
+
+    # ------------------------------------------------------------------ the turns
+
+    def run(self, params, prompts: Prompts, batch, key, version: int = 0) -> tuple[SampleOutput, list[Episode]]:
+        """The opened episodes of `batch`, played to the end: their rows (numpy, [R, N] / [R]) and episodes."""
+        episodes = self.opened.pop(batch.step)
+        sampler, env = self.sampler, self.env
+        state = sampler.start(params, prompts, key, version)
+        waiting: dict[int, tuple[Episode, int, bool]] = {}  # slot -> (episode, due boundary, stopped)
+        boundary, wait_s = 0, 0.0
+        while True:
+            status = state.status()
+            turn_sync = env.schedule == "turn_sync"
+            newly = [s for s in np.flatnonzero(status.state == PAUSED) if s not in waiting]
+            if newly and not (turn_sync and (status.state == DECODING).any()):
+                tokens = np.asarray(jax.device_get(state.pool.rows.tokens))
+                tokens = tokens.reshape(-1, tokens.shape[-1])
+                for slot in newly:
+                    ep = episodes[status.row[slot]]
+                    end = int(status.length[slot])
+                    ids = tokens[status.row[slot], end - int(status.turn_length[slot]):end]
+                    self._submit(ep, ids, bool(status.stopped[slot]))
+                    waiting[slot] = (ep, boundary + env.resume_after, bool(status.stopped[slot]))
+            due = sorted(s for s, (_, at, _) in waiting.items()
+                         if (at <= boundary if not turn_sync else not (status.state == DECODING).any()))
+            for slot in due:
+                ep, _, stopped = waiting.pop(slot)
+                start = time.perf_counter()
+                reply = self._answer(ep)
+                wait_s += time.perf_counter() - start
+                ids = None if reply is None else self._delta(ep, reply, stopped, status.length[slot])
+                if ids is None:
+                    state = sampler.finish(state, int(slot))
+                else:
+                    ep.pauses += 1
+                    state = sampler.append(params, state, int(slot), ids, version)
+            if not waiting and not due and state.idle():
+                break
+            state = sampler.advance(params, state, 1, version)
+            boundary += 1
+        rows, out, state = sampler.drain(state)
+        if len(rows) != len(episodes):
+            raise RuntimeError(f"{len(episodes) - len(rows)} episodes did not complete")  # a bug, not bad input
+        for ep, truncated in zip(episodes, out.truncated, strict=True):
+            ep.truncated = ep.truncated or (bool(truncated) and not ep.final_reward)
+        episodes[0].counts["wait_s"] += wait_s
+        return out, episodes
+
+    def _submit(self, ep: Episode, ids: np.ndarray, stopped: bool) -> None:
+        """A turn ended: read it, and hand it to its environment (unless the episode failed already)."""
+        text = self.renderer.turn_text(ids, stopped)
+        calls, error = self.renderer.parse(text)
+        turn = Turn(ep.turns, tuple(int(i) for i in ids), text, tuple(calls), error, not stopped)
+        ep.transcript.append({"role": "assistant", "content": text})
+        ep.turns += 1
+        ep.last_text = text
+        ep.stop_id = int(ids[-1]) if stopped else None
+        if ep.failed is None:
+            self.workers.submit(ep.id, "step", turn)
+
+    def _answer(self, ep: Episode):
+        """The environment's reply to the turn (None: the episode ends here)."""
+        if ep.failed is not None:
+            return None
+        outcome = self.workers.result(ep.id)
+        if outcome.error is not None:
+            self._fail(ep, outcome.error)
+            return None
+        result = outcome.value
+        ep.counts.update({k: v for k, v in (result.info or {}).items()})
+        ep.final_reward = result.reward is not None
+        ep.reward += result.reward or 0.0
+        if result.done:
+            return None
+        if ep.turns >= self.env.max_turns:
+            ep.truncated = True
+            return None
+        return result.reply
+
+    def _delta(self, ep: Episode, reply, stopped: bool, length: int) -> list[int] | None:
+        """The ids appended after the turn, or None when they do not fit the episode's budget (truncated)."""
+        ids, cut = self.renderer.delta_within(reply, ep.stop_id if stopped else None, self.env.max_append_tokens)
+        ep.counts["replies_cut"] += int(cut)
+        if not (reply and all(isinstance(x, int) for x in reply)):
+            self.renderer.check_append_only(ep.transcript, reply)
+            ep.transcript.extend(dict(m) for m in reply)
+        if len(ids) + 1 > self.env.max_total_tokens - int(length):  # the next turn draws at least one token
+            ep.truncated = True
+            return None
+        return ids
+
+    def _fail(self, ep: Episode, why: str, kind: str | None = None) -> None:
+        if ep.failed is not None:
+            return
+        ep.failed = why
+        kind = kind or ("timeout" if "timeout_s" in why else "worker" if "worker" in why else
+                        "reset" if why.startswith("reset") else "step")
+        ep.counts[f"failures/{kind}"] += 1
+        if kind not in self.failure_logged:
+            self.failure_logged.add(kind)
+            log.warning("an environment failed (episode %d, env.on_failure=%s; logged once per kind): %s", ep.id,
+                        self.env.on_failure, why)

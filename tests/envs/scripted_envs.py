@@ -1,0 +1,54 @@
+"""Environments for the tests, importable by the worker processes (`scripted_envs:Class`)."""
+
+import os
+import time
+
+from jgrpo.envs.base import Environment, StepResult
+
+
+class Scripted(Environment):
+    """Replies "go on (t)" until the row's `turns` turns (default 3) are done; reward 0.25 per turn and 1 at the
+    end. `JGRPO_TEST_LATENCY` seconds (environment variable) of sleep per step: a slow environment."""
+
+    def reset(self, row, seed):
+        self.turns, self.seen = int(row.get("turns", 3)), 0
+        return [{"role": "user", "content": f"{row['question']} (seed {seed % 1000})"}]
+
+    def step(self, turn):
+        time.sleep(float(os.environ.get("JGRPO_TEST_LATENCY", "0")))
+        self.seen += 1
+        if self.seen >= self.turns:
+            return StepResult([], 1.0, True)
+        return StepResult([{"role": "user", "content": f"go on ({self.seen})"}], 0.25, False)
+
+
+class Raises(Scripted):
+    def step(self, turn):
+        raise RuntimeError("the environment broke")
+
+
+class RaisesOnSecondRow(Scripted):
+    def reset(self, row, seed):
+        if "2" in row["question"]:
+            raise KeyError("no such row")
+        return super().reset(row, seed)
+
+
+class Hangs(Scripted):
+    def step(self, turn):
+        time.sleep(3600)
+
+
+class Exits(Scripted):
+    def step(self, turn):
+        os._exit(3)
+
+
+class BadReturn(Scripted):
+    def step(self, turn):
+        return "not a step result"
+
+
+class DoesNotBuild(Environment):
+    def __init__(self, config):
+        raise ImportError("the simulator is not installed")

@@ -1,0 +1,140 @@
+"""Multi-turn episodes on the slot pool, with the tiny model: trajectories independent of the environments'
+latency, log-probs of the sampled tokens exact, appended tokens out of the loss, failures contained."""
+
+import dataclasses
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jgrpo.config.loading import load_config
+from jgrpo.envs.workers import EnvironmentWorkers
+from jgrpo.training.metrics_log import read_metrics
+from jgrpo.training.trainer import Trainer
+from tests.helpers import ROOT
+
+TOOLS_YAML = ROOT / "configs" / "tiny_tools.yaml"
+
+
+@pytest.fixture(autouse=True)
+def _importable(monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "envs"))  # scripted_envs
+
+
+def tools_config(run_dir, *overrides):
+    return load_config(TOOLS_YAML, [f"run.output_dir={run_dir}", "checkpoint.every=0", "logging.samples_every=0",
+                                    *overrides])
+
+
+def run_to_end(config):
+    """A whole run of `config`: (status, its metrics records, the trainer)."""
+    trainer = Trainer(config)
+    try:
+        status = trainer.run()
+    finally:
+        trainer.close()
+    return status, read_metrics(config.run.output_dir), trainer
+
+
+def play(trainer, batch, key_index=0):
+    """One batch's episodes sampled with the trainer's params (the source's path): the Rollout."""
+    source = trainer.collector.source
+    opened = source._opened(batch)
+    prompts = source.prompt_arrays(opened, trainer.state.counters)
+    return source.sample(trainer.state.params, opened, prompts, source.sample_key(key_index))
+
+
+@pytest.fixture(scope="module")
+def scripted(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("scripted")
+    trainer = Trainer(tools_config(run_dir, "env.name=tests.envs.scripted_envs:Scripted", "env.num_workers=4",
+                                   "env.turn_prefix=", "env.max_turns=4"))
+    batch = next(trainer.data)
+    yield trainer, batch
+    trainer.close()
+
+
+def test_trajectories_do_not_depend_on_the_environments_latency(scripted, monkeypatch):
+    trainer, batch = scripted
+    fast = play(trainer, batch)
+    assert fast.metrics["env/pauses"] > 0
+    monkeypatch.setenv("JGRPO_TEST_LATENCY", "1.5")  # longer than a boundary's work: the host waits at b + 1
+    runner = trainer.episodes
+    runner.workers.close()
+    runner.workers = EnvironmentWorkers(trainer.config)
+    try:
+        slow = play(trainer, batch)
+    finally:
+        runner.workers.close()
+        monkeypatch.delenv("JGRPO_TEST_LATENCY")
+        runner.workers = EnvironmentWorkers(trainer.config)
+    assert slow.metrics["env/wait_s"] > fast.metrics["env/wait_s"] + 1.0
+    for name in ("tokens", "logprobs", "loss_mask", "lengths", "version"):
+        np.testing.assert_array_equal(np.asarray(getattr(slow.samples, name)), np.asarray(getattr(fast.samples, name)),
+                                      err_msg=name)
+    assert slow.completions == fast.completions
+
+
+def test_turn_sync_plays_the_same_episodes(scripted, tmp_path):
+    trainer, batch = scripted
+    pool = play(trainer, batch)
+    runner = trainer.episodes
+    runner.env = dataclasses.replace(runner.env, schedule="turn_sync")
+    try:
+        synced = play(trainer, batch)
+    finally:
+        runner.env = trainer.config.env
+    # The same turns and replies; the ring positions differ, so log-probs agree to rounding only.
+    np.testing.assert_array_equal(np.asarray(synced.samples.loss_mask), np.asarray(pool.samples.loss_mask))
+    np.testing.assert_array_equal(np.asarray(synced.samples.tokens), np.asarray(pool.samples.tokens))
+    np.testing.assert_allclose(np.asarray(synced.samples.logprobs), np.asarray(pool.samples.logprobs), atol=1e-4)
+
+
+def test_episode_record(scripted):
+    trainer, batch = scripted
+    rollout = play(trainer, batch)
+    s = jax.device_get(rollout.samples)
+    G = trainer.config.grpo.num_generations
+    assert s.tokens.shape == (len(batch) * G, trainer.config.env.max_total_tokens)
+    appended = s.completion_mask & ~s.loss_mask
+    assert appended.any() and s.loss_mask.any()
+    assert (s.logprobs[appended] == 0).all() and (s.version[appended] == -1).all()
+    assert (s.version[s.loss_mask] == 0).all() and s.valid.all()
+    # Scripted: 3 turns, 0.25 for each of the first two, 1 at the end (episodes the budget cut end earlier).
+    finished = ~s.truncated
+    assert np.allclose(rollout.rewards[finished, 0], 1.5)
+    assert rollout.metrics["env/turns"] > 1
+
+
+def test_recomputed_logprobs_equal_lp_alpha_on_sampled_tokens(scripted):
+    trainer, batch = scripted
+    rollout = play(trainer, batch)
+    source, steps = trainer.collector.source, trainer.steps
+    prompts = source.prompt_arrays(rollout.prompts, trainer.state.counters, trainer.mesh)
+    assembled, _ = steps.assemble(prompts.tokens, prompts.mask, rollout.samples, jnp.asarray(rollout.rewards))
+    lp = np.asarray(steps.logprobs(trainer.state.params, assembled)).reshape(rollout.samples.tokens.shape)
+    s = jax.device_get(rollout.samples)
+    np.testing.assert_allclose(lp[s.loss_mask], s.logprobs[s.loss_mask], atol=1e-4)
+
+
+def test_tiny_tools_trains_with_pauses_in_every_iteration(tmp_path):
+    status, records, _ = run_to_end(tools_config(tmp_path))
+    assert status == "done" and len(records) == 3
+    assert all(r["env/pauses"] > 0 for r in records), [r["env/pauses"] for r in records]
+    assert all(r["env/tool_call_errors/bad_json"] > 0 for r in records)  # a random model's calls: answered
+    assert all(np.isfinite(r["loss/loss"]) for r in records)
+
+
+@pytest.mark.parametrize("name, on_failure", [("Raises", "mask"), ("Exits", "zero_reward")])
+def test_failing_environments_are_contained_and_the_run_goes_on(tmp_path, name, on_failure):
+    status, records, trainer = run_to_end(tools_config(
+        tmp_path, f"env.name=tests.envs.scripted_envs:{name}", "env.num_workers=1", f"env.on_failure={on_failure}",
+        "run.iterations=2", "env.turn_prefix="))
+    assert status == "done" and len(records) == 2
+    rows = trainer.config.data.batch_size * trainer.config.grpo.num_generations
+    for r in records:
+        assert r["env/failed"] == 1.0
+        assert r.get("env/failures/step", 0) + r.get("env/failures/worker", 0) == rows
+        assert r["reward/mean"] == 0.0
