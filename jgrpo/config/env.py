@@ -29,7 +29,8 @@ class EnvConfig:
     # step, the next turn starts (the baseline; same trajectories).
     schedule: Literal["pool", "turn_sync"] = "pool"
     # pool: an episode paused at a chunk boundary b rejoins at b + resume_after (the host waits there for a slow
-    # environment), so trajectories do not depend on how fast the environment answered.
+    # environment), so trajectories do not depend on how fast the environment answered. 0: at b itself (nothing
+    # decodes while the environments answer: for tools that answer in microseconds).
     resume_after: int = 1
     max_turns: int = 4  # assistant turns per episode; past it the episode ends, marked truncated
     # Tokens of an episode after its prompt (sampled and appended together): the row width the trainer sees and
@@ -54,7 +55,7 @@ class EnvConfig:
         unknown = [t for t in self.tools or () if t not in BUILTIN_TOOLS]
         _check(not unknown, "env.tools", list(self.tools or ()),
                f"a list of the built-in tools {', '.join(BUILTIN_TOOLS)} (unknown: {', '.join(unknown)})")
-        _check(self.resume_after >= 1, "env.resume_after", self.resume_after, "a positive number of chunks")
+        _check(self.resume_after >= 0, "env.resume_after", self.resume_after, ">= 0 chunks")
         _check(self.max_turns >= 1, "env.max_turns", self.max_turns, "a positive integer")
         _check(self.max_total_tokens >= 2, "env.max_total_tokens", self.max_total_tokens, ">= 2")
         _check(self.max_append_tokens >= 1, "env.max_append_tokens", self.max_append_tokens, "a positive integer")

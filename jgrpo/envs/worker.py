@@ -2,7 +2,7 @@
 
 It reads `("init", config)` once (it builds one environment to fail early: a class that does not build is a
 setup error, answered `("setup_error", message)`), then `("reset", episode, row, seed)`, `("step", episode,
-turn)` and `("drop",)` (forget every episode) on stdin, and answers `(episode, "ok", value)` or `(episode,
+turn)` and `("forget", episodes)` (no answer) on stdin, and answers `(episode, "ok", value)` or `(episode,
 "error", "<what went wrong>")` on its original stdout; environments that print go to stderr. One environment
 instance per episode lives here between its calls. The parent kills a worker whose call runs past
 `env.timeout_s`; a worker exits when its parent disappears or closes stdin.
@@ -81,8 +81,9 @@ def main() -> None:
             message = inbox.recv()
         except EOFError:
             return
-        if message[0] == "drop":
-            host.episodes.clear()
+        if message[0] == "forget":
+            for episode in message[1]:
+                host.episodes.pop(episode, None)
             continue
         op, episode, *args = message
         try:

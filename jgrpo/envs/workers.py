@@ -51,7 +51,7 @@ def _kill_all(processes: list[_Process]) -> None:
 
 
 class EnvironmentWorkers:
-    """The environments of one batch's episodes at a time (`drop` between batches)."""
+    """The environments of the episodes in flight (`forget` them when they are over)."""
 
     def __init__(self, config):
         self.config, self.timeout_s = config, config.env.timeout_s
@@ -115,21 +115,22 @@ class EnvironmentWorkers:
             self._pump(None)
         return self.results.pop(episode)
 
-    def drop(self) -> None:
-        """Forget every episode (a batch is over)."""
-        self.results.clear()
-        self.lost.clear()
+    def forget(self, episodes) -> None:
+        """The episodes are over: their environments are deleted (in the workers, once their calls are done)."""
+        episodes = set(episodes)
+        for e in episodes:
+            self.results.pop(e, None)
+            self.lost.pop(e, None)
         if self.local is not None:
-            self.local.episodes.clear()
-        for slot, p in enumerate(self.processes):
-            p.episodes.clear()
-            if p.current is None and not p.queue:
-                try:
-                    p.outbox.send(("drop",))
-                    continue
-                except OSError:
-                    pass
-            self._restart(slot, "")
+            for e in episodes:
+                self.local.episodes.pop(e, None)
+            return
+        for p in self.processes:
+            mine = p.episodes & episodes
+            if mine:
+                p.episodes -= mine
+                p.queue.append((None, ("forget", sorted(mine)), time.monotonic()))
+        self._pump(0.0)
 
     # ------------------------------------------------------------------ the processes
 
@@ -145,7 +146,8 @@ class EnvironmentWorkers:
             except Exception as e:  # noqa: BLE001 - e.g. a row that cannot be pickled
                 self.results[episode] = Outcome(None, f"cannot send the call: {type(e).__name__}: {e}")
                 continue
-            p.current = (episode, submitted, time.monotonic() + self.timeout_s)
+            if episode is not None:  # a call (`forget` has no answer)
+                p.current = (episode, submitted, time.monotonic() + self.timeout_s)
 
     def _pump(self, timeout: float | None = None) -> None:
         """Send what is queued, receive what has arrived (waiting up to `timeout`, None: until something
@@ -185,7 +187,8 @@ class EnvironmentWorkers:
             episode, submitted, _ = p.current
             self.results[episode] = Outcome(None, why, time.monotonic() - submitted)
         for episode, _, submitted in p.queue:
-            self.results[episode] = Outcome(None, lost, time.monotonic() - submitted)
+            if episode is not None:
+                self.results[episode] = Outcome(None, lost, time.monotonic() - submitted)
         self.lost.update({e: lost for e in p.episodes if e not in self.results})
         self._restart(slot, why)
 

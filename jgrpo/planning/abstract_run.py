@@ -152,8 +152,11 @@ def abstract_run(config: Config, devices: list, *, train_rules: Rules = TRAIN_RU
             sample_base = jax.tree.map(lambda b, s: jax.ShapeDtypeStruct(b.shape, dtype or b.dtype, sharding=s),
                                        base, shardings)
     # The run's sampler (stop id 0 stands for the tokenizer's: only the program's shape matters here).
+    # Multi-turn episodes (env.name): a row is the whole episode, env.max_total_tokens wide; the sampler's decode
+    # is planned at that width (the pool's turns and appends run inside that cache).
     sampler = Sampler.from_config(c.sampler, graphdef=graphdef, num_samples=g.num_generations, stop_ids=(0,),
-                                  pad_id=0, mesh=mesh, cfg=cfg).replace(rules=sample_rules)
+                                  pad_id=0, mesh=mesh, cfg=cfg).replace(rules=sample_rules,
+                                                                        max_new_tokens=c.completion_tokens)
     steps, _ = step_functions(config, graphdef=graphdef, params=params, mesh=mesh, method=sampler.method,
                               iterations=c.run.iterations, frozen=base, rules=train_rules)
     opt_state = _abstract(jax.eval_shape(steps.optimizer.init, shapes), steps.opt_shardings)
@@ -190,7 +193,7 @@ def lower_iteration(config: Config, devices: list, *, names: tuple[str, ...] | N
     if c.data.batch_size % hosts:
         raise ValueError(f"data.batch_size={c.data.batch_size} prompts cannot be split over the {hosts} hosts of "
                          f"this slice (each host loads an equal share): use a multiple of {hosts}")
-    B, G, N = c.data.batch_size, g.num_generations, c.sampler.max_new_tokens
+    B, G, N = c.data.batch_size, g.num_generations, c.completion_tokens
     shape = {"B": B, "G": G, "P": bucketed_length(c.data.max_prompt_length, c.sampler.prompt_bucket), "N": N}
     runs = iteration_programs(config)
     wanted = [n for n in runs if names is None or n in names]
@@ -255,6 +258,8 @@ def _step_programs(config, run: AbstractRun, resident, shape, rules, wanted) -> 
     samples = SampleOutput(*(_rows(mesh, rules, s, dtype) for s, dtype in (
         ((R, N), jnp.int32), ((R, N), jnp.float32), ((R, N), jnp.bool_), ((R,), jnp.int32), ((R,), jnp.bool_),
         ((R, N), jnp.bool_), ((R, N), jnp.int32))))
+    if c.env.on:  # episodes: which rows are in the loss (failed environments are not)
+        samples = samples._replace(valid=_rows(mesh, rules, (R,), jnp.bool_))
     rewards = _rows(mesh, rules, (R, 1 + len(c.reward.component_names())), jnp.float32)  # the reward table
     prompts = _rows(mesh, rules, (B, P), jnp.int32), _rows(mesh, rules, (B, P), jnp.bool_)
     assemble = steps.assemble.lower(*prompts, samples, rewards)

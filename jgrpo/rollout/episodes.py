@@ -33,9 +33,30 @@ from jgrpo.envs.base import Turn, row_of
 from jgrpo.envs.rendering import Renderer
 from jgrpo.envs.workers import EnvironmentWorkers
 from jgrpo.sampling.sampler import Prompts, SampleOutput, Sampler
-from jgrpo.sampling.turns import DECODING, PAUSED
+from jgrpo.sampling.turns import DECODING, DONE, EMPTY, PAUSED
 
 log = logging.getLogger("jgrpo.envs")
+
+
+def episode_chunk(turn_tokens: int) -> int:
+    """The decode chunk of episodes (`sampler.decode_chunk: 0`): the host sees paused turns only at chunk
+    boundaries, so a turn that stops early leaves its slot idle until the next one. A quarter of a turn (at least 8
+    steps) bounds that idling to ~25% of a turn for ~4 compiled chunk programs; benchmarks/multiturn.py measures
+    it against one chunk per turn."""
+    return max(8, -(-turn_tokens // 4))
+
+
+@dataclasses.dataclass
+class Turnaround:
+    """A paused turn on its way back: when it rejoins, the reply's ids once the environment answered (None: the
+    episode ends), and the slot it kept (None: it gave the slot away)."""
+
+    due: int  # the chunk boundary it rejoins at (or after, when no slot is free)
+    stopped: bool  # the turn ended at a stop token
+    length: int  # the row's tokens when it paused
+    slot: int | None
+    answered: bool = False
+    ids: list[int] | None = None
 
 
 @dataclasses.dataclass
@@ -62,7 +83,10 @@ class EpisodeRunner:
         e = config.env
         self.config, self.env, self.tokenizer, self.workers, self.renderer = config, e, tokenizer, workers, renderer
         # A row's N tokens are the whole episode after its prompt; one turn draws at most sampler.max_new_tokens.
-        self.sampler = sampler.replace(max_new_tokens=e.max_total_tokens, turn_tokens=config.sampler.max_new_tokens)
+        turn = config.sampler.max_new_tokens
+        self.sampler = sampler.replace(max_new_tokens=e.max_total_tokens, turn_tokens=turn,
+                                       append_tokens=e.max_append_tokens,
+                                       decode_chunk=config.sampler.decode_chunk or episode_chunk(turn))
         self.group = config.grpo.num_generations
         self.opened: dict[int, list[Episode]] = {}  # batch step -> its episodes, between open and run
         self.failure_logged: set[str] = set()
@@ -130,39 +154,58 @@ class EpisodeRunner:
     # ------------------------------------------------------------------ the turns
 
     def run(self, params, prompts: Prompts, batch, key, version: int = 0) -> tuple[SampleOutput, list[Episode]]:
-        """The opened episodes of `batch`, played to the end: their rows (numpy, [R, N] / [R]) and episodes."""
+        """The opened episodes of `batch`, played to the end: their rows (numpy, [R, N] / [R]) and episodes.
+
+        With fewer slots than episodes (`sampler.slots`) and `env.schedule: pool`, a paused episode gives its slot
+        to the next episode (`Sampler.park`) and rejoins in a free slot of its queue (`Sampler.resume`, lowest
+        slot first, episodes in the order they became due); otherwise it keeps its slot (`Sampler.append`)."""
         episodes = self.opened.pop(batch.step)
         sampler, env = self.sampler, self.env
+        turn_sync = env.schedule == "turn_sync"
+        handoff = not turn_sync and sampler.slots is not None and sampler.slots < len(episodes)
         state = sampler.start(params, prompts, key, version)
-        waiting: dict[int, tuple[Episode, int, bool]] = {}  # slot -> (episode, due boundary, stopped)
+        waiting: dict[int, Turnaround] = {}  # row -> its turn's way back
         boundary, wait_s = 0, 0.0
         while True:
             status = state.status()
-            turn_sync = env.schedule == "turn_sync"
-            newly = [s for s in np.flatnonzero(status.state == PAUSED) if s not in waiting]
-            if newly and not (turn_sync and (status.state == DECODING).any()):
+            decoding = (status.state == DECODING).any()
+            newly = [s for s in np.flatnonzero(status.state == PAUSED) if int(status.row[s]) not in waiting]
+            if newly and not (turn_sync and decoding):
                 tokens = np.asarray(jax.device_get(state.pool.rows.tokens))
                 tokens = tokens.reshape(-1, tokens.shape[-1])
                 for slot in newly:
-                    ep = episodes[status.row[slot]]
-                    end = int(status.length[slot])
-                    ids = tokens[status.row[slot], end - int(status.turn_length[slot]):end]
-                    self._submit(ep, ids, bool(status.stopped[slot]))
-                    waiting[slot] = (ep, boundary + env.resume_after, bool(status.stopped[slot]))
-            due = sorted(s for s, (_, at, _) in waiting.items()
-                         if (at <= boundary if not turn_sync else not (status.state == DECODING).any()))
-            for slot in due:
-                ep, _, stopped = waiting.pop(slot)
-                start = time.perf_counter()
-                reply = self._answer(ep)
-                wait_s += time.perf_counter() - start
-                ids = None if reply is None else self._delta(ep, reply, stopped, status.length[slot])
-                if ids is None:
-                    state = sampler.finish(state, int(slot))
+                    row, end, stopped = int(status.row[slot]), int(status.length[slot]), bool(status.stopped[slot])
+                    self._submit(episodes[row], tokens[row, end - int(status.turn_length[slot]):end], stopped)
+                    if handoff:
+                        state, _ = sampler.park(state, int(slot))
+                    waiting[row] = Turnaround(boundary + env.resume_after, stopped, end, None if handoff else int(slot))
+                status = state.status()
+            due = sorted((t.due, row) for row, t in waiting.items()
+                         if (not decoding if turn_sync else t.due <= boundary))
+            free = [int(s) for s in np.flatnonzero((status.state == DONE) | (status.state == EMPTY))]
+            for _, row in due:
+                t, ep = waiting[row], episodes[row]
+                if not t.answered:
+                    start = time.perf_counter()
+                    reply = self._answer(ep)
+                    wait_s += time.perf_counter() - start
+                    t.ids = None if reply is None else self._delta(ep, reply, t.stopped, t.length)
+                    t.answered = True
+                if t.slot is not None:  # it kept its slot
+                    state = (sampler.finish(state, t.slot) if t.ids is None else
+                             sampler.append(params, state, t.slot, t.ids, version))
+                elif t.ids is None:
+                    state = sampler.finish_row(state, row)
                 else:
-                    ep.pauses += 1
-                    state = sampler.append(params, state, int(slot), ids, version)
-            if not waiting and not due and state.idle():
+                    plan = state.spec.plan
+                    slot = next((s for s in free if s // plan.slots_per_queue == row // plan.rows_per_queue), None)
+                    if slot is None:
+                        continue  # no free slot in its queue yet: the next boundary
+                    free.remove(slot)
+                    state = sampler.resume(params, state, slot, row, t.ids, version)
+                ep.pauses += t.ids is not None
+                del waiting[row]
+            if not waiting and state.idle():
                 break
             state = sampler.advance(params, state, 1, version)
             boundary += 1
@@ -172,6 +215,7 @@ class EpisodeRunner:
         for ep, truncated in zip(episodes, out.truncated, strict=True):
             ep.truncated = ep.truncated or (bool(truncated) and not ep.final_reward)
         episodes[0].counts["wait_s"] += wait_s
+        self.workers.forget(ep.id for ep in episodes)
         return out, episodes
 
     def _submit(self, ep: Episode, ids: np.ndarray, stopped: bool) -> None:

@@ -1,7 +1,8 @@
 """The sampler engine: a `Sampler` holds what every sampling call repeats (the model definition, how a token is
 drawn, stop and pad ids, the mesh and its rules, max new tokens, slots, decode layout) and samples G completions
 per prompt with any params of the model: a whole batch at once (`generate`), or slot by slot, a chunk at a time,
-with rows paused between turns (`start`, `advance`, `append`, `finish`, `drain`: `jgrpo.sampling.turns`). `lower`
+with rows paused between turns (`start`, `advance`, `append`, `finish`, `drain`, and `park` / `resume` /
+`finish_row` for a row that gives its slot away while it waits: `jgrpo.sampling.turns`). `lower`
 gives the planner the program `generate` runs.
 
 One jitted program per (prompt batch shape, samples per prompt, max new tokens, slots, method, stop ids):
@@ -119,6 +120,7 @@ class Sampler:
     decode_layers: str = "auto"
     cfg: Any = None
     turn_tokens: int | None = None  # the slot interface: tokens a turn may draw (None: max_new_tokens)
+    append_tokens: int | None = None  # the slot interface: ids one append may take (None: max_new_tokens)
 
     def __post_init__(self):
         if self.num_samples < 1 or self.max_new_tokens < 1:
@@ -183,6 +185,20 @@ class Sampler:
         """`token_ids` after paused `slot`'s row; its next turn's first token drawn with `params` (of `version`)."""
         with self._context(self._config(params)):
             return turns.append(self.graphdef, self.placed(params), state, slot, token_ids, version)
+
+    def park(self, state: turns.SlotState, slot: int) -> tuple[turns.SlotState, int]:
+        """Paused `slot`'s row leaves its slot to a pending row until `resume`; returns (state, the row)."""
+        return turns.park(state, slot)
+
+    def resume(self, params, state: turns.SlotState, slot: int, row: int, token_ids,
+               version: int = 0) -> turns.SlotState:
+        """Parked `row`: `token_ids` after its tokens, its next turn in free `slot` (its context prefilled there)."""
+        with self._context(self._config(params)):
+            return turns.resume(self.graphdef, self.placed(params), state, slot, row, token_ids, version)
+
+    def finish_row(self, state: turns.SlotState, row: int) -> turns.SlotState:
+        """Parked `row` is complete."""
+        return turns.finish_row(state, row)
 
     def finish(self, state: turns.SlotState, slot: int) -> turns.SlotState:
         """Paused `slot`'s row is complete; the slot takes the next pending row at the next `advance`."""

@@ -11,6 +11,9 @@ drain`, which call these):
                                                        reply); the row's next turn starts at once
     state = sampler.finish(state, slot)                a paused row is complete: its slot takes the next row
     rows, out = sampler.drain(state)                   the complete rows not drained before, and their tokens
+    state, row = sampler.park(state, slot)             a paused row leaves its slot to a pending row while it
+                                                       waits; later `sampler.resume(params, state, slot, row, ids)`
+                                                       in a free slot of its queue, or `sampler.finish_row`
 
 A turn ends at a stop id or after `turn_tokens` drawn tokens; a row is complete when the host finishes it or its
 `max_new_tokens` are used (drawn and appended together). `params` may change between calls (a weight update): each
@@ -21,11 +24,12 @@ The programs are the slot pool's (`jgrpo.sampling.slot_pool`) in its interactive
 tokens, feed and refill, the same keys (row r's token t is drawn with fold_in(fold_in(key, r), t) whatever the
 turn), so a pool driven here draws what `generate` draws (tested token for token). The differences: a slot whose
 turn ends keeps its row (held) instead of taking the next one, and its prompt segment has room for the row's
-whole context (P + N columns). `append` prefills that context again, the prompt followed by the row's tokens so
-far and the appended ones, into the slot's prompt segment, and draws the next turn's first token from its last
-logits: exactly prefilling the concatenated prompt, at the cost of one context-long forward per turn (keeping the
-decode's own keys/values instead is a later optimisation). Appended ids are padded to the row's N tokens, so
-appends of any length run one compiled program.
+whole context (P + N columns). `append` prefills the turn's drawn tokens and the appended ids into the slot's
+prompt segment, after the context already there (attending to it, not recomputing it), and draws the next turn's
+first token from the last logits: prefilling the concatenated prompt up to rounding, at the cost of a forward over
+at most W = turn_tokens + append_tokens tokens (the Sampler's `append_tokens`; the turn's keys/values in the
+decode ring are computed again rather than moved, as the ring is laid out by clock, not by row). Appended ids are
+padded to W, so appends of any length run one compiled program.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jgrpo.models.decode import DecodeCache
-from jgrpo.models.llm import init_cache, position_ids_from_mask
+from jgrpo.models.llm import KVCache, init_cache, position_ids_from_mask
 from jgrpo.sampling.pool import Pool, PoolSpec, PromptStore, SampleOutput
 from jgrpo.sampling.slot_pool import decode_chunk, draw, local_prompt, outputs, record, start, turn_ends, weights
 
@@ -66,6 +70,7 @@ class SlotState:
     store: PromptStore
     pool: Pool
     drained: np.ndarray  # [R] bool
+    parked: np.ndarray  # [R] bool: rows that left their slot between turns (`park`), to `resume` or `finish_row`
 
     def status(self) -> SlotStatus:
         plan = self.spec.plan
@@ -115,31 +120,23 @@ def advance(graphdef, params, state: SlotState, chunks: int, version: int) -> Sl
     return state
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "spec"), donate_argnames=("pool",))
-def _append(graphdef, params, store: PromptStore, pool: Pool, slot, ids, count, version, *, spec: PoolSpec) -> Pool:
-    """`slot`: `count` ids (of `ids` [N]) after its row's tokens, its context prefilled into its prompt segment,
-    the next turn's first token drawn."""
-    plan = spec.plan
-    q, j = slot // plan.slots_per_queue, slot % plan.slots_per_queue
-    w = weights(graphdef, params, plan)
+def _with_ids(plan, rows, q, row, length, ids, count):
+    """The row's tokens with `count` appended ids (of `ids` [N]) after its `length`: not drawn, no log-prob, no
+    version."""
     N = plan.max_new_tokens
-    sl, rows = pool.slots, pool.rows
-    row, length = sl.row[q, j], sl.count[q, j]
-    # The appended ids join the row's tokens: not drawn, no log-prob, no version.
     at = jnp.where(jnp.arange(N) < count, length + jnp.arange(N), N)  # past the ids: dropped
-    rows = rows._replace(tokens=rows.tokens.at[q, row, at].set(ids, mode="drop"),
+    return rows._replace(tokens=rows.tokens.at[q, row, at].set(ids, mode="drop"),
                          logprobs=rows.logprobs.at[q, row, at].set(0.0, mode="drop"),
                          drawn=rows.drawn.at[q, row, at].set(False, mode="drop"),
                          version=rows.version.at[q, row, at].set(-1, mode="drop"),
                          stopped=rows.stopped.at[q, row].set(False))
-    length = length + count
-    # The row's context, [prompt (left-padded) | its N tokens, the first `length` real]: prefilled at once.
-    prompt = local_prompt(plan, store, q, row)
-    context = jnp.concatenate([store.tokens[q, prompt], rows.tokens[q, row]])
-    mask = jnp.concatenate([store.mask[q, prompt], jnp.arange(N) < length])
-    cache = init_cache(w.model.cfg, 1, context.shape[0])
-    hidden, cache = w.model(context[None], position_ids_from_mask(mask[None]), mask[None], cache, 0)
-    logits = w.model.logits(hidden[0, context.shape[0] - N + length - 1])  # the last real token's
+
+
+def _next_turn(spec, store, pool: Pool, rows, slot, row, length, logits, mask, segment, version) -> Pool:
+    """Slot `slot` decodes row `row`'s next turn: its first token drawn from `logits`, the slot's context
+    (`mask` [P + N], keys/values `segment`) set, writing from the next column on."""
+    plan = spec.plan
+    q, j = slot // plan.slots_per_queue, slot % plan.slots_per_queue
     token, logprob = draw(spec, store, jnp.broadcast_to(logits, (plan.queues, 1, logits.shape[-1])),
                           jnp.arange(plan.queues)[:, None], jnp.full((plan.queues, 1), row),
                           jnp.full((plan.queues, 1), length))
@@ -152,13 +149,81 @@ def _append(graphdef, params, store: PromptStore, pool: Pool, slot, ids, count, 
     length = length + 1
     done, held, full = turn_ends(plan, stopped, length, length - 1)
     rows = rows._replace(finished=rows.finished.at[q, row].set(full))
-    slots = sl._replace(start=sl.start.at[q, j].set(pool.clock), count=sl.count.at[q, j].set(length),
-                        last=sl.last.at[q, j].set(token), done=sl.done.at[q, j].set(done),
-                        held=sl.held.at[q, j].set(held), turn_start=sl.turn_start.at[q, j].set(length - 1),
+    sl = pool.slots
+    slots = sl._replace(row=sl.row.at[q, j].set(row), start=sl.start.at[q, j].set(pool.clock),
+                        count=sl.count.at[q, j].set(length), last=sl.last.at[q, j].set(token),
+                        done=sl.done.at[q, j].set(done), held=sl.held.at[q, j].set(held),
+                        turn_start=sl.turn_start.at[q, j].set(length - 1),
                         prompt_len=sl.prompt_len.at[q, j].set(jnp.sum(mask, dtype=jnp.int32)),
                         prompt_mask=sl.prompt_mask.at[q, j].set(mask))
-    cache = _write_segment(plan, pool.cache, cache, slot)
+    cache = _write_segment(plan, pool.cache, segment, slot)
     return pool._replace(slots=slots, rows=rows, cache=spec.pin("cache", cache))
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "spec"), donate_argnames=("pool",))
+def _append(graphdef, params, store: PromptStore, pool: Pool, slot, ids, count, version, *, spec: PoolSpec) -> Pool:
+    """`slot`: `count` ids (of `ids` [N]) after its row's tokens; the turn's drawn tokens and the ids prefilled
+    into its prompt segment after the context already there; the next turn's first token drawn."""
+    plan = spec.plan
+    q, j = slot // plan.slots_per_queue, slot % plan.slots_per_queue
+    w = weights(graphdef, params, plan)
+    N = plan.max_new_tokens
+    sl = pool.slots
+    row, length = sl.row[q, j], sl.count[q, j]
+    rows = _with_ids(plan, pool.rows, q, row, length, ids, count)
+    # The segment holds the keys/values of [prompt | the row's tokens before this turn]; the turn's drawn tokens
+    # and the appended ids (`new`, at most W) are prefilled after them, attending to them (not recomputed).
+    turn_start = sl.turn_start[q, j]
+    new = length + count - turn_start
+    length = length + count
+    prompt_mask = store.mask[q, local_prompt(plan, store, q, row)]
+    P, W = prompt_mask.shape[0], plan.append_width
+    feed = jax.lax.dynamic_slice(jnp.concatenate([rows.tokens[q, row], jnp.zeros(W, jnp.int32)]), (turn_start,), (W,))
+    mask = jnp.concatenate([prompt_mask, jnp.arange(N) < length])  # the row's context after the append, [P + N]
+    positions = jnp.sum(prompt_mask, dtype=jnp.int32) + turn_start + jnp.arange(W)
+    cache = _read_segment(plan, pool.cache, slot, W)  # [L, 1, P + N + W, KVH, Dh]: room for W past the end
+    hidden, cache = w.model(feed[None], positions[None], jnp.concatenate([mask, jnp.zeros(W, bool)])[None], cache,
+                            P + turn_start)
+    segment = KVCache(cache.k[:, :, :P + N], cache.v[:, :, :P + N])
+    return _next_turn(spec, store, pool, rows, slot, row, length, w.model.logits(hidden[0, new - 1]), mask, segment,
+                      version)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "spec"), donate_argnames=("pool",))
+def _resume(graphdef, params, store: PromptStore, pool: Pool, slot, row, ids, count, version, *,
+            spec: PoolSpec) -> Pool:
+    """Parked queue-local `row`: `count` ids (of `ids` [N]) after its tokens, its whole context [prompt | tokens]
+    prefilled into free slot `slot`'s prompt segment (its keys/values left with the slot it was parked from), the
+    next turn's first token drawn."""
+    plan = spec.plan
+    q = slot // plan.slots_per_queue
+    w = weights(graphdef, params, plan)
+    N = plan.max_new_tokens
+    length = pool.rows.lengths[q, row]
+    rows = _with_ids(plan, pool.rows, q, row, length, ids, count)
+    length = length + count
+    prompt = local_prompt(plan, store, q, row)
+    context = jnp.concatenate([store.tokens[q, prompt], rows.tokens[q, row]])
+    mask = jnp.concatenate([store.mask[q, prompt], jnp.arange(N) < length])
+    hidden, segment = w.model(context[None], position_ids_from_mask(mask[None]), mask[None],
+                              init_cache(w.model.cfg, 1, context.shape[0]), 0)
+    logits = w.model.logits(hidden[0, context.shape[0] - N + length - 1])  # the last real token's
+    return _next_turn(spec, store, pool, rows, slot, row, length, logits, mask, segment, version)
+
+
+def _read_segment(plan, cache: DecodeCache, slot, extra: int) -> KVCache:
+    """Slot `slot`'s prompt segment, every layer, as a one-row KVCache [L, 1, P + N + extra, KVH, Dh]."""
+
+    def read(per_layer):
+        if plan.scanned:
+            (segment, *_), = per_layer
+            x = segment[:, slot]  # [L, KVH, P + N, Dh]
+        else:
+            x = jnp.stack([segment[slot] for segment, *_ in per_layer])
+        x = jnp.swapaxes(x, 1, 2)[:, None]  # [L, 1, P + N, KVH, Dh]
+        return jnp.pad(x, ((0, 0), (0, 0), (0, extra), (0, 0), (0, 0)))
+
+    return KVCache(read(cache.k), read(cache.v))
 
 
 def _write_segment(plan, cache: DecodeCache, context, slot) -> DecodeCache:
@@ -175,21 +240,29 @@ def _write_segment(plan, cache: DecodeCache, context, slot) -> DecodeCache:
     return DecodeCache(write(cache.k, k), write(cache.v, v))
 
 
+def _padded_ids(plan, token_ids, length: int, row: int) -> tuple[np.ndarray, np.int32]:
+    """(the ids padded to N, their count), checked against the row's room and the append width."""
+    ids = np.asarray(token_ids, np.int32).reshape(-1)
+    room = plan.max_new_tokens - length - 1  # the next turn draws at least one token
+    if len(ids) > room:
+        raise ValueError(f"row {row} has {length} of its max_new_tokens={plan.max_new_tokens} tokens: {len(ids)} "
+                         f"more and a turn do not fit (at most {room}); finish the row instead")
+    if len(ids) > plan.append_width - plan.turn_limit and plan.append_width < plan.max_new_tokens:
+        raise ValueError(f"{len(ids)} tokens: an append takes at most {plan.append_width - plan.turn_limit} "
+                         "(the sampler's append_tokens)")
+    padded = np.zeros(plan.max_new_tokens, np.int32)
+    padded[:len(ids)] = ids
+    return padded, np.int32(len(ids))
+
+
 def append(graphdef, params, state: SlotState, slot: int, token_ids, version: int) -> SlotState:
     plan = state.spec.plan
     status = state.status()
     if status.state[slot] != PAUSED:
         raise ValueError(f"slot {slot} is {status.state[slot]}: tokens are appended to a paused row only")
-    ids = np.asarray(token_ids, np.int32).reshape(-1)
-    room = plan.max_new_tokens - int(status.length[slot]) - 1  # the next turn draws at least one token
-    if len(ids) > room:
-        raise ValueError(f"row {status.row[slot]} has {status.length[slot]} of its max_new_tokens="
-                         f"{plan.max_new_tokens} tokens: {len(ids)} more and a turn do not fit (at most {room}); "
-                         "finish the row instead")
-    padded = np.zeros(plan.max_new_tokens, np.int32)
-    padded[:len(ids)] = ids
-    pool = _append(graphdef, params, state.store, state.pool, np.int32(slot), padded, np.int32(len(ids)),
-                   np.int32(version), spec=state.spec)
+    ids = _padded_ids(plan, token_ids, int(status.length[slot]), int(status.row[slot]))
+    pool = _append(graphdef, params, state.store, state.pool, np.int32(slot), *ids, np.int32(version),
+                   spec=state.spec)
     return dataclasses.replace(state, pool=pool)
 
 
@@ -208,6 +281,60 @@ def finish(state: SlotState, slot: int) -> SlotState:
     return dataclasses.replace(state, pool=_finish(state.pool, jnp.int32(q), jnp.int32(j), spec=state.spec))
 
 
+@functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("pool",))
+def _park(pool: Pool, q, j, *, spec: PoolSpec) -> Pool:
+    sl = pool.slots
+    return pool._replace(slots=sl._replace(held=sl.held.at[q, j].set(False), done=sl.done.at[q, j].set(True),
+                                           row=sl.row.at[q, j].set(spec.plan.rows_per_queue)))
+
+
+def park(state: SlotState, slot: int) -> tuple[SlotState, int]:
+    """Paused `slot`'s row leaves it (its tokens stay; its keys/values go): the slot takes a pending row at the next
+    `advance`, and the row goes on later with `resume` into a free slot of its queue. Returns (state, the row)."""
+    status = state.status()
+    if status.state[slot] != PAUSED:
+        raise ValueError(f"slot {slot} is {status.state[slot]}: only a paused row can be parked")
+    q, j = divmod(slot, state.spec.plan.slots_per_queue)
+    row = int(status.row[slot])
+    parked = state.parked.copy()
+    parked[row] = True
+    return dataclasses.replace(state, pool=_park(state.pool, jnp.int32(q), jnp.int32(j), spec=state.spec),
+                               parked=parked), row
+
+
+def resume(graphdef, params, state: SlotState, slot: int, row: int, token_ids, version: int) -> SlotState:
+    """Parked `row`: `token_ids` after its tokens, its next turn in free `slot` (of the row's queue)."""
+    plan = state.spec.plan
+    status = state.status()
+    if not state.parked[row]:
+        raise ValueError(f"row {row} is not parked")
+    if status.state[slot] not in (DONE, EMPTY) or slot // plan.slots_per_queue != row // plan.rows_per_queue:
+        raise ValueError(f"slot {slot} is {status.state[slot]} or of another queue than row {row}: a parked row "
+                         "resumes in a free slot of its queue")
+    ids = _padded_ids(plan, token_ids, int(jax.device_get(state.pool.rows.lengths).reshape(-1)[row]), row)
+    pool = _resume(graphdef, params, state.store, state.pool, np.int32(slot), np.int32(row % plan.rows_per_queue),
+                   *ids, np.int32(version), spec=state.spec)
+    parked = state.parked.copy()
+    parked[row] = False
+    return dataclasses.replace(state, pool=pool, parked=parked)
+
+
+@functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("pool",))
+def _finish_row(pool: Pool, q, row, *, spec: PoolSpec) -> Pool:
+    return pool._replace(rows=pool.rows._replace(finished=pool.rows.finished.at[q, row].set(True)))
+
+
+def finish_row(state: SlotState, row: int) -> SlotState:
+    """Parked `row` is complete."""
+    if not state.parked[row]:
+        raise ValueError(f"row {row} is not parked")
+    Rq = state.spec.plan.rows_per_queue
+    pool = _finish_row(state.pool, jnp.int32(row // Rq), jnp.int32(row % Rq), spec=state.spec)
+    parked = state.parked.copy()
+    parked[row] = False
+    return dataclasses.replace(state, pool=pool, parked=parked)
+
+
 def drain(state: SlotState) -> tuple[np.ndarray, SampleOutput, SlotState]:
     """(row indices, their outputs as numpy [n, ...], the state with them marked drained): the complete rows not
     drained before, in row order."""
@@ -220,5 +347,5 @@ def drain(state: SlotState) -> tuple[np.ndarray, SampleOutput, SlotState]:
 
 def begin(graphdef, params, spec: PoolSpec, prompts, key, version: int) -> SlotState:
     store, pool = _start(graphdef, params, prompts, key, np.int32(version), spec=spec)
-    return SlotState(spec, store, pool, np.zeros(spec.plan.rows, bool))
+    return SlotState(spec, store, pool, np.zeros(spec.plan.rows, bool), np.zeros(spec.plan.rows, bool))
 

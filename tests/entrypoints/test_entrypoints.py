@@ -39,8 +39,8 @@ def env():
     return env
 
 
-def _train(run_dir, env, *extra):
-    cmd = [sys.executable, "-m", "jgrpo.train", "configs/tiny.yaml", f"run.output_dir={run_dir}", *OVERRIDES, *extra]
+def _train(run_dir, env, *extra, config="configs/tiny.yaml"):
+    cmd = [sys.executable, "-m", "jgrpo.train", config, f"run.output_dir={run_dir}", *OVERRIDES, *extra]
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -71,7 +71,8 @@ def _final_state(run_dir):
 
 
 def _metrics(run_dir):
-    return [{k: v for k, v in r.items() if not k.startswith(("time/", "throughput/"))} for r in read_metrics(run_dir)]
+    return [{k: v for k, v in r.items() if not k.startswith(("time/", "throughput/")) and k != "env/wait_s"}
+            for r in read_metrics(run_dir)]
 
 
 @pytest.fixture(scope="module")
@@ -82,15 +83,29 @@ def straight_run(tmp_path_factory, env):
     return run_dir
 
 
-def test_killed_then_resumed_equals_uninterrupted(tmp_path, env, straight_run):
+TOOLS = ("env.num_workers=1",)  # with configs/tiny_tools.yaml: multi-turn episodes, tool calls
+
+
+@pytest.fixture(scope="module")
+def straight_tools_run(tmp_path_factory, env):
+    run_dir = tmp_path_factory.mktemp("straight_tools")
+    code, out = _finish(_train(run_dir, env, *TOOLS, config="configs/tiny_tools.yaml"))
+    assert code == 0, out[-3000:]
+    return run_dir
+
+
+@pytest.mark.parametrize("config", ["tiny", "tiny_tools"])
+def test_killed_then_resumed_equals_uninterrupted(tmp_path, env, request, config):
+    straight_run = request.getfixturevalue("straight_run" if config == "tiny" else "straight_tools_run")
+    extra = TOOLS if config == "tiny_tools" else ()
     killed = tmp_path / "killed"
-    proc = _train(killed, env)
+    proc = _train(killed, env, *extra, config=f"configs/{config}.yaml")
     _wait_for(lambda: (killed / "checkpoints" / "3").is_dir(), proc)
     proc.send_signal(signal.SIGKILL)  # no chance to save anything more
     proc.wait()
     assert proc.returncode == -signal.SIGKILL
     assert not (killed / "checkpoints" / "6").exists()
-    code, out = _finish(_train(killed, env))
+    code, out = _finish(_train(killed, env, *extra, config=f"configs/{config}.yaml"))
     assert code == 0, out[-3000:]
     assert "resumed from iteration 3" in out
     assert _final_state(killed) == _final_state(straight_run)

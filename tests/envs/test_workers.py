@@ -56,7 +56,7 @@ def test_failures_are_outcomes_and_the_worker_is_replaced(name, error):
         assert second.error is not None  # its call failed too, or its worker (and state) went with episode 0's
         assert time.monotonic() - started < 30
         # The next batch runs on a healthy worker.
-        w.drop()
+        w.forget([0, 1])
         w.submit(5, "reset", ROW, 5)
         assert w.result(5).error is None
     finally:

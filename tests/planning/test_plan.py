@@ -75,6 +75,18 @@ def test_plan_of_a_small_run_and_a_broken_sharding_rule(v5e):
     assert broken["peak_bytes"] > plan["peak_bytes"] + 6 * resident["opt_state"]
 
 
+def test_a_multi_turn_config_is_planned_at_the_episode_width(v5e):
+    # configs/tiny_tools.yaml: a row is a whole episode (env.max_total_tokens), not one turn (sampler.max_new_tokens).
+    from jgrpo.planning.abstract_run import lower_iteration
+
+    config = load_config("configs/tiny_tools.yaml", TINY)
+    iteration = lower_iteration(config, v5e, names=("sample", "assemble", "update"))
+    assert iteration.shape["N"] == config.env.max_total_tokens != config.sampler.max_new_tokens
+    assert [p.name for p in iteration.programs] == ["sample", "assemble", "update"]
+    assemble = iteration.programs[1].lowered.compile()
+    assert assemble.memory_analysis().argument_size_in_bytes > 0
+
+
 def test_bad_input_names_the_problem(v5e):
     with pytest.raises(ValueError, match=r"unknown TPU topology 'v9x:2x2'.*v5e:2x4"):
         topology_devices("v9x:2x2")

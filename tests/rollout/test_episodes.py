@@ -92,6 +92,35 @@ def test_turn_sync_plays_the_same_episodes(scripted, tmp_path):
     np.testing.assert_allclose(np.asarray(synced.samples.logprobs), np.asarray(pool.samples.logprobs), atol=1e-4)
 
 
+def test_paused_episodes_give_their_slots_to_the_next(scripted, monkeypatch):
+    # Half as many slots as episodes: a paused episode parks, a pending one takes its slot, and it resumes in a
+    # free slot with its context prefilled there. The same draws (keys by row and token); log-probs to rounding;
+    # and still independent of the environments' latency.
+    trainer, batch = scripted
+    kept = play(trainer, batch)
+    runner = trainer.episodes
+    sampler = runner.sampler
+    runner.sampler = sampler.replace(slots=len(batch) * trainer.config.grpo.num_generations // 2)
+    try:
+        handed = play(trainer, batch)
+        monkeypatch.setenv("JGRPO_TEST_LATENCY", "1.0")
+        runner.workers.close()
+        runner.workers = EnvironmentWorkers(trainer.config)
+        slow = play(trainer, batch)
+    finally:
+        runner.sampler = sampler
+        runner.workers.close()
+        monkeypatch.delenv("JGRPO_TEST_LATENCY")
+        runner.workers = EnvironmentWorkers(trainer.config)
+    a, b, c = (jax.device_get(r.samples) for r in (kept, handed, slow))
+    np.testing.assert_array_equal(b.tokens, a.tokens)
+    np.testing.assert_array_equal(b.loss_mask, a.loss_mask)
+    np.testing.assert_allclose(b.logprobs, a.logprobs, atol=1e-5)
+    np.testing.assert_array_equal(c.tokens, b.tokens)
+    np.testing.assert_array_equal(c.logprobs, b.logprobs)
+    assert slow.metrics["env/wait_s"] > 0.5
+
+
 def test_episode_record(scripted):
     trainer, batch = scripted
     rollout = play(trainer, batch)

@@ -27,10 +27,12 @@ def _run_to_the_end(sampler, params, prompts, key, on_pause=None):
         for slot in np.flatnonzero(state.status().state == PAUSED):
             state = on_pause(state, slot) if on_pause else sampler.finish(state, slot)
         rows, out, state = sampler.drain(state)
-        drained.update({int(r): tuple(np.asarray(x)[i] for x in out) for i, r in enumerate(rows)})
+        drained.update({int(r): out.map(lambda x, i=i: np.asarray(x)[i]) for i, r in enumerate(rows)})
         if len(drained) == sampler.num_samples * prompts.tokens.shape[0]:
             break
-    return type(out)(*(np.stack(f) for f in zip(*(drained[r] for r in sorted(drained)), strict=True)))
+    ordered = [drained[r] for r in sorted(drained)]
+    fields = [f for f in ordered[0]._fields if getattr(ordered[0], f) is not None]
+    return ordered[0].map(lambda _: None)._replace(**{f: np.stack([getattr(o, f) for o in ordered]) for f in fields})
 
 
 @pytest.mark.parametrize("slots", [None, 3], ids=["static", "continuous"])
@@ -66,25 +68,28 @@ def test_an_append_continues_the_row_as_if_its_context_were_the_prompt(tiny_llam
     tokens, mask = sampler_prompts()
     prompts = Prompts(tokens[:2], mask[:2])
     sampler = Sampler(graphdef, max_new_tokens=24, num_samples=1, method=METHOD, turn_tokens=4, decode_chunk=2)
-    replies = {0: [7, 8, 9], 1: [40, 41]}  # the environment's tokens after each row's first turn
+    replies = {0: [[7, 8, 9], [11]], 1: [[40, 41], [50, 51, 52]]}  # the environment's tokens after turns 1, 2
     turns = {}
 
-    def reply_once(state, slot):
+    def reply(state, slot):
         row = int(state.status().row[slot])
         turns[row] = turns.get(row, 0) + 1
-        if turns[row] == 1:
-            return sampler.append(params, state, slot, replies[row])
+        if turns[row] <= 2:
+            return sampler.append(params, state, slot, replies[row][turns[row] - 1])
         return sampler.finish(state, slot)
 
-    out = _run_to_the_end(sampler, params, prompts, jax.random.key(2), on_pause=reply_once)
-    for r, ids in replies.items():
+    out = _run_to_the_end(sampler, params, prompts, jax.random.key(2), on_pause=reply)
+    for r, (first, second) in replies.items():
         row = jax.tree.map(lambda x, r=r: x[r], out)
-        # Turn 1: 4 drawn tokens (no stop ids), then the reply, then turn 2's 4 drawn tokens.
-        assert row.lengths == 4 + len(ids) + 4 and not row.loss_mask[4:4 + len(ids)].any()
-        np.testing.assert_array_equal(row.tokens[4:4 + len(ids)], ids)
-        np.testing.assert_array_equal(row.loss_mask[:row.lengths], [True] * 4 + [False] * len(ids) + [True] * 4)
-        np.testing.assert_array_equal(row.version[:row.lengths], [0] * 4 + [-1] * len(ids) + [0] * 4)
-        np.testing.assert_array_equal(row.logprobs[4:4 + len(ids)], 0.0)
+        # Three turns of 4 drawn tokens (no stop ids) with the replies between them; the second append prefills
+        # after the first one's context (the segment is built turn by turn).
+        drawn = [True] * 4 + [False] * len(first) + [True] * 4 + [False] * len(second) + [True] * 4
+        assert row.lengths == len(drawn)
+        np.testing.assert_array_equal(row.loss_mask[:row.lengths], drawn)
+        np.testing.assert_array_equal(row.tokens[4:4 + len(first)], first)
+        np.testing.assert_array_equal(row.tokens[8 + len(first):8 + len(first) + len(second)], second)
+        np.testing.assert_array_equal(row.version[:row.lengths], np.where(drawn, 0, -1))
+        np.testing.assert_array_equal(row.logprobs[:row.lengths][~np.asarray(drawn)], 0.0)
         recomputed = _trainer_logprobs(graphdef, params, tokens[r], mask[r], row, METHOD)
         drawn = row.loss_mask
         np.testing.assert_allclose(row.logprobs[drawn], recomputed[drawn], atol=1e-5, rtol=0)
