@@ -4,6 +4,9 @@ Two numbers per run, over every test prompt (data.split is ignored; the "test" s
   greedy_accuracy   fraction of prompts whose greedy completion the first reward function scores >= 1
   pass_at_1         mean over prompts of the fraction of k = run.eval_samples sampled completions (with the
                     sampler settings) that are correct; pass_at_k (any correct) and the mean reward are reported too
+With an environment (env.name) a completion is an episode, correct when its reward (the environment's and the
+reward functions' on its last turn) is >= 1; the greedy episodes' mean turns and tool-call validity (well-formed
+calls / all calls) are reported too; with env.tools=[] the same questions without tools.
 A run directory evaluates its latest complete checkpoint (or --step); a config file evaluates the model it
 names, untrained. Prints a table and, last, one JSON line.
 """
@@ -24,6 +27,7 @@ from jgrpo.models.attention_backends import resolve_attention
 from jgrpo.parallel import distributed
 from jgrpo.parallel.mesh import mesh_platform
 from jgrpo.parallel.startup import enable_compilation_cache, setup_logging
+from jgrpo.rollout.episodes import EpisodeRunner
 from jgrpo.rollout.evaluator import Evaluator
 from jgrpo.sampling.sampler import Sampler, stop_ids_for
 
@@ -80,11 +84,15 @@ def main(argv: list[str] | None = None) -> int:
     sampler = Sampler.from_config(config.sampler, graphdef=graphdef, num_samples=1, mesh=mesh,
                                   stop_ids=stop_ids_for(tokenizer, config.sampler.stop_token_ids),
                                   pad_id=pad_id_for(tokenizer))
-    evaluator = Evaluator(config, sampler, tokenizer)
+    # Multi-turn runs (env.name) evaluate episodes with their environment.
+    episodes = EpisodeRunner.from_config(config, sampler=sampler, tokenizer=tokenizer) if config.env.on else None
+    evaluator = Evaluator(config, sampler, tokenizer, episodes=episodes)
     try:
         metrics = evaluator.evaluate(params)
     finally:
         evaluator.close()
+        if episodes is not None:
+            episodes.close()
     if jax.process_index() == 0:
         print(f"evaluation of {source} on the test split of {config.data.source}")
         for key, value in metrics.items():

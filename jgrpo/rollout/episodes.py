@@ -38,6 +38,14 @@ from jgrpo.sampling.turns import DECODING, DONE, EMPTY, PAUSED
 log = logging.getLogger("jgrpo.envs")
 
 
+def episode_sampler(config, sampler: Sampler) -> Sampler:
+    """`sampler` for episodes: a row is the whole episode (env.max_total_tokens), a turn sampler.max_new_tokens."""
+    turn = config.sampler.max_new_tokens
+    return sampler.replace(max_new_tokens=config.env.max_total_tokens, turn_tokens=turn,
+                           append_tokens=config.env.max_append_tokens,
+                           decode_chunk=config.sampler.decode_chunk or episode_chunk(turn))
+
+
 def episode_chunk(turn_tokens: int) -> int:
     """The decode chunk of episodes (`sampler.decode_chunk: 0`): the host sees paused turns only at chunk
     boundaries, so a turn that stops early leaves its slot idle until the next one. A quarter of a turn (at least 8
@@ -83,11 +91,8 @@ class EpisodeRunner:
         e = config.env
         self.config, self.env, self.tokenizer, self.workers, self.renderer = config, e, tokenizer, workers, renderer
         # A row's N tokens are the whole episode after its prompt; one turn draws at most sampler.max_new_tokens.
-        turn = config.sampler.max_new_tokens
-        self.sampler = sampler.replace(max_new_tokens=e.max_total_tokens, turn_tokens=turn,
-                                       append_tokens=e.max_append_tokens,
-                                       decode_chunk=config.sampler.decode_chunk or episode_chunk(turn))
-        self.group = config.grpo.num_generations
+        self.sampler = episode_sampler(config, sampler)
+        self.group = sampler.num_samples  # the episodes of a prompt (the run's sampler: grpo.num_generations)
         self.opened: dict[int, list[Episode]] = {}  # batch step -> its episodes, between open and run
         self.failure_logged: set[str] = set()
 
@@ -112,6 +117,11 @@ class EpisodeRunner:
 
     def close(self) -> None:
         self.workers.close()
+
+    def using(self, sampler: Sampler) -> EpisodeRunner:
+        """These episodes' environments and renderer, sampled by `sampler` (evaluation: greedy, or k samples)."""
+        return EpisodeRunner(self.config, sampler=sampler, tokenizer=self.tokenizer, workers=self.workers,
+                             renderer=self.renderer)
 
     # ------------------------------------------------------------------ reset
 

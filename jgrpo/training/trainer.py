@@ -110,7 +110,8 @@ class Trainer:
         self.preemption = PreemptionFlag()
         self.evaluator = None
         if config.run.eval_every or config.run.eval_before:
-            self.evaluator = Evaluator(config, self.sampler.replace(mesh=self.mesh), self.tokenizer, scorer=self.scorer)
+            self.evaluator = Evaluator(config, self.sampler.replace(mesh=self.mesh), self.tokenizer, scorer=self.scorer,
+                                       episodes=self.episodes)
 
     def _load(self):
         """Tokenizer, data, rewards, then the model and its sampler; returns the params that train."""

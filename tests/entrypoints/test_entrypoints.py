@@ -8,6 +8,7 @@
 """
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -83,7 +84,7 @@ def straight_run(tmp_path_factory, env):
     return run_dir
 
 
-TOOLS = ("env.num_workers=1",)  # with configs/tiny_tools.yaml: multi-turn episodes, tool calls
+TOOLS = ("env.num_workers=1", "env.max_turns=2")  # with configs/tiny_tools.yaml: multi-turn episodes, tool calls
 
 
 @pytest.fixture(scope="module")
@@ -91,6 +92,11 @@ def straight_tools_run(tmp_path_factory, env):
     run_dir = tmp_path_factory.mktemp("straight_tools")
     code, out = _finish(_train(run_dir, env, *TOOLS, config="configs/tiny_tools.yaml"))
     assert code == 0, out[-3000:]
+    # configs/tiny_tools.yaml as shipped: a random model's tool calls answered with errors, every turn paused and
+    # resumed, in every iteration.
+    records = read_metrics(run_dir)
+    assert len(records) == 6 and all(r["env/pauses"] > 0 and r["env/tool_call_errors/bad_json"] > 0 for r in records)
+    assert all(math.isfinite(r["loss/loss"]) for r in records)
     return run_dir
 
 

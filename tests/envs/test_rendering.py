@@ -13,6 +13,8 @@ from jgrpo.envs.tools import Calculator
 from jgrpo.models.builtin import resolve_model_dir
 from jgrpo.models.hf import load_tokenizer
 
+# The official Qwen2.5 and Qwen3 chat templates, as published (copies kept by huggingface/trl in
+# trl/chat_templates/, identical to llama.cpp's tests/chat/templates/ copy for Qwen2.5).
 TEMPLATES = Path(__file__).resolve().parents[1] / "testdata" / "chat_templates"
 
 
@@ -106,8 +108,8 @@ def test_qwen3_keeps_the_exact_ids_and_warns_once(smollm2, caplog):
         ("<think>\nhigher\n</think>\n\n75", True, None),
     ])
     with caplog.at_level(logging.WARNING, logger="jgrpo.envs"):
-        for _ in range(2):
-            renderer.check_append_only(transcript[:-1], [{"role": "user", "content": "Lower."}])
+        for _ in range(2):  # as the runner calls it after the first turn: the transcript ends with that turn
+            renderer.check_append_only(transcript[:2], [{"role": "user", "content": "Higher."}])
     assert sum("not append-only" in r.message for r in caplog.records) == 1
     # The ids are what was sampled and appended: the first turn's <think> block is still there.
     assert tokenizer.decode(ids).count("low or high") == 1

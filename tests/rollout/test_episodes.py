@@ -92,10 +92,9 @@ def test_turn_sync_plays_the_same_episodes(scripted, tmp_path):
     np.testing.assert_allclose(np.asarray(synced.samples.logprobs), np.asarray(pool.samples.logprobs), atol=1e-4)
 
 
-def test_paused_episodes_give_their_slots_to_the_next(scripted, monkeypatch):
+def test_paused_episodes_give_their_slots_to_the_next(scripted):
     # Half as many slots as episodes: a paused episode parks, a pending one takes its slot, and it resumes in a
-    # free slot with its context prefilled there. The same draws (keys by row and token); log-probs to rounding;
-    # and still independent of the environments' latency.
+    # free slot with its context prefilled there. The same draws (keys by row and token), log-probs to rounding.
     trainer, batch = scripted
     kept = play(trainer, batch)
     runner = trainer.episodes
@@ -103,22 +102,25 @@ def test_paused_episodes_give_their_slots_to_the_next(scripted, monkeypatch):
     runner.sampler = sampler.replace(slots=len(batch) * trainer.config.grpo.num_generations // 2)
     try:
         handed = play(trainer, batch)
-        monkeypatch.setenv("JGRPO_TEST_LATENCY", "1.0")
-        runner.workers.close()
-        runner.workers = EnvironmentWorkers(trainer.config)
-        slow = play(trainer, batch)
     finally:
         runner.sampler = sampler
-        runner.workers.close()
-        monkeypatch.delenv("JGRPO_TEST_LATENCY")
-        runner.workers = EnvironmentWorkers(trainer.config)
-    a, b, c = (jax.device_get(r.samples) for r in (kept, handed, slow))
+    a, b = (jax.device_get(r.samples) for r in (kept, handed))
     np.testing.assert_array_equal(b.tokens, a.tokens)
     np.testing.assert_array_equal(b.loss_mask, a.loss_mask)
     np.testing.assert_allclose(b.logprobs, a.logprobs, atol=1e-5)
-    np.testing.assert_array_equal(c.tokens, b.tokens)
-    np.testing.assert_array_equal(c.logprobs, b.logprobs)
-    assert slow.metrics["env/wait_s"] > 0.5
+
+
+def test_evaluation_plays_greedy_episodes(scripted):
+    from jgrpo.rollout.evaluator import Evaluator
+
+    trainer, _ = scripted
+    config = dataclasses.replace(trainer.config, run=dataclasses.replace(trainer.config.run, eval_samples=0))
+    evaluator = Evaluator(config, trainer.sampler, trainer.tokenizer, scorer=trainer.scorer, episodes=trainer.episodes)
+    metrics = evaluator.evaluate(trainer.state.params)
+    # Scripted: 3 turns, reward 0.25 + 0.25 + 1 >= 1 for every episode that finishes within the token budget.
+    assert metrics["prompts"] == config.data.num_test_examples
+    assert metrics["greedy_accuracy"] == 1.0
+    assert metrics["turns"] == 3.0 and metrics["tool_call_validity"] == 0.0  # no tools, no calls
 
 
 def test_episode_record(scripted):
@@ -148,20 +150,12 @@ def test_recomputed_logprobs_equal_lp_alpha_on_sampled_tokens(scripted):
     np.testing.assert_allclose(lp[s.loss_mask], s.logprobs[s.loss_mask], atol=1e-4)
 
 
-def test_tiny_tools_trains_with_pauses_in_every_iteration(tmp_path):
-    status, records, _ = run_to_end(tools_config(tmp_path))
-    assert status == "done" and len(records) == 3
-    assert all(r["env/pauses"] > 0 for r in records), [r["env/pauses"] for r in records]
-    assert all(r["env/tool_call_errors/bad_json"] > 0 for r in records)  # a random model's calls: answered
-    assert all(np.isfinite(r["loss/loss"]) for r in records)
-
-
-@pytest.mark.parametrize("name, on_failure", [("Raises", "mask"), ("Exits", "zero_reward")])
-def test_failing_environments_are_contained_and_the_run_goes_on(tmp_path, name, on_failure):
+@pytest.mark.parametrize("name, on_failure, iterations", [("Raises", "mask", 2), ("Exits", "zero_reward", 1)])
+def test_failing_environments_are_contained_and_the_run_goes_on(tmp_path, name, on_failure, iterations):
     status, records, trainer = run_to_end(tools_config(
         tmp_path, f"env.name=tests.envs.scripted_envs:{name}", "env.num_workers=1", f"env.on_failure={on_failure}",
-        "run.iterations=2", "env.turn_prefix="))
-    assert status == "done" and len(records) == 2
+        f"run.iterations={iterations}", "env.turn_prefix="))
+    assert status == "done" and len(records) == iterations
     rows = trainer.config.data.batch_size * trainer.config.grpo.num_generations
     for r in records:
         assert r["env/failed"] == 1.0

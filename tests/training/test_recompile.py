@@ -39,7 +39,7 @@ from tests.helpers import EVEN_PARITY_REWARD, tiny_config
     pytest.param(["rollout.mode=async", "rollout.max_staleness=1"], id="async"),
     # Multi-turn episodes (a random model's tool calls answered with errors of varied lengths): turns pause and
     # resume, appends of any length, behaviour refreshes inside the episodes' iterations.
-    pytest.param(["env.name=calculator", "env.turn_prefix=<tool_call>", "env.max_turns=3", "env.max_total_tokens=96",
+    pytest.param(["env.name=calculator", "env.turn_prefix=<tool_call>", "env.max_turns=2", "env.max_total_tokens=64",
                   "env.max_append_tokens=40", "env.num_workers=0", "data.max_prompt_length=384",
                   "sampler.prompt_bucket=64", "grpo.behaviour_refresh=2"], id="multi_turn_v2"),
     # The sampler on devices 0-3, the trainer on 4-7: the behaviour copy crosses sub-meshes at each refresh.
