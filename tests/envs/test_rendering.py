@@ -14,7 +14,7 @@ from jgrpo.models.builtin import resolve_model_dir
 from jgrpo.models.hf import load_tokenizer
 
 # The official Qwen2.5 and Qwen3 chat templates, as published (copies kept by huggingface/trl in
-# trl/chat_templates/, identical to llama.cpp's tests/chat/templates/ copy for Qwen2.5).
+# trl/chat_templates/; the Qwen2.5 one identical to llama.cpp's copy).
 TEMPLATES = Path(__file__).resolve().parents[1] / "testdata" / "chat_templates"
 
 
