@@ -84,7 +84,7 @@ def straight_run(tmp_path_factory, env):
     return run_dir
 
 
-TOOLS = ("env.num_workers=1", "env.max_turns=2")  # with configs/tiny_tools.yaml: multi-turn episodes, tool calls
+TOOLS = ("env.num_workers=1", "env.max_turns=2", "env.max_total_tokens=96")  # with configs/tiny_tools.yaml
 
 
 @pytest.fixture(scope="module")
