@@ -20,7 +20,7 @@ import logging
 from collections.abc import Sequence
 
 from jgrpo.data.prompts import render_chat
-from jgrpo.envs.tool_format import hermes_system_prompt, parse_tool_calls, resolve_format
+from jgrpo.envs.tool_format import hermes_system_prompt, resolve_format
 
 log = logging.getLogger("jgrpo.envs")
 
@@ -64,9 +64,6 @@ class Renderer:
         """The turn as the environment reads it: the turn prefix and the drawn text (no stop token)."""
         drawn = list(ids[:-1] if stopped else ids)
         return self.turn_prefix + self.tokenizer.decode(drawn, skip_special_tokens=True)
-
-    def parse(self, text: str):
-        return parse_tool_calls(text)
 
     def delta(self, reply, stop_id: int | None) -> list[int]:
         """The ids to append after a turn: `reply` (messages, or ids taken as they are) rendered after an

@@ -105,10 +105,6 @@ class EnvironmentWorkers:
         p.queue.append((episode, (op, episode, *args), submitted))
         self._pump(0.0)
 
-    def done(self, episode: int) -> bool:
-        self._pump(0.0)
-        return episode in self.results
-
     def result(self, episode: int) -> Outcome:
         """Episode `episode`'s answer, waiting for it (at most the timeout of each call queued before it)."""
         while episode not in self.results:

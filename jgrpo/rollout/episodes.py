@@ -31,6 +31,7 @@ import numpy as np
 
 from jgrpo.envs.base import Turn, row_of
 from jgrpo.envs.rendering import Renderer
+from jgrpo.envs.tool_format import parse_tool_calls
 from jgrpo.envs.workers import EnvironmentWorkers
 from jgrpo.sampling.sampler import Prompts, SampleOutput, Sampler
 from jgrpo.sampling.turns import DECODING, DONE, EMPTY, PAUSED
@@ -231,7 +232,7 @@ class EpisodeRunner:
     def _submit(self, ep: Episode, ids: np.ndarray, stopped: bool) -> None:
         """A turn ended: read it, and hand it to its environment (unless the episode failed already)."""
         text = self.renderer.turn_text(ids, stopped)
-        calls, error = self.renderer.parse(text)
+        calls, error = parse_tool_calls(text)
         turn = Turn(ep.turns, tuple(int(i) for i in ids), text, tuple(calls), error, not stopped)
         ep.transcript.append({"role": "assistant", "content": text})
         ep.turns += 1
