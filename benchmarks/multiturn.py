@@ -4,10 +4,11 @@ SmolLM2-135M-Instruct on CPU plays a scripted environment of 3-5 turns per episo
 episode's seed; each reply a short user message) with an injected latency per environment step of 0, 1x and 4x
 the median turn's decode time, measured in the run (the median drawn tokens of a turn x the decode step time of
 this batch, timed with `Sampler.generate` at two lengths to cancel the prefill). Schedules: `turn_sync`; `pool`
-with `env.resume_after` set to the latency in decode chunks (at least 1: what a user sets for an environment of
-known latency, so the host never stalls the pool); `pool` with `resume_after: 0` (the host waits at the boundary
-where a turn ended); `pool` with half as many slots as episodes (`sampler.slots`: a paused episode gives its slot
-to the next one and resumes in a free slot). Each runs the same batch and keys, after one untimed run that
+with `env.resume_after` set to the latency in decode chunks (0 for an instant environment: what a user sets for an
+environment of known latency, so the host rarely stalls the pool); `pool` with the default `resume_after: 1`
+whatever the latency; and both schedules with half as many slots as episodes (`sampler.slots`: the memory for
+half the rows' keys/values; `turn_sync` then plays the episodes in two waves, `pool` lets a paused episode give its
+slot to the next one and resume in a free slot). Each runs the same batch and keys, after one untimed run that
 compiles. Useful tokens/s counts the tokens in the loss (drawn by the sampler, not appended) over the wall time of
 the batch's episodes.
 
@@ -95,7 +96,7 @@ def turn_lengths(loss_mask: np.ndarray) -> list[int]:
     return lengths
 
 
-SCHEDULES = ("turn_sync", "pool", "pool, resume_after 0", "pool, half the slots")
+SCHEDULES = ("turn_sync", "pool", "pool, resume_after 1", "turn_sync, half the slots", "pool, half the slots")
 
 
 def play(trainer, batch, schedule: str, latency: float, chunk_s: float = 1.0):
@@ -108,8 +109,10 @@ def play(trainer, batch, schedule: str, latency: float, chunk_s: float = 1.0):
     os.environ[LATENCY] = str(latency)
     runner.workers.close()
     runner.workers = EnvironmentWorkers(trainer.config)
-    # pool: rejoin after as many decode chunks as the environment takes (at least 1), so the host never waits.
-    name, resume_after = schedule.split(",")[0], 0 if "0" in schedule else max(1, math.ceil(latency / chunk_s))
+    # pool: rejoin after as many decode chunks as the environment takes (0 for an instant one), so the host rarely
+    # waits; "resume_after 1" is the default whatever the latency.
+    name = schedule.split(",")[0]
+    resume_after = 1 if "resume_after 1" in schedule else math.ceil(latency / chunk_s - 1e-9)
     runner.env = dataclasses.replace(trainer.config.env, schedule=name, resume_after=resume_after)
     rows = len(batch) * trainer.config.grpo.num_generations
     runner.sampler = runner.sampler.replace(slots=rows // 2 if "half" in schedule else None)
@@ -143,6 +146,7 @@ def main() -> None:
             print(f"decode step {per_step * 1e3:.1f} ms", file=sys.stderr, flush=True)
             play(trainer, batch, "pool", 0.0)  # compiles the episodes' programs
             play(trainer, batch, "pool, half the slots", 0.0)
+            play(trainer, batch, "turn_sync, half the slots", 0.0)
             seconds, _, first = play(trainer, batch, "turn_sync", 0.0)
             print(f"compiled; turn_sync at 0 latency {seconds:.1f} s", file=sys.stderr, flush=True)
             median_turn = statistics.median(turn_lengths(np.asarray(first.samples.loss_mask)))
@@ -157,15 +161,16 @@ def main() -> None:
                           f"tokens, {rollout.metrics['env/turns']:.1f} turns", file=sys.stderr, flush=True)
                     row[schedule] = {"seconds": seconds, "useful_tokens": useful, "tokens_per_s": useful / seconds,
                                      "wait_s": rollout.metrics["env/wait_s"], "turns": rollout.metrics["env/turns"]}
-                for schedule in SCHEDULES:
-                    row[schedule]["vs_turn_sync"] = row[schedule]["tokens_per_s"] / row["turn_sync"]["tokens_per_s"]
+                for schedule in SCHEDULES:  # against turn_sync with as many slots
+                    baseline = row["turn_sync, half the slots" if "half" in schedule else "turn_sync"]
+                    row[schedule]["vs_turn_sync"] = row[schedule]["tokens_per_s"] / baseline["tokens_per_s"]
                 results.append(row)
         finally:
             trainer.close()
     print(f"{usable_cores()} cores; {args.prompts} prompts x 4 episodes of 3-5 turns, {args.turn} tokens per turn; "
           f"decode step {per_step * 1e3:.1f} ms, median turn {median_turn:.0f} tokens = {turn_s:.2f} s",
           file=sys.stderr)
-    print("\n| latency | schedule | useful tok/s | vs turn_sync | s | host waited |")
+    print("\n| latency | schedule | useful tok/s | vs turn_sync (same slots) | s | host waited |")
     print("|---|---|---:|---:|---:|---:|")
     for r in results:
         for schedule in SCHEDULES:

@@ -99,17 +99,22 @@ def _attend_one(q: jax.Array, ks: tuple[jax.Array, ...], vs: tuple[jax.Array, ..
     return out.reshape(B, 1, H, Dh)
 
 
-def _layer_step(cfg, p, x, cos, sin, allowed, k_segments, v_segments, chunk, offset, visible, layer=None):
+def _layer_step(cfg, p, x, cos, sin, allowed, k_segments, v_segments, chunk, offset, visible, layer=None, keep=None):
     """One layer for one new token: write its keys/values into generated chunk `chunk` at slot `offset` and
     attend to the prompt and the first `visible` chunks. Segments are one layer's [B, KVH, S_i, Dh], or with
-    `layer` (a traced index) the stacked [L, B, KVH, S_i, Dh], written and read at that layer."""
+    `layer` (a traced index) the stacked [L, B, KVH, S_i, Dh], written and read at that layer. Rows where `keep`
+    ([B] bool) is set keep the slot's old keys/values (a paused turn's, still to be read)."""
     q, k, v = layer_qkv(cfg, p, x, cos, sin)  # q [B, 1, H, Dh]; k, v [B, 1, KVH, Dh]
     k_segments, v_segments = list(k_segments), list(v_segments)
     for segments, new in ((k_segments, k), (v_segments, v)):
         target = segments[1 + chunk]
         new = jnp.swapaxes(new, 1, 2).astype(target.dtype)
         start = (0, 0, offset, 0) if layer is None else (layer, 0, 0, offset, 0)
-        segments[1 + chunk] = jax.lax.dynamic_update_slice(target, new if layer is None else new[None], start)
+        new = new if layer is None else new[None]
+        if keep is not None:
+            old = jax.lax.dynamic_slice(target, start, new.shape)
+            new = jnp.where(keep.reshape((1,) * (new.ndim - 4) + (-1, 1, 1, 1)), old, new)
+        segments[1 + chunk] = jax.lax.dynamic_update_slice(target, new, start)
     cdt = jnp.dtype(cfg.compute_dtype)
 
     def read(c):
@@ -131,6 +136,7 @@ def decode_step(
     chunk: int,  # static: the generated chunk written this step
     offset: jax.Array,  # [] int32: the slot written inside that chunk (the same for every row)
     visible: int,  # static: the step reads the prompt and chunks 0 .. visible - 1 only
+    keep: jax.Array | None = None,  # [B] bool: rows whose slot keeps its old keys/values (not written this step)
 ) -> tuple[jax.Array, DecodeCache]:
     """Feed one token per row: (final hidden state [B, D] after the final norm, the updated cache).
 
@@ -145,7 +151,7 @@ def decode_step(
     for p, k_segments, v_segments in zip(layers, cache.k, cache.v, strict=True):  # unrolled over layers
         p = {name: w.astype(cdt) for name, w in p.items()}
         x, k_segments, v_segments = _layer_step(cfg, p, x, cos, sin, allowed, k_segments, v_segments, chunk, offset,
-                                                   visible)
+                                                   visible, keep=keep)
         new_k.append(k_segments)
         new_v.append(v_segments)
     hidden = rms_norm(x[:, 0], params["final_norm"], cfg.rms_norm_eps)
@@ -153,7 +159,7 @@ def decode_step(
 
 
 def decode_step_scanned(cfg: LLMConfig, params: dict, tokens, positions, allowed, cache: DecodeCache,
-                        chunk: int, offset, visible: int) -> tuple[jax.Array, DecodeCache]:
+                        chunk: int, offset, visible: int, keep=None) -> tuple[jax.Array, DecodeCache]:
     """`decode_step` with the layers under one `lax.scan` over the stacked weights `params["layers"]` and a
     stacked cache (`decode_cache(..., stacked=True)`), written in place in the scan's carry.
 
@@ -171,7 +177,7 @@ def decode_step_scanned(cfg: LLMConfig, params: dict, tokens, positions, allowed
         p, index = xs
         p = {name: w.astype(cdt) for name, w in p.items()}
         return _layer_step(cfg, p, x, cos, sin, allowed, k_segments, v_segments, chunk, offset, visible,
-                           layer=index), None
+                           layer=index, keep=keep), None
 
     xs = (params["layers"], jnp.arange(cfg.num_layers))
     (x, k_segments, v_segments), _ = jax.lax.scan(layer, (x, k_segments, v_segments), xs)

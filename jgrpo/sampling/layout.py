@@ -72,7 +72,7 @@ def plan_and_layout(sampler, batch: int, prompt_len: int, cfg, interactive: bool
                 scanned=resolve_decode_layers(s.decode_layers, platform(s.mesh)) == "scanned",
                 stop_ids=tuple(sorted({int(i) for i in s.stop_ids})), pad_id=int(s.pad_id), interactive=interactive,
                 turn_tokens=turn if interactive else 0,
-                append_width=min(s.max_new_tokens, turn + (s.append_tokens or s.max_new_tokens)) if interactive else 0)
+                append_width=min(s.max_new_tokens, 1 + (s.append_tokens or s.max_new_tokens)) if interactive else 0)
     segment = prompt_len + s.max_new_tokens if interactive else prompt_len  # a slot's prompt segment
     if s.mesh is None:
         return plan, None

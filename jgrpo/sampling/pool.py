@@ -76,7 +76,7 @@ class Plan(NamedTuple):
     # each slot's prompt segment holds the row's whole context (P + N columns). The ring holds one turn.
     interactive: bool = False
     turn_tokens: int = 0  # 0: max_new_tokens
-    append_width: int = 0  # W, the tokens an append prefills: a turn's drawn tokens and the appended ids
+    append_width: int = 0  # W, the tokens an append prefills: a turn's last drawn token and the appended ids
 
     @property
     def rows_per_queue(self) -> int:  # Rq

@@ -192,7 +192,7 @@ class Sampler:
 
     def resume(self, params, state: turns.SlotState, slot: int, row: int, token_ids,
                version: int = 0) -> turns.SlotState:
-        """Parked `row`: `token_ids` after its tokens, its next turn in free `slot` (its context prefilled there)."""
+        """Parked `row`: `token_ids` after its tokens, its next turn in free `slot` (its kept context moved there)."""
         with self._context(self._config(params)):
             return turns.resume(self.graphdef, self.placed(params), state, slot, row, token_ids, version)
 

@@ -201,7 +201,9 @@ def feed(spec: PoolSpec, w: Weights, prompts: PromptStore, pool: Pool, chunk: in
     allowed = jnp.concatenate([flat(sl.prompt_mask), written_at[None, :] >= flat(sl.start)[:, None]], axis=1)
     positions = flat(sl.prompt_len + pool.clock - sl.start)
     offset = jnp.mod(pool.clock, T) - chunk * C
-    args = (flat(sl.last), positions, allowed, pool.cache, chunk, offset, visible)
+    # Interactive: a paused slot's ring columns hold its turn's keys/values until the host appends or parks it.
+    keep = flat(sl.held) if plan.interactive else None
+    args = (flat(sl.last), positions, allowed, pool.cache, chunk, offset, visible, keep)
     if plan.scanned:
         hidden, cache = decode_step_scanned(w.model.cfg, w.params, *args)
     else:

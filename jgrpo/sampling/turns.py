@@ -24,12 +24,13 @@ The programs are the slot pool's (`jgrpo.sampling.slot_pool`) in its interactive
 tokens, feed and refill, the same keys (row r's token t is drawn with fold_in(fold_in(key, r), t) whatever the
 turn), so a pool driven here draws what `generate` draws (tested token for token). The differences: a slot whose
 turn ends keeps its row (held) instead of taking the next one, and its prompt segment has room for the row's
-whole context (P + N columns). `append` prefills the turn's drawn tokens and the appended ids into the slot's
-prompt segment, after the context already there (attending to it, not recomputing it), and draws the next turn's
-first token from the last logits: prefilling the concatenated prompt up to rounding, at the cost of a forward over
-at most W = turn_tokens + append_tokens tokens (the Sampler's `append_tokens`; the turn's keys/values in the
-decode ring are computed again rather than moved, as the ring is laid out by clock, not by row). Appended ids are
-padded to W, so appends of any length run one compiled program.
+whole context (P + N columns). `append` moves the turn's keys/values from the decode ring into the slot's prompt
+segment (a paused slot's ring columns are not overwritten while it waits), prefills the turn's last drawn token
+(drawn, not fed yet) and the appended ids after them (attending to the context, not recomputing it), and draws the
+next turn's first token from the last logits: prefilling the concatenated prompt up to rounding, at the cost of a
+forward over W = 1 + append_tokens tokens (the Sampler's `append_tokens`). `park` keeps the same context aside on
+the device, and `resume` does the same prefill from it in another slot. Appended ids are padded to W, so appends of
+any length run one compiled program.
 """
 
 from __future__ import annotations
@@ -42,9 +43,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jgrpo.models.decode import DecodeCache
-from jgrpo.models.llm import KVCache, init_cache, position_ids_from_mask
-from jgrpo.sampling.pool import Pool, PoolSpec, PromptStore, SampleOutput
+from jgrpo.models.decode import DecodeCache, unstack_layers
+from jgrpo.models.llm import KVCache, merge_model
+from jgrpo.sampling.pool import Pool, PoolSpec, PromptStore, SampleOutput, Weights
 from jgrpo.sampling.slot_pool import decode_chunk, draw, local_prompt, outputs, record, start, turn_ends, weights
 
 DECODING, PAUSED, DONE, EMPTY = "decoding", "paused", "done", "empty"
@@ -70,7 +71,10 @@ class SlotState:
     store: PromptStore
     pool: Pool
     drained: np.ndarray  # [R] bool
-    parked: np.ndarray  # [R] bool: rows that left their slot between turns (`park`), to `resume` or `finish_row`
+    # Rows that left their slot between turns (`park`), to `resume` or `finish_row`: their context's keys/values
+    # (device arrays, [L, 1, P + N, KVH, Dh]).
+    parked: dict[int, KVCache] = dataclasses.field(default_factory=dict)
+    unstacked: tuple | None = None  # (params["layers"], its layers split) for the unrolled decode, reused per params
 
     def status(self) -> SlotStatus:
         plan = self.spec.plan
@@ -99,22 +103,31 @@ def _start(graphdef, params, prompts, key, version, *, spec: PoolSpec):
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "spec", "chunk", "lap"), donate_argnames=("pool",))
-def _decode_chunk(graphdef, params, store, pool, version, *, spec: PoolSpec, chunk: int, lap: bool):
+def _decode_chunk(graphdef, params, layers, store, pool, version, *, spec: PoolSpec, chunk: int, lap: bool):
     """Decode until the clock leaves ring chunk `chunk` (from wherever it is in it) or nothing can run."""
     steps = spec.plan.chunk_len - pool.clock % spec.plan.chunk_len if lap else None
-    return decode_chunk(spec, weights(graphdef, params, spec.plan), store, pool._replace(version=version), chunk,
-                        lap, steps)
+    w = Weights(merge_model(graphdef, params), params, layers)
+    return decode_chunk(spec, w, store, pool._replace(version=version), chunk, lap, steps)
+
+
+_unstack = jax.jit(unstack_layers)
 
 
 def advance(graphdef, params, state: SlotState, chunks: int, version: int) -> SlotState:
     """Decode up to `chunks` chunk boundaries of the ring, stopping early when nothing can run."""
     plan = state.spec.plan
+    layers = None
+    if not plan.scanned:  # the unrolled decode reads the layers as separate arrays: split once per params, not per
+        source, layers = state.unstacked or (None, None)  # chunk (a copy of every layer weight, ~0.3 s a call for
+        if source is not params["layers"]:  # SmolLM2 on CPU)
+            layers = _unstack(params["layers"])
+            state = dataclasses.replace(state, unstacked=(params["layers"], layers))
     for _ in range(chunks):
         if state.idle():
             break
         clock = int(state.pool.clock)
         chunk, lap = (clock // plan.chunk_len) % plan.chunks, clock >= plan.ring
-        pool = _decode_chunk(graphdef, params, state.store, state.pool, np.int32(version), spec=state.spec,
+        pool = _decode_chunk(graphdef, params, layers, state.store, state.pool, np.int32(version), spec=state.spec,
                              chunk=chunk, lap=lap)
         state = dataclasses.replace(state, pool=pool)
     return state
@@ -160,70 +173,81 @@ def _next_turn(spec, store, pool: Pool, rows, slot, row, length, logits, mask, s
     return pool._replace(slots=slots, rows=rows, cache=spec.pin("cache", cache))
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "spec"), donate_argnames=("pool",))
-def _append(graphdef, params, store: PromptStore, pool: Pool, slot, ids, count, version, *, spec: PoolSpec) -> Pool:
-    """`slot`: `count` ids (of `ids` [N]) after its row's tokens; the turn's drawn tokens and the ids prefilled
-    into its prompt segment after the context already there; the next turn's first token drawn."""
+def _prefill_turn(spec, store: PromptStore, pool: Pool, w, slot, row, context: KVCache, length, ids, count,
+                  version) -> Pool:
+    """Queue-local `row` (`length` tokens; the keys/values of all but its last, a drawn token not fed yet, in
+    `context` [L, 1, P + N, KVH, Dh]) goes on in `slot`: `count` ids (of `ids` [N]) after its tokens, its last token
+    and the ids prefilled after the context (attending to it, not recomputing it), the next turn's first token
+    drawn."""
     plan = spec.plan
-    q, j = slot // plan.slots_per_queue, slot % plan.slots_per_queue
-    w = weights(graphdef, params, plan)
+    q = slot // plan.slots_per_queue
     N = plan.max_new_tokens
-    sl = pool.slots
-    row, length = sl.row[q, j], sl.count[q, j]
     rows = _with_ids(plan, pool.rows, q, row, length, ids, count)
-    # The segment holds the keys/values of [prompt | the row's tokens before this turn]; the turn's drawn tokens
-    # and the appended ids (`new`, at most W) are prefilled after them, attending to them (not recomputed).
-    turn_start = sl.turn_start[q, j]
-    new = length + count - turn_start
-    length = length + count
     prompt_mask = store.mask[q, local_prompt(plan, store, q, row)]
     P, W = prompt_mask.shape[0], plan.append_width
-    feed = jax.lax.dynamic_slice(jnp.concatenate([rows.tokens[q, row], jnp.zeros(W, jnp.int32)]), (turn_start,), (W,))
+    fed = length - 1  # the row's tokens whose keys/values are in `context`
+    feed = jax.lax.dynamic_slice(jnp.concatenate([rows.tokens[q, row], jnp.zeros(W, jnp.int32)]), (fed,), (W,))
+    length = length + count
     mask = jnp.concatenate([prompt_mask, jnp.arange(N) < length])  # the row's context after the append, [P + N]
-    positions = jnp.sum(prompt_mask, dtype=jnp.int32) + turn_start + jnp.arange(W)
-    cache = _read_segment(plan, pool.cache, slot, W)  # [L, 1, P + N + W, KVH, Dh]: room for W past the end
+    positions = jnp.sum(prompt_mask, dtype=jnp.int32) + fed + jnp.arange(W)
+    cache = jax.tree.map(lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, W), (0, 0), (0, 0))), context)  # room past the end
     hidden, cache = w.model(feed[None], positions[None], jnp.concatenate([mask, jnp.zeros(W, bool)])[None], cache,
-                            P + turn_start)
-    segment = KVCache(cache.k[:, :, :P + N], cache.v[:, :, :P + N])
-    return _next_turn(spec, store, pool, rows, slot, row, length, w.model.logits(hidden[0, new - 1]), mask, segment,
+                            P + fed)
+    context = KVCache(cache.k[:, :, :P + N], cache.v[:, :, :P + N])
+    return _next_turn(spec, store, pool, rows, slot, row, length, w.model.logits(hidden[0, count]), mask, context,
                       version)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "spec"), donate_argnames=("pool",))
-def _resume(graphdef, params, store: PromptStore, pool: Pool, slot, row, ids, count, version, *,
-            spec: PoolSpec) -> Pool:
-    """Parked queue-local `row`: `count` ids (of `ids` [N]) after its tokens, its whole context [prompt | tokens]
-    prefilled into free slot `slot`'s prompt segment (its keys/values left with the slot it was parked from), the
-    next turn's first token drawn."""
+def _append(graphdef, params, store: PromptStore, pool: Pool, slot, ids, count, version, *, spec: PoolSpec) -> Pool:
+    """`slot`: `count` ids (of `ids` [N]) after its row's tokens, its next turn in the same slot."""
     plan = spec.plan
-    q = slot // plan.slots_per_queue
-    w = weights(graphdef, params, plan)
+    q, j = slot // plan.slots_per_queue, slot % plan.slots_per_queue
+    sl = pool.slots
+    return _prefill_turn(spec, store, pool, weights(graphdef, params, plan), slot, sl.row[q, j],
+                         _read_context(plan, pool, slot), sl.count[q, j], ids, count, version)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "spec"), donate_argnames=("pool",))
+def _resume(graphdef, params, store: PromptStore, pool: Pool, slot, row, context, ids, count, version, *,
+            spec: PoolSpec) -> Pool:
+    """Parked queue-local `row` (its context's keys/values kept when it parked): `count` ids after its tokens, its
+    next turn in free slot `slot`."""
+    plan = spec.plan
+    length = pool.rows.lengths[slot // plan.slots_per_queue, row]
+    return _prefill_turn(spec, store, pool, weights(graphdef, params, plan), slot, row, context, length, ids, count,
+                         version)
+
+
+def _read_context(plan, pool: Pool, slot) -> KVCache:
+    """Paused `slot`'s row's context as a one-row KVCache [L, 1, P + N, KVH, Dh]: its prompt segment (the context
+    before this turn) with the turn's fed tokens' keys/values moved in from the decode ring (the slot's token i of
+    the turn was written at ring column (start + i) mod T; a paused slot's columns are not overwritten)."""
+    q, j = slot // plan.slots_per_queue, slot % plan.slots_per_queue
+    sl = pool.slots
+    columns = jnp.mod(sl.start[q, j] + jnp.arange(plan.turn_limit), plan.ring)
     N = plan.max_new_tokens
-    length = pool.rows.lengths[q, row]
-    rows = _with_ids(plan, pool.rows, q, row, length, ids, count)
-    length = length + count
-    prompt = local_prompt(plan, store, q, row)
-    context = jnp.concatenate([store.tokens[q, prompt], rows.tokens[q, row]])
-    mask = jnp.concatenate([store.mask[q, prompt], jnp.arange(N) < length])
-    hidden, segment = w.model(context[None], position_ids_from_mask(mask[None]), mask[None],
-                              init_cache(w.model.cfg, 1, context.shape[0]), 0)
-    logits = w.model.logits(hidden[0, context.shape[0] - N + length - 1])  # the last real token's
-    return _next_turn(spec, store, pool, rows, slot, row, length, logits, mask, segment, version)
-
-
-def _read_segment(plan, cache: DecodeCache, slot, extra: int) -> KVCache:
-    """Slot `slot`'s prompt segment, every layer, as a one-row KVCache [L, 1, P + N + extra, KVH, Dh]."""
 
     def read(per_layer):
         if plan.scanned:
-            (segment, *_), = per_layer
-            x = segment[:, slot]  # [L, KVH, P + N, Dh]
+            (segment, *chunks), = per_layer
+            context, ring = segment[:, slot], jnp.concatenate([c[:, slot] for c in chunks], axis=2)
         else:
-            x = jnp.stack([segment[slot] for segment, *_ in per_layer])
-        x = jnp.swapaxes(x, 1, 2)[:, None]  # [L, 1, P + N, KVH, Dh]
-        return jnp.pad(x, ((0, 0), (0, 0), (0, extra), (0, 0), (0, 0)))
+            context = jnp.stack([segment[slot] for segment, *_ in per_layer])  # [L, KVH, P + N, Dh]
+            ring = jnp.stack([jnp.concatenate([c[slot] for c in chunks], axis=1) for _, *chunks in per_layer])
+        P = context.shape[2] - N
+        turn = jnp.take(ring, columns, axis=2)  # [L, KVH, turn_limit, Dh]; past the fed tokens: overwritten later
+        context = jnp.pad(context, ((0, 0), (0, 0), (0, plan.turn_limit), (0, 0)))
+        context = jax.lax.dynamic_update_slice_in_dim(context, turn.astype(context.dtype), P + sl.turn_start[q, j],
+                                                      axis=2)[:, :, :P + N]
+        return jnp.swapaxes(context, 1, 2)[:, None]  # [L, 1, P + N, KVH, Dh]
 
-    return KVCache(read(cache.k), read(cache.v))
+    return KVCache(read(pool.cache.k), read(pool.cache.v))
+
+
+@functools.partial(jax.jit, static_argnames=("spec",))
+def _keep(pool: Pool, slot, *, spec: PoolSpec) -> KVCache:
+    return _read_context(spec.plan, pool, slot)
 
 
 def _write_segment(plan, cache: DecodeCache, context, slot) -> DecodeCache:
@@ -247,8 +271,8 @@ def _padded_ids(plan, token_ids, length: int, row: int) -> tuple[np.ndarray, np.
     if len(ids) > room:
         raise ValueError(f"row {row} has {length} of its max_new_tokens={plan.max_new_tokens} tokens: {len(ids)} "
                          f"more and a turn do not fit (at most {room}); finish the row instead")
-    if len(ids) > plan.append_width - plan.turn_limit and plan.append_width < plan.max_new_tokens:
-        raise ValueError(f"{len(ids)} tokens: an append takes at most {plan.append_width - plan.turn_limit} "
+    if len(ids) > plan.append_width - 1 and plan.append_width < plan.max_new_tokens:
+        raise ValueError(f"{len(ids)} tokens: an append takes at most {plan.append_width - 1} "
                          "(the sampler's append_tokens)")
     padded = np.zeros(plan.max_new_tokens, np.int32)
     padded[:len(ids)] = ids
@@ -289,33 +313,33 @@ def _park(pool: Pool, q, j, *, spec: PoolSpec) -> Pool:
 
 
 def park(state: SlotState, slot: int) -> tuple[SlotState, int]:
-    """Paused `slot`'s row leaves it (its tokens stay; its keys/values go): the slot takes a pending row at the next
-    `advance`, and the row goes on later with `resume` into a free slot of its queue. Returns (state, the row)."""
+    """Paused `slot`'s row leaves it, its context's keys/values kept aside (on the device: as much memory as a
+    slot's prompt segment while it waits): the slot takes a pending row at the next `advance`, and the row goes on
+    later with `resume` into a free slot of its queue. Returns (state, the row)."""
     status = state.status()
     if status.state[slot] != PAUSED:
         raise ValueError(f"slot {slot} is {status.state[slot]}: only a paused row can be parked")
     q, j = divmod(slot, state.spec.plan.slots_per_queue)
     row = int(status.row[slot])
-    parked = state.parked.copy()
-    parked[row] = True
+    parked = {**state.parked, row: _keep(state.pool, np.int32(slot), spec=state.spec)}
     return dataclasses.replace(state, pool=_park(state.pool, jnp.int32(q), jnp.int32(j), spec=state.spec),
                                parked=parked), row
 
 
 def resume(graphdef, params, state: SlotState, slot: int, row: int, token_ids, version: int) -> SlotState:
-    """Parked `row`: `token_ids` after its tokens, its next turn in free `slot` (of the row's queue)."""
+    """Parked `row`: `token_ids` after its tokens, its next turn in free `slot` (of the row's queue): the kept
+    context moves there and the turn and the ids are prefilled after it, as `append` does in place."""
     plan = state.spec.plan
     status = state.status()
-    if not state.parked[row]:
+    if row not in state.parked:
         raise ValueError(f"row {row} is not parked")
     if status.state[slot] not in (DONE, EMPTY) or slot // plan.slots_per_queue != row // plan.rows_per_queue:
         raise ValueError(f"slot {slot} is {status.state[slot]} or of another queue than row {row}: a parked row "
                          "resumes in a free slot of its queue")
     ids = _padded_ids(plan, token_ids, int(jax.device_get(state.pool.rows.lengths).reshape(-1)[row]), row)
+    parked = dict(state.parked)
     pool = _resume(graphdef, params, state.store, state.pool, np.int32(slot), np.int32(row % plan.rows_per_queue),
-                   *ids, np.int32(version), spec=state.spec)
-    parked = state.parked.copy()
-    parked[row] = False
+                   parked.pop(row), *ids, np.int32(version), spec=state.spec)
     return dataclasses.replace(state, pool=pool, parked=parked)
 
 
@@ -326,13 +350,11 @@ def _finish_row(pool: Pool, q, row, *, spec: PoolSpec) -> Pool:
 
 def finish_row(state: SlotState, row: int) -> SlotState:
     """Parked `row` is complete."""
-    if not state.parked[row]:
+    if row not in state.parked:
         raise ValueError(f"row {row} is not parked")
     Rq = state.spec.plan.rows_per_queue
     pool = _finish_row(state.pool, jnp.int32(row // Rq), jnp.int32(row % Rq), spec=state.spec)
-    parked = state.parked.copy()
-    parked[row] = False
-    return dataclasses.replace(state, pool=pool, parked=parked)
+    return dataclasses.replace(state, pool=pool, parked={r: p for r, p in state.parked.items() if r != row})
 
 
 def drain(state: SlotState) -> tuple[np.ndarray, SampleOutput, SlotState]:
@@ -347,5 +369,5 @@ def drain(state: SlotState) -> tuple[np.ndarray, SampleOutput, SlotState]:
 
 def begin(graphdef, params, spec: PoolSpec, prompts, key, version: int) -> SlotState:
     store, pool = _start(graphdef, params, prompts, key, np.int32(version), spec=spec)
-    return SlotState(spec, store, pool, np.zeros(spec.plan.rows, bool), np.zeros(spec.plan.rows, bool))
+    return SlotState(spec, store, pool, np.zeros(spec.plan.rows, bool))
 

@@ -135,3 +135,47 @@ def test_appends_of_any_length_run_one_program_and_bad_appends_are_named(tiny_ll
         sampler.append(params, state, paused[0], [1])
     with pytest.raises(ValueError, match=r"13 more and a turn do not fit \(at most 12\)"):
         sampler.append(params, state, paused[3], list(range(13)))
+
+
+@pytest.mark.parametrize("parked", [False, True], ids=["kept_slot", "parked"])
+def test_a_row_that_waits_while_others_decode_keeps_its_turn(tiny_llama, parked):
+    # Row 1's turns wait (paused, or parked and resumed later) while row 0 decodes on for several ring laps: the
+    # keys/values of its turn, fed into the decode ring, must survive until the append moves them after its
+    # context. Its log-probs then equal the trainer's forward over the whole row.
+    graphdef, params = tiny_llama
+    tokens, mask = sampler_prompts()
+    prompts = Prompts(tokens[:2], mask[:2])
+    sampler = Sampler(graphdef, max_new_tokens=24, num_samples=1, method=METHOD, turn_tokens=4, decode_chunk=2)
+    state = sampler.start(params, prompts, jax.random.key(3))
+    turns, waiting = {0: 0, 1: 0}, []
+    for _ in range(100):
+        status = state.status()
+        for slot in np.flatnonzero(status.state == PAUSED):
+            row = int(status.row[slot])
+            if (row, slot) in waiting:
+                continue
+            turns[row] += 1
+            if turns[row] == 3:
+                state = sampler.finish(state, slot)
+            elif row == 0:
+                state = sampler.append(params, state, slot, [7, 8])
+            elif parked:
+                state, _ = sampler.park(state, slot)
+                waiting.append((row, slot))
+            else:
+                waiting.append((row, slot))
+        if waiting and (turns[0] == 3 or state.idle()):  # row 0 is done (or waits itself): row 1 goes on
+            row, slot = waiting.pop()
+            state = (sampler.resume(params, state, slot, row, [9]) if parked else
+                     sampler.append(params, state, slot, [9]))
+        if turns[1] == 3:
+            break
+        state = sampler.advance(params, state)
+    rows, out, _ = sampler.drain(state)
+    assert list(rows) == [0, 1] and turns == {0: 3, 1: 3}
+    for r in (0, 1):
+        row = jax.tree.map(lambda x, r=r: np.asarray(x)[r], out)
+        recomputed = _trainer_logprobs(graphdef, params, tokens[r], mask[r], row, METHOD)
+        drawn = row.loss_mask
+        assert drawn.sum() == 12
+        np.testing.assert_allclose(row.logprobs[drawn], recomputed[drawn], atol=1e-5, rtol=0)

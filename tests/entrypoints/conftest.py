@@ -1,0 +1,19 @@
+"""The environment of the entrypoint tests' training processes."""
+
+import os
+
+import pytest
+
+from tests.helpers import ROOT
+
+
+@pytest.fixture(scope="module")
+def env():
+    env = dict(os.environ)
+    env.update(
+        JAX_PLATFORMS="cpu",
+        XLA_FLAGS="--xla_force_host_platform_device_count=8",
+        PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]),
+        # JAX_COMPILATION_CACHE_DIR: the suite's (tests/conftest.py), inherited: only the first process compiles.
+    )
+    return env
