@@ -14,6 +14,7 @@ the batch's episodes.
 
     python benchmarks/multiturn.py                       # 4 prompts x 4 episodes, 48 tokens per turn
     python benchmarks/multiturn.py --chunk 48            # one decode chunk per turn (the host sees turns less often)
+    python benchmarks/multiturn.py --latencies 0,1       # only these latencies (in median turns)
 
 Prints a table, then one JSON line with every figure. Targets (#37): pool >= 1.5x turn_sync at 1x latency, and
 never slower at 0.
@@ -132,6 +133,7 @@ def main() -> None:
     p.add_argument("--total", type=int, default=384, help="env.max_total_tokens")
     p.add_argument("--chunk", type=int, default=0, help="sampler.decode_chunk (0: the episodes' default)")
     p.add_argument("--workers", type=int, default=8, help="env.num_workers")
+    p.add_argument("--latencies", default="0,1,4", help="latencies to run, in median turns (comma-separated)")
     args = p.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent))  # multiturn:ScriptedTurns in the workers
     from jgrpo.training.trainer import Trainer
@@ -153,12 +155,13 @@ def main() -> None:
             turn_s = median_turn * per_step
             chunk_s = trainer.episodes.sampler.decode_chunk * per_step
             results = []
-            for factor in (0, 1, 4):
+            for factor in (float(x) for x in args.latencies.split(",")):
                 row = {"latency_x": factor, "latency_s": factor * turn_s}
                 for schedule in SCHEDULES:
                     seconds, useful, rollout = play(trainer, batch, schedule, factor * turn_s, chunk_s)
-                    print(f"latency {factor}x ({factor * turn_s:.2f} s), {schedule}: {seconds:.1f} s, {useful} useful "
-                          f"tokens, {rollout.metrics['env/turns']:.1f} turns", file=sys.stderr, flush=True)
+                    print(f"latency {factor:g}x ({factor * turn_s:.2f} s), {schedule}: {seconds:.1f} s, "
+                          f"{useful} useful tokens, {rollout.metrics['env/turns']:.1f} turns", file=sys.stderr,
+                          flush=True)
                     row[schedule] = {"seconds": seconds, "useful_tokens": useful, "tokens_per_s": useful / seconds,
                                      "wait_s": rollout.metrics["env/wait_s"], "turns": rollout.metrics["env/turns"]}
                 for schedule in SCHEDULES:  # against turn_sync with as many slots
@@ -175,7 +178,7 @@ def main() -> None:
     for r in results:
         for schedule in SCHEDULES:
             x = r[schedule]
-            print(f"| {r['latency_x']}x ({r['latency_s']:.2f} s) | {schedule} | {x['tokens_per_s']:.1f} | "
+            print(f"| {r['latency_x']:g}x ({r['latency_s']:.2f} s) | {schedule} | {x['tokens_per_s']:.1f} | "
                   f"{x['vs_turn_sync']:.2f}x | {x['seconds']:.1f} | {x['wait_s']:.1f} s |")
     print(json.dumps({"args": vars(args), "decode_step_s": per_step, "median_turn_tokens": median_turn,
                       "results": results}))
