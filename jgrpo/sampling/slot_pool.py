@@ -66,9 +66,12 @@ from jgrpo.sampling.pool import (
 )
 
 
-def weights(graphdef, params, plan: Plan) -> Weights:
-    """Inside a program: the model merged, and the stacked layers split once per call, outside every loop."""
-    return Weights(merge_model(graphdef, params), params, None if plan.scanned else unstack_layers(params["layers"]))
+def weights(graphdef, params, plan: Plan, layers=None) -> Weights:
+    """Inside a program: the model merged, and the stacked layers split once per call, outside every loop (or
+    `layers`, split already by a caller that runs many programs with the same params)."""
+    if not plan.scanned and layers is None:
+        layers = unstack_layers(params["layers"])
+    return Weights(merge_model(graphdef, params), params, None if plan.scanned else layers)
 
 
 _pick = jax.vmap(lambda x, i: x[i])  # per queue: x [Q, W, ...], i [Q, n] -> [Q, n, ...]

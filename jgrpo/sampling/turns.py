@@ -44,8 +44,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jgrpo.models.decode import DecodeCache, unstack_layers
-from jgrpo.models.llm import KVCache, merge_model
-from jgrpo.sampling.pool import Pool, PoolSpec, PromptStore, SampleOutput, Weights
+from jgrpo.models.llm import KVCache
+from jgrpo.sampling.pool import Pool, PoolSpec, PromptStore, SampleOutput
 from jgrpo.sampling.slot_pool import decode_chunk, draw, local_prompt, outputs, record, start, turn_ends, weights
 
 DECODING, PAUSED, DONE, EMPTY = "decoding", "paused", "done", "empty"
@@ -106,8 +106,8 @@ def _start(graphdef, params, prompts, key, version, *, spec: PoolSpec):
 def _decode_chunk(graphdef, params, layers, store, pool, version, *, spec: PoolSpec, chunk: int, lap: bool):
     """Decode until the clock leaves ring chunk `chunk` (from wherever it is in it) or nothing can run."""
     steps = spec.plan.chunk_len - pool.clock % spec.plan.chunk_len if lap else None
-    w = Weights(merge_model(graphdef, params), params, layers)
-    return decode_chunk(spec, w, store, pool._replace(version=version), chunk, lap, steps)
+    return decode_chunk(spec, weights(graphdef, params, spec.plan, layers), store, pool._replace(version=version),
+                        chunk, lap, steps)
 
 
 _unstack = jax.jit(unstack_layers)
