@@ -3,12 +3,13 @@
 SmolLM2-135M-Instruct on CPU plays a scripted environment of 3-5 turns per episode (the number drawn from the
 episode's seed; each reply a short user message) with an injected latency per environment step of 0, 1x and 4x
 the median turn's decode time, measured in the run (the median drawn tokens of a turn x the decode step time of
-this batch, timed with `Sampler.generate` at two lengths to cancel the prefill). Schedules: `turn_sync`; `pool`
+the episodes' sampler, every slot decoding, timed over two chunks). Schedules: `turn_sync`; `pool`
 with `env.resume_after` set to the latency in decode chunks (0 for an instant environment: what a user sets for an
 environment of known latency, so the host rarely stalls the pool); `pool` with the default `resume_after: 1`
 whatever the latency; and both schedules with half as many slots as episodes (`sampler.slots`: the memory for
 half the rows' keys/values; `turn_sync` then plays the episodes in two waves, `pool` lets a paused episode give its
-slot to the next one and resume in a free slot). Each runs the same batch and keys, after one untimed run that
+slot to the next one and resume in a free slot). One environment worker per episode (`--workers`), so an episode
+never queues behind another's latency. Each runs the same batch and keys, after one untimed run that
 compiles. Useful tokens/s counts the tokens in the loss (drawn by the sampler, not appended) over the wall time of
 the batch's episodes.
 
@@ -68,24 +69,24 @@ def config(args, run_dir):
     return load_config(ROOT / "configs" / "quickstart.yaml", [
         f"run.output_dir={run_dir}", "env.name=multiturn:ScriptedTurns", f"env.num_workers={args.workers}",
         f"sampler.max_new_tokens={args.turn}", f"env.max_total_tokens={args.total}", "env.max_append_tokens=32",
-        "env.max_turns=5", f"data.batch_size={args.prompts}", "grpo.num_generations=4", "sampler.temperature=1.0",
+        "env.max_turns=5", "env.timeout_s=3600", f"data.batch_size={args.prompts}", "grpo.num_generations=4",
+        "sampler.temperature=1.0",
         f"sampler.decode_chunk={args.chunk}", "logging.samples_every=0", "checkpoint.every=0",
         "data.max_prompt_length=128", "sampler.prompt_bucket=32"])
 
 
-def step_time(trainer, prompts) -> float:
-    """Seconds per decode step of this batch (every row forced to the full length, prefill cancelled)."""
+def chunk_time(trainer, prompts) -> float:
+    """Seconds per decode chunk of the episodes' own sampler (its interactive decode step, every slot of a slot
+    per episode decoding): the unit of `env.resume_after` and of a turn's decode time in this run."""
     import jax
 
-    sampler = trainer.episodes.sampler.replace(stop_ids=(), turn_tokens=None, append_tokens=None, decode_chunk=None)
-    times = {}
-    for n in (16, 48):
-        run = sampler.replace(max_new_tokens=n)
-        jax.block_until_ready(run.generate(trainer.state.params, prompts, jax.random.key(0)))  # compile
-        start = time.perf_counter()
-        jax.block_until_ready(run.generate(trainer.state.params, prompts, jax.random.key(1)))
-        times[n] = time.perf_counter() - start
-    return (times[48] - times[16]) / 32
+    sampler, params = trainer.episodes.sampler, trainer.state.params
+    state = sampler.advance(params, sampler.start(params, prompts, jax.random.key(0)), 1)  # compiled before
+    jax.block_until_ready(state.pool)
+    start = time.perf_counter()
+    state = sampler.advance(params, state, 2)
+    jax.block_until_ready(state.pool)
+    return (time.perf_counter() - start) / 2
 
 
 def turn_lengths(loss_mask: np.ndarray) -> list[int]:
@@ -122,6 +123,9 @@ def play(trainer, batch, schedule: str, latency: float, chunk_s: float = 1.0):
     start = time.perf_counter()
     rollout = source.sample(trainer.state.params, opened, prompts, source.sample_key(0))
     seconds = time.perf_counter() - start
+    failed = {k: v for k, v in rollout.metrics.items() if k.startswith("env/failures") and v}
+    if failed:  # e.g. a latency over env.timeout_s: the time would not be of whole episodes
+        raise RuntimeError(f"{schedule} at latency {latency:.2f} s: episodes failed ({failed})")
     return seconds, int(np.asarray(rollout.samples.loss_mask).sum()), rollout
 
 
@@ -132,9 +136,11 @@ def main() -> None:
     p.add_argument("--turn", type=int, default=48, help="sampler.max_new_tokens: tokens per turn")
     p.add_argument("--total", type=int, default=384, help="env.max_total_tokens")
     p.add_argument("--chunk", type=int, default=0, help="sampler.decode_chunk (0: the episodes' default)")
-    p.add_argument("--workers", type=int, default=8, help="env.num_workers")
+    p.add_argument("--workers", type=int, default=0,
+                   help="env.num_workers (0: one per episode, so no episode queues behind another's latency)")
     p.add_argument("--latencies", default="0,1,4", help="latencies to run, in median turns (comma-separated)")
     args = p.parse_args()
+    args.workers = args.workers or 4 * args.prompts
     sys.path.insert(0, str(Path(__file__).resolve().parent))  # multiturn:ScriptedTurns in the workers
     from jgrpo.training.trainer import Trainer
 
@@ -142,18 +148,18 @@ def main() -> None:
         trainer = Trainer(config(args, run_dir))
         try:
             batch = next(trainer.data)
-            opened = trainer.collector.source._opened(batch)
-            per_step = step_time(trainer, trainer.collector.source.prompt_arrays(opened, trainer.state.counters))
-            trainer.episodes.opened.clear()
-            print(f"decode step {per_step * 1e3:.1f} ms", file=sys.stderr, flush=True)
             play(trainer, batch, "pool", 0.0)  # compiles the episodes' programs
             play(trainer, batch, "pool, half the slots", 0.0)
             play(trainer, batch, "turn_sync, half the slots", 0.0)
             seconds, _, first = play(trainer, batch, "turn_sync", 0.0)
             print(f"compiled; turn_sync at 0 latency {seconds:.1f} s", file=sys.stderr, flush=True)
+            source = trainer.collector.source
+            chunk_s = chunk_time(trainer, source.prompt_arrays(source._opened(batch), trainer.state.counters))
+            trainer.episodes.opened.clear()
+            per_step = chunk_s / trainer.episodes.sampler.decode_chunk
+            print(f"decode step {per_step * 1e3:.1f} ms", file=sys.stderr, flush=True)
             median_turn = statistics.median(turn_lengths(np.asarray(first.samples.loss_mask)))
             turn_s = median_turn * per_step
-            chunk_s = trainer.episodes.sampler.decode_chunk * per_step
             results = []
             for factor in (float(x) for x in args.latencies.split(",")):
                 row = {"latency_x": factor, "latency_s": factor * turn_s}
