@@ -23,7 +23,6 @@ from etils import epath
 
 from jgrpo.config.errors import PathError, exits_on_user_error
 from jgrpo.data.prompts import pad_id_for
-from jgrpo.models.attention_backends import resolve_attention
 from jgrpo.parallel import distributed
 from jgrpo.parallel.mesh import mesh_platform
 from jgrpo.parallel.startup import enable_compilation_cache, setup_logging
@@ -37,7 +36,7 @@ log = logging.getLogger(__name__)
 def load_for_eval(target: str, overrides: list[str], step: int | None = None):
     """(config, graphdef, params, tokenizer, mesh, source description) for a run directory or a config file."""
     from jgrpo.config.loading import load_config
-    from jgrpo.models.hf import load_model, load_tokenizer
+    from jgrpo.models.hf import load_model, load_tokenizer, model_options
     from jgrpo.models.lora import join_adapters, split_adapters
     from jgrpo.parallel.mesh import TRAIN_RULES, make_mesh
     from jgrpo.training.checkpoint import Checkpointer
@@ -51,9 +50,8 @@ def load_for_eval(target: str, overrides: list[str], step: int | None = None):
     config = load_config(run_dir / "config.yaml" if run_dir else path, overrides)
     mesh = make_mesh(config.mesh)
     m = config.model
-    graphdef, params, _ = load_model(m.name, param_dtype=m.param_dtype, compute_dtype=m.compute_dtype,
-                                     attention=resolve_attention(m.attention, mesh_platform(mesh)),
-                                     mesh=mesh, rules=TRAIN_RULES, lora=(m.lora.rank, m.lora.alpha, m.lora.targets))
+    graphdef, params, _ = load_model(m.name, **model_options(m, mesh_platform(mesh)), mesh=mesh, rules=TRAIN_RULES,
+                                     lora=(m.lora.rank, m.lora.alpha, m.lora.targets))
     source = f"untrained {m.name}"
     if run_dir is not None and (run_dir / "checkpoints").is_dir():
         # A LoRA run's checkpoint holds adapters: restored for this base only, then joined with it.

@@ -57,6 +57,31 @@ FAMILIES = {
         rms_norm_eps=1e-6,
         tie_word_embeddings=False,
     ),
+    # Qwen3-MoE as Qwen3-30B-A3B sets it: gates renormalised over the top k, head_dim (24) != hidden / heads.
+    "qwen3_moe": dict(
+        model_type="qwen3_moe",
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=24,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    ),
+    # Qwen3-MoE with transformers' defaults: gates not renormalised, head_dim = hidden / heads, tied head.
+    "qwen3_moe_plain": dict(
+        model_type="qwen3_moe",
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+    ),
 }
 
 

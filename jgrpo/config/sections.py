@@ -45,6 +45,10 @@ class ModelConfig:
     # Attention implementation; auto = by the platform of the mesh's devices: custom on CPU, splash (the Pallas
     # kernel) on TPU, cudnn on NVIDIA GPUs (why: docs/configuration.md).
     attention: Literal["auto", "custom", "xla", "cudnn", "splash"] = "auto"
+    # Mixture-of-experts models (Qwen3-MoE): how the experts' matmuls run; auto = by the platform: sorted_tiles on
+    # CPU and TPU, ragged (jax.lax.ragged_dot) on GPU; dense (every expert on every token) is the test reference
+    # (why: docs/configuration.md). Dense models ignore it.
+    moe_impl: Literal["auto", "sorted_tiles", "ragged", "dense"] = "auto"
     # Tokens per chunk when computing log-probs from hidden states (never materialise [B, T, V]).
     logprob_chunk: int = 256
     # Trainer forward/backward: compute each prompt once for its G completions instead of once per row

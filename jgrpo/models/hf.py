@@ -19,10 +19,12 @@ import ml_dtypes
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
+from jgrpo.models.attention_backends import resolve_attention
 from jgrpo.models.builtin import ModelNotFound, resolve_model_dir
-from jgrpo.models.hf_format import export_hf, hf_config_from_llm, llm_config_from_hf, tensor_layouts
+from jgrpo.models.hf_format import expert_names, export_hf, hf_config_from_llm, llm_config_from_hf, tensor_layouts
 from jgrpo.models.llm import LOGICAL_AXES, LLMConfig, abstract_model, param_shapes_by_path, position_ids_from_mask
 from jgrpo.models.lora import init_adapter, join_adapters, lora_shapes_by_path, with_lora
+from jgrpo.models.moe import resolve_moe_impl
 from jgrpo.parallel.mesh import TRAIN_RULES, Rules, logical_to_spec
 
 # One import for users: loading here, the format's converters re-exported from hf_format.
@@ -31,6 +33,7 @@ __all__ = [
     "hf_config_from_llm",
     "load_params",
     "load_model",
+    "model_options",
     "load_tokenizer",
     "export_hf",
     "resolve_model_dir",
@@ -90,11 +93,9 @@ def load_params(model_dir: str | Path, cfg: LLMConfig, *, mesh=None, rules: Rule
     rules = TRAIN_RULES if rules is None else rules
     ckpt = _Checkpoint(Path(model_dir))
     layouts = tensor_layouts(cfg)
-    expected = {
-        lay.name.format(i=i)
-        for path, lay in layouts.items()
-        for i in range(cfg.num_layers if path[0] == "layers" else 1)
-    }
+    expected = {name for path, lay in layouts.items() if path[0] == "layers"
+                for i in range(cfg.num_layers) for name in expert_names(lay, cfg, i)}
+    expected |= {lay.name for path, lay in layouts.items() if path[0] != "layers"}
     skippable = {"lm_head.weight"} if cfg.tie_word_embeddings else set()  # some tied checkpoints store the copy
     unexpected = sorted(n for n in ckpt.names() - expected - skippable if not n.endswith(_IGNORED_SUFFIXES))
     if unexpected:
@@ -109,15 +110,16 @@ def load_params(model_dir: str | Path, cfg: LLMConfig, *, mesh=None, rules: Rule
     for path, layout in layouts.items():
         sharding = _sharding(path, shapes[path], mesh, rules)
 
-        def host(name, layout=layout):  # one tensor on the host, in our layout and dtype
-            return np.ascontiguousarray(layout.to_ours(ckpt.get(name, layout.hf_shape)).astype(dtype))
+        def host(names, layout=layout):  # one tensor (a layer's experts stacked) on the host, in our layout and dtype
+            value = [layout.to_ours(ckpt.get(name, layout.hf_shape)).astype(dtype) for name in names]
+            return np.ascontiguousarray(value[0] if "{e}" not in layout.name else np.stack(value))
 
         if path[0] != "layers":
-            params[path[0]] = _place(host(layout.name), sharding)
+            params[path[0]] = _place(host([layout.name]), sharding)
             continue
         # Each layer goes onto the devices with the layer axis dropped, then layers are stacked there.
         per_layer = _drop_layer_axis(sharding)
-        layers = [_place(host(layout.name.format(i=i)), per_layer) for i in range(cfg.num_layers)]
+        layers = [_place(host(expert_names(layout, cfg, i)), per_layer) for i in range(cfg.num_layers)]
         params["layers"][path[1]] = jax.jit(lambda *xs: jnp.stack(xs), out_shardings=sharding)(*layers)
         del layers
     return params
@@ -145,6 +147,7 @@ def load_model(
     compute_dtype: str = "float32",
     remat: str = "none",
     attention: str = "custom",
+    moe_impl: str = "sorted_tiles",
     mesh=None,
     rules: Rules | None = None,
     lora: tuple[int, float, tuple[str, ...]] = (0, 16.0, ()),
@@ -160,7 +163,7 @@ def load_model(
         raise ModelNotFound(f"{model_dir} has no config.json: not a Hugging Face model directory")
     cfg = llm_config_from_hf(
         json.loads(config_file.read_text()), param_dtype=param_dtype, compute_dtype=compute_dtype, remat=remat,
-        attention=attention,
+        attention=attention, moe_impl=moe_impl,
     )
     cfg = with_lora(cfg, *lora)
     graphdef, _ = abstract_model(cfg)
@@ -168,6 +171,14 @@ def load_model(
     if cfg.lora_rank:
         params = join_adapters(new_adapters(cfg, seed, mesh=mesh, rules=rules), params)
     return graphdef, params, cfg
+
+
+def model_options(model, platform: str) -> dict:
+    """`load_model`'s (and `model_shapes`') options from a run's `model` config section, with the per-platform
+    choices (`attention`, `moe_impl`: auto) resolved for `platform`."""
+    return dict(param_dtype=model.param_dtype, compute_dtype=model.compute_dtype, remat=model.remat,
+                attention=resolve_attention(model.attention, platform),
+                moe_impl=resolve_moe_impl(model.moe_impl, platform))
 
 
 def new_adapters(cfg: LLMConfig, seed: int, *, mesh=None, rules: Rules | None = None) -> dict:

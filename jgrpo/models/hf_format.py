@@ -19,14 +19,15 @@ import numpy as np
 from jgrpo.config.errors import ConfigError
 from jgrpo.models.llm import SUPPORTED_ARCHITECTURES, SUPPORTED_ROPE_TYPES, LLMConfig, param_shapes_by_path
 
-__all__ = ["TensorLayout", "export_hf", "hf_config_from_llm", "llm_config_from_hf", "tensor_layouts"]
+__all__ = ["TensorLayout", "expert_names", "export_hf", "hf_config_from_llm", "llm_config_from_hf", "tensor_layouts"]
 
-_HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+               "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 
 def llm_config_from_hf(
     hf: dict[str, Any], *, param_dtype: str = "float32", compute_dtype: str = "float32", remat: str = "none",
-    attention: str = "custom",
+    attention: str = "custom", moe_impl: str = "sorted_tiles",
 ) -> LLMConfig:
     """LLMConfig from a config.json dict, honouring every field that changes the computation."""
     arch = hf.get("model_type")
@@ -58,6 +59,7 @@ def llm_config_from_hf(
 
     heads = hf["num_attention_heads"]
     attention_bias = bool(hf.get("attention_bias", False))
+    moe = _moe_fields(hf) if arch == "qwen3_moe" else {}
     return LLMConfig(
         vocab_size=hf["vocab_size"],
         hidden_size=hf["hidden_size"],
@@ -72,14 +74,32 @@ def llm_config_from_hf(
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         qkv_bias=True if arch == "qwen2" else attention_bias,  # Qwen2 always has q/k/v biases, never o
         o_bias=False if arch == "qwen2" else attention_bias,
-        qk_norm=arch == "qwen3",
+        qk_norm=arch in ("qwen3", "qwen3_moe"),
         max_position_embeddings=hf.get("max_position_embeddings"),
         param_dtype=param_dtype,
         compute_dtype=compute_dtype,
         remat=remat,
         attention=attention,
         architecture=arch,
+        moe_impl=moe_impl,
+        **moe,
     )
+
+
+def _moe_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """LLMConfig's mixture-of-experts fields from a qwen3_moe config.json (transformers 5 writes
+    `num_local_experts`, the Qwen checkpoints `num_experts`; `norm_topk_prob` absent = false, as transformers'
+    config class)."""
+    layers, step = hf["num_hidden_layers"], int(hf.get("decoder_sparse_step", 1))
+    dense = sorted(int(i) for i in hf.get("mlp_only_layers") or [])
+    if step != 1 or dense:
+        raise ConfigError(f"model.name: qwen3_moe with decoder_sparse_step={step} and mlp_only_layers={dense}: "
+                          f"dense layers among the {layers} are not supported yet; supported: every layer a "
+                          "mixture of experts (decoder_sparse_step 1, mlp_only_layers [])")
+    return {"num_experts": int(hf.get("num_experts") or hf["num_local_experts"]),
+            "experts_per_token": int(hf["num_experts_per_tok"]),
+            "moe_intermediate_size": int(hf["moe_intermediate_size"]),
+            "norm_topk_prob": bool(hf.get("norm_topk_prob", False))}
 
 
 def hf_config_from_llm(cfg: LLMConfig, **token_ids) -> dict[str, Any]:
@@ -88,7 +108,7 @@ def hf_config_from_llm(cfg: LLMConfig, **token_ids) -> dict[str, Any]:
         raise ValueError("qwen2 checkpoints have q/k/v biases and no o bias; this config cannot be exported as qwen2")
     if cfg.architecture in ("llama", "qwen3") and cfg.qkv_bias != cfg.o_bias:
         raise ValueError(f"{cfg.architecture} attention_bias covers q/k/v and o together; got qkv={cfg.qkv_bias}")
-    if cfg.qk_norm != (cfg.architecture == "qwen3"):
+    if cfg.qk_norm != (cfg.architecture in ("qwen3", "qwen3_moe")):
         raise ValueError(f"qk_norm={cfg.qk_norm} does not match architecture {cfg.architecture}")
     hf = {
         "architectures": [_HF_CLASSES[cfg.architecture]],
@@ -111,6 +131,10 @@ def hf_config_from_llm(cfg: LLMConfig, **token_ids) -> dict[str, Any]:
         hf["max_position_embeddings"] = cfg.max_position_embeddings
     if cfg.architecture != "qwen2":
         hf["attention_bias"] = cfg.qkv_bias
+    if cfg.num_experts:
+        hf |= {"num_experts": cfg.num_experts, "num_experts_per_tok": cfg.experts_per_token,
+               "moe_intermediate_size": cfg.moe_intermediate_size, "norm_topk_prob": cfg.norm_topk_prob,
+               "decoder_sparse_step": 1, "mlp_only_layers": []}
     hf.update({k: v for k, v in token_ids.items() if v is not None})
     return hf
 
@@ -119,7 +143,7 @@ def hf_config_from_llm(cfg: LLMConfig, **token_ids) -> dict[str, Any]:
 class TensorLayout:
     """How one of our parameters is stored in an HF checkpoint (per layer for stacked ones)."""
 
-    name: str  # HF tensor name; "{i}" is the layer index
+    name: str  # HF tensor name; "{i}" is the layer index, "{e}" the expert's (one tensor per expert, stacked)
     hf_shape: tuple[int, ...]
     to_ours: Callable[[np.ndarray], np.ndarray]
     to_hf: Callable[[np.ndarray], np.ndarray]
@@ -163,9 +187,21 @@ def tensor_layouts(cfg: LLMConfig) -> dict[tuple[str, ...], TensorLayout]:
         ("layers", "gate"): (mlp + "gate_proj.weight", (F, D), transpose),
         ("layers", "up"): (mlp + "up_proj.weight", (F, D), transpose),
         ("layers", "down"): (mlp + "down_proj.weight", (D, F), transpose),
+        ("layers", "router"): (mlp + "gate.weight", (cfg.num_experts, D), transpose),
+        ("layers", "experts_gate"): (mlp + "experts.{e}.gate_proj.weight", (cfg.moe_intermediate_size, D), transpose),
+        ("layers", "experts_up"): (mlp + "experts.{e}.up_proj.weight", (cfg.moe_intermediate_size, D), transpose),
+        ("layers", "experts_down"): (mlp + "experts.{e}.down_proj.weight", (D, cfg.moe_intermediate_size),
+                                     transpose),
     }
     ours = param_shapes_by_path(cfg)
     return {path: TensorLayout(name, shape, *fns) for path, (name, shape, fns) in table.items() if path in ours}
+
+
+def expert_names(layout: TensorLayout, cfg: LLMConfig, layer: int) -> list[str]:
+    """The HF tensors of one layer's slice of a stacked parameter: one name, or one per expert."""
+    if "{e}" in layout.name:
+        return [layout.name.format(i=layer, e=e) for e in range(cfg.num_experts)]
+    return [layout.name.format(i=layer)]
 
 
 def export_hf(params: dict, cfg: LLMConfig, tokenizer, out_dir: str | Path) -> Path:
@@ -187,7 +223,9 @@ def export_hf(params: dict, cfg: LLMConfig, tokenizer, out_dir: str | Path) -> P
             raise ValueError(f"param '{'/'.join(path)}' has shape {value.shape}, expected {expected}")
         if path[0] == "layers":
             for i in range(cfg.num_layers):
-                tensors[layout.name.format(i=i)] = np.ascontiguousarray(layout.to_hf(value[i]))
+                for e, name in enumerate(expert_names(layout, cfg, i)):
+                    one = value[i] if "{e}" not in layout.name else value[i, e]
+                    tensors[name] = np.ascontiguousarray(layout.to_hf(one))
         else:
             tensors[layout.name] = np.ascontiguousarray(layout.to_hf(value))
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})

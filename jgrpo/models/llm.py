@@ -33,9 +33,10 @@ from jgrpo.models.lora import (
     low_rank,
 )
 from jgrpo.models.matmul import dense
+from jgrpo.models.moe import MOE_IMPLS, moe_mlp
 from jgrpo.models.rope import apply_rope, rope_cos_sin
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 REMAT_POLICIES = ("none", "full", "dots")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -60,6 +61,10 @@ LOGICAL_AXES: dict[tuple[str, ...], tuple[str, ...]] = {
     ("layers", "gate"): ("layers", "embed", "mlp"),
     ("layers", "up"): ("layers", "embed", "mlp"),
     ("layers", "down"): ("layers", "mlp", "embed"),
+    ("layers", "router"): ("layers", "embed", "experts"),
+    ("layers", "experts_gate"): ("layers", "experts", "embed", "expert_mlp"),
+    ("layers", "experts_up"): ("layers", "experts", "embed", "expert_mlp"),
+    ("layers", "experts_down"): ("layers", "experts", "expert_mlp", "embed"),
     **LORA_LOGICAL_AXES,  # adapters (models/lora.py), present only when LLMConfig.lora_rank > 0
 }
 
@@ -94,6 +99,13 @@ class LLMConfig:
     lora_rank: int = 0
     lora_alpha: float = 16.0
     lora_targets: tuple[str, ...] = ()
+    # Mixture of experts (models/moe.py; Qwen3-MoE): every layer's MLP is `num_experts` SwiGLU experts of
+    # `moe_intermediate_size` units, `experts_per_token` of them per token. 0 experts = a dense model.
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # renormalise the top-k gates over the k (Qwen3-30B-A3B: true)
+    moe_impl: str = "sorted_tiles"  # how the experts' matmuls run (`model.moe_impl` resolved for the platform)
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads"):
@@ -115,6 +127,13 @@ class LLMConfig:
             if getattr(self, name) not in DTYPES:
                 raise ValueError(f"LLMConfig.{name} must be one of {DTYPES}, got '{getattr(self, name)}'")
         check_lora(self.lora_rank, self.lora_alpha, self.lora_targets)
+        if self.num_experts:
+            if not 0 < self.experts_per_token <= self.num_experts or self.moe_intermediate_size < 1:
+                raise ValueError(f"a mixture of experts needs 0 < experts_per_token ({self.experts_per_token}) <= "
+                                 f"num_experts ({self.num_experts}) and moe_intermediate_size > 0 "
+                                 f"({self.moe_intermediate_size})")
+            if self.moe_impl not in MOE_IMPLS[1:]:
+                raise ValueError(f"moe_impl must be one of {MOE_IMPLS[1:]}, got '{self.moe_impl}'")
 
     @property
     def lora_scale(self) -> float:
@@ -158,10 +177,17 @@ def param_shapes_by_path(cfg: LLMConfig) -> dict[tuple[str, ...], tuple[int, ...
         ("layers", "v"): (L, D, KVH, Dh),
         ("layers", "o"): (L, H, Dh, D),
         ("layers", "mlp_norm"): (L, D),
-        ("layers", "gate"): (L, D, F),
-        ("layers", "up"): (L, D, F),
-        ("layers", "down"): (L, F, D),
     }
+    if cfg.num_experts:
+        E, Fe = cfg.num_experts, cfg.moe_intermediate_size
+        shapes |= {
+            ("layers", "router"): (L, D, E),
+            ("layers", "experts_gate"): (L, E, D, Fe),
+            ("layers", "experts_up"): (L, E, D, Fe),
+            ("layers", "experts_down"): (L, E, Fe, D),
+        }
+    else:
+        shapes |= {("layers", "gate"): (L, D, F), ("layers", "up"): (L, D, F), ("layers", "down"): (L, F, D)}
     if not cfg.tie_word_embeddings:
         shapes[("lm_head",)] = (D, V)
     if cfg.qkv_bias:
@@ -251,15 +277,20 @@ def layer_qkv(cfg: LLMConfig, p: dict, x: jax.Array, cos, sin):
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
-def layer_output(cfg: LLMConfig, p: dict, x: jax.Array, attended: jax.Array) -> jax.Array:
-    """The residual stream after a layer, given its attention output [B, T, H, Dh]: o-projection, then the MLP."""
+def layer_output(cfg: LLMConfig, p: dict, x: jax.Array, attended: jax.Array, routing: jax.Array | None = None):
+    """(the residual stream after a layer, its experts [B, T, k] or None for a dense MLP), given the attention
+    output [B, T, H, Dh]: o-projection, then the MLP. `routing` [B, T, k]: a mixture of experts replays these."""
     with jax.named_scope("attention"):
         x = x + project(cfg, p, "o", attended)
         if cfg.o_bias:
             x = x + p["o_bias"]
     with jax.named_scope("mlp"):
         h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
-        return x + project(cfg, p, "down", jax.nn.silu(project(cfg, p, "gate", h)) * project(cfg, p, "up", h))
+        if cfg.num_experts:
+            out, ids = moe_mlp(h, p, k=cfg.experts_per_token, norm_topk_prob=cfg.norm_topk_prob, impl=cfg.moe_impl,
+                               ids=routing)
+            return x + out, ids
+        return x + project(cfg, p, "down", jax.nn.silu(project(cfg, p, "gate", h)) * project(cfg, p, "up", h)), None
 
 
 def with_remat(fn, policy: str):
@@ -310,7 +341,15 @@ class LLM(nnx.Module):
         kv_mask: jax.Array,  # [B, S] bool; S == T without a cache, the cache length with one
         cache: KVCache | None = None,
         cache_index: jax.Array | int | None = None,
+        routing: jax.Array | None = None,  # [B, T, L, k] int: a mixture of experts replays these experts
     ) -> tuple[jax.Array, KVCache | None]:
+        """(final hidden states [B, T, D] after the final norm, the updated cache or None)."""
+        hidden, cache, _ = self.routed(tokens, positions, kv_mask, cache, cache_index, routing)
+        return hidden, cache
+
+    def routed(self, tokens, positions, kv_mask, cache=None, cache_index=None, routing=None):
+        """`__call__` that also returns the experts each token went to, [B, T, L, k] int32 (the router's top k,
+        or `routing` replayed), or None for a dense model."""
         cfg = self.cfg
         cdt = jnp.dtype(cfg.compute_dtype)
         B, T = tokens.shape
@@ -339,7 +378,7 @@ class LLM(nnx.Module):
 
         def layer(carry, xs):
             x, cache = carry
-            p, index = xs
+            p, index, replay = xs
             p = {name: w.astype(cdt) for name, w in p.items()}
             q, k, v = layer_qkv(cfg, p, x, cos, sin)
             if cache is not None:
@@ -350,13 +389,15 @@ class LLM(nnx.Module):
                     jax.lax.dynamic_update_slice(cache.v, v[None].astype(cache.v.dtype), start),
                 )
                 k, v = cache.k[index].astype(cdt), cache.v[index].astype(cdt)  # [B, S, KVH, Dh]
-            x = layer_output(cfg, p, x, attend(q, k, v))
-            return (x, cache), None
+            x, ids = layer_output(cfg, p, x, attend(q, k, v), replay)
+            return (x, cache), ids
 
         layer = with_remat(layer, cfg.remat)
-        xs = (self.layers.arrays(), jnp.arange(cfg.num_layers))
-        (x, cache), _ = jax.lax.scan(layer, (x, cache), xs)
-        return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps), cache
+        replay = None if routing is None else jnp.moveaxis(routing, 2, 0)  # per layer, [L, B, T, k]
+        xs = (self.layers.arrays(), jnp.arange(cfg.num_layers), replay)
+        (x, cache), ids = jax.lax.scan(layer, (x, cache), xs)
+        ids = None if ids is None else jnp.moveaxis(ids, 0, 2)  # [B, T, L, k]
+        return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps), cache, ids
 
 
 def split_model(model: LLM) -> tuple[nnx.GraphDef, dict]:
@@ -376,9 +417,9 @@ def model_config(graphdef: nnx.GraphDef, params: dict) -> LLMConfig:
     return merge_model(graphdef, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)).cfg
 
 
-def forward(graphdef, params, tokens, positions, kv_mask, cache=None, cache_index=None):
+def forward(graphdef, params, tokens, positions, kv_mask, cache=None, cache_index=None, routing=None):
     """Pure form of `LLM.__call__` for use inside jit."""
-    return merge_model(graphdef, params)(tokens, positions, kv_mask, cache, cache_index)
+    return merge_model(graphdef, params)(tokens, positions, kv_mask, cache, cache_index, routing)
 
 
 def abstract_model(cfg: LLMConfig) -> tuple[nnx.GraphDef, dict]:

@@ -18,6 +18,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from jgrpo.config.errors import ConfigError
 from jgrpo.models.matmul import dense
 
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
@@ -99,8 +100,19 @@ def join_adapters(adapters: dict, base: dict | None) -> dict:
     return {**base, "layers": {**base["layers"], **adapters["layers"]}}
 
 
+ATTENTION_TARGETS = ("q", "k", "v", "o")
+
+
 def with_lora(cfg, rank: int, alpha: float, targets: tuple[str, ...]):
-    """The model config `cfg` (an `llm.LLMConfig`) with adapters of this spec (rank 0: none)."""
+    """The model config `cfg` (an `llm.LLMConfig`) with adapters of this spec (rank 0: none). A mixture of
+    experts adapts its attention only: the experts and the router stay frozen (the MLP targets, in the default
+    list, are dropped; a list of MLP targets alone is an error)."""
+    if rank and cfg.num_experts:
+        kept = tuple(t for t in targets if t in ATTENTION_TARGETS)
+        if not kept:
+            raise ConfigError(f"model.lora.targets={list(targets)}: LoRA on a mixture-of-experts model adapts "
+                              f"attention only ({', '.join(ATTENTION_TARGETS)}); its experts and router stay frozen")
+        targets = kept
     return dataclasses.replace(cfg, lora_rank=rank, lora_alpha=alpha, lora_targets=tuple(targets) if rank else ())
 
 

@@ -46,9 +46,21 @@ KNOWN_SHAPES: dict[str, dict[str, Any]] = {
         model_type="qwen3", vocab_size=_QWEN_VOCAB, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
         num_attention_heads=16, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0,
         max_position_embeddings=40960, tie_word_embeddings=True),
+    # Mixtures of experts: 128 experts, 8 per token, gates renormalised over the 8, every layer sparse.
+    "Qwen/Qwen3-30B-A3B": dict(
+        model_type="qwen3_moe", vocab_size=_QWEN_VOCAB, hidden_size=2048, intermediate_size=6144,
+        moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+        num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+        rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=40960, tie_word_embeddings=False),
+    "Qwen/Qwen3-235B-A22B": dict(
+        model_type="qwen3_moe", vocab_size=_QWEN_VOCAB, hidden_size=4096, intermediate_size=12288,
+        moe_intermediate_size=1536, num_hidden_layers=94, num_attention_heads=64, num_key_value_heads=4, head_dim=128,
+        num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+        rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=40960, tie_word_embeddings=False),
 }
 # The built-in names (jgrpo.models.builtin) that are shapes of a hub model.
 _ALIASES = {"smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}
+_TINY = ("tiny-random-llama", "tiny-random-qwen3-moe")  # built-ins with no hub model
 
 
 def _key(name: str) -> str:
@@ -65,17 +77,17 @@ def hf_shape_dict(name: str) -> dict[str, Any]:
         return json.loads((path / "config.json").read_text())
     hub_id = _BY_KEY.get(_key(name))
     if hub_id is None:
-        if name == "tiny-random-llama":
+        if name in _TINY:
             from jgrpo.models.builtin import resolve_model_dir  # generated locally in seconds, no download
 
             return json.loads((resolve_model_dir(name) / "config.json").read_text())
         raise ValueError(f"no shape description for model '{name}': give a local HF directory with a config.json, "
-                         f"or one of {sorted(KNOWN_SHAPES) + sorted(_ALIASES) + ['tiny-random-llama']}")
+                         f"or one of {sorted(KNOWN_SHAPES) + sorted(_ALIASES) + list(_TINY)}")
     return dict(KNOWN_SHAPES[hub_id])
 
 
 def model_shapes(name: str, *, param_dtype: str = "float32", compute_dtype: str = "float32",
-                 remat: str = "none", attention: str = "custom") -> LLMConfig:
+                 remat: str = "none", attention: str = "custom", moe_impl: str = "sorted_tiles") -> LLMConfig:
     """The LLMConfig of `name` from its shape description alone (see `hf_shape_dict`)."""
     return llm_config_from_hf(hf_shape_dict(name), param_dtype=param_dtype, compute_dtype=compute_dtype, remat=remat,
-                              attention=attention)
+                              attention=attention, moe_impl=moe_impl)

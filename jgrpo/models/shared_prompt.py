@@ -55,8 +55,8 @@ def forward_shared_prompts(
         qc, kc, vc = layer_qkv(cfg, p, xc, *completion_rope)
         keys = jnp.concatenate([jnp.repeat(kp, G, axis=0), kc], axis=1)  # [R, P + N, KVH, Dh]
         values = jnp.concatenate([jnp.repeat(vp, G, axis=0), vc], axis=1)
-        xp = layer_output(cfg, p, xp, causal_attention(cfg.attention, qp, kp, vp, prompt_mask))
-        xc = layer_output(cfg, p, xc, causal_attention(cfg.attention, qc, keys, values, completion_valid))
+        xp, _ = layer_output(cfg, p, xp, causal_attention(cfg.attention, qp, kp, vp, prompt_mask))
+        xc, _ = layer_output(cfg, p, xc, causal_attention(cfg.attention, qc, keys, values, completion_valid))
         return (xp, xc), None
 
     carry = (jnp.take(embed, prompt_tokens, axis=0).astype(cdt), jnp.take(embed, completion_tokens, axis=0).astype(cdt))

@@ -35,6 +35,8 @@ TRAIN_RULES: Rules = {
     "layers": None,
     "norm": None,
     "lora_rank": None,  # LoRA adapters (models/lora.py): the rank axis is small, replicated
+    "experts": None,  # MoE experts (models/moe.py): whole on every device until expert parallelism lands
+    "expert_mlp": "tensor",  # an expert's hidden units, sharded as a dense MLP's
 }
 
 SAMPLE_RULES: Rules = {

@@ -23,10 +23,10 @@ from jax.sharding import Mesh
 from jgrpo import tpu_attached
 from jgrpo.config import Config, ConfigError
 from jgrpo.data import bucketed_length
-from jgrpo.models.attention_backends import resolve_attention
 from jgrpo.models.frozen_base import sample_layout
+from jgrpo.models.hf import model_options
 from jgrpo.models.llm import abstract_model, param_logical_axes
-from jgrpo.models.lora import join_adapters, split_adapters
+from jgrpo.models.lora import join_adapters, split_adapters, with_lora
 from jgrpo.models.shapes import model_shapes
 from jgrpo.parallel.mesh import (
     SAMPLE_RULES,
@@ -132,10 +132,9 @@ def abstract_run(config: Config, devices: list, *, train_rules: Rules = TRAIN_RU
     """The run's mesh over `devices`, its abstract params / optimiser state and its StepFunctions (no weights)."""
     c, g, m = config, config.grpo, config.model
     mesh = make_mesh(c.mesh, devices)
-    cfg = model_shapes(m.name, param_dtype=m.param_dtype, compute_dtype=m.compute_dtype, remat=m.remat,
-                       attention=resolve_attention(m.attention, mesh_platform(mesh)))
+    cfg = model_shapes(m.name, **model_options(m, mesh_platform(mesh)))
     if m.lora.rank:
-        cfg = dataclasses.replace(cfg, lora_rank=m.lora.rank, lora_alpha=m.lora.alpha, lora_targets=m.lora.targets)
+        cfg = with_lora(cfg, m.lora.rank, m.lora.alpha, m.lora.targets)
     graphdef, shapes = abstract_model(cfg)
     axes = param_logical_axes(shapes)
     params = _abstract(shapes, logical_shardings(axes, mesh, train_rules, shapes=shapes))

@@ -41,9 +41,15 @@ def bounds(flops: float, hbm_bytes: float, ici_bytes: float, chip: Chip) -> dict
 
 def matmul_params(cfg) -> int:
     """Parameters that take part in a matmul per token: every layer's projections and the unembedding (the
-    embedding lookup is a gather, not a matmul)."""
+    embedding lookup is a gather, not a matmul). A mixture of experts counts its router and the k experts a token
+    is routed to, not the E it holds (MFU on active parameters)."""
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    layer = cfg.hidden_size * (q + 2 * kv) + q * cfg.hidden_size + 3 * cfg.hidden_size * cfg.intermediate_size
+    if cfg.num_experts:
+        router, expert = cfg.hidden_size * cfg.num_experts, 3 * cfg.hidden_size * cfg.moe_intermediate_size
+        mlp = router + cfg.experts_per_token * expert
+    else:
+        mlp = 3 * cfg.hidden_size * cfg.intermediate_size
+    layer = cfg.hidden_size * (q + 2 * kv) + q * cfg.hidden_size + mlp
     return cfg.num_layers * layer + cfg.vocab_size * cfg.hidden_size
 
 

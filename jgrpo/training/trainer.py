@@ -29,9 +29,8 @@ from etils import epath
 from jgrpo.config import Config, ConfigError
 from jgrpo.config.loading import to_dict
 from jgrpo.data import build_prompt_iterator, pad_id_for
-from jgrpo.models.attention_backends import resolve_attention
 from jgrpo.models.frozen_base import FrozenBase
-from jgrpo.models.hf import load_model, load_tokenizer
+from jgrpo.models.hf import load_model, load_tokenizer, model_options
 from jgrpo.parallel.mesh import (
     TRAIN_RULES,
     make_meshes,
@@ -124,8 +123,7 @@ class Trainer:
             self.data.check_state(saved)
         self.scorer = RewardScorer(c.reward)
         self.graphdef, params, self.model_config = load_model(
-            m.name, param_dtype=m.param_dtype, compute_dtype=m.compute_dtype, remat=m.remat, mesh=self.mesh,
-            rules=TRAIN_RULES, attention=resolve_attention(m.attention, mesh_platform(self.mesh)),
+            m.name, **model_options(m, mesh_platform(self.mesh)), mesh=self.mesh, rules=TRAIN_RULES,
             lora=(m.lora.rank, m.lora.alpha, m.lora.targets), seed=c.run.seed,
         )
         # With LoRA the params that train (and every policy's own copy) are the adapters; the base is frozen.

@@ -103,10 +103,12 @@ def test_bad_input_names_the_problem(v5e):
 @pytest.mark.parametrize("name", sorted(KNOWN_SHAPES))
 def test_shipped_shape_descriptions_have_the_published_sizes(name):
     # Model cards: SmolLM2 134.5M, Qwen2.5-0.5B 0.49B, R1-Distill-1.5B 1.78B, Llama-3.2-1B 1.24B, Qwen3-0.6B
-    # 0.6B (0.44B without embeddings), Qwen3-1.7B 1.7B (1.41B without embeddings; tied embeddings counted once).
+    # 0.6B (0.44B without embeddings), Qwen3-1.7B 1.7B (1.41B without embeddings; tied embeddings counted once),
+    # Qwen3-30B-A3B 30.5B, Qwen3-235B-A22B 235B (every expert counted; their active sizes: tests/models/test_moe.py).
     published = {"HuggingFaceTB/SmolLM2-135M-Instruct": 134.5e6, "Qwen/Qwen2.5-0.5B-Instruct": 494.0e6,
                  "deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B": 1777.1e6, "meta-llama/Llama-3.2-1B": 1235.8e6,
-                 "Qwen/Qwen3-0.6B": 596.0e6, "Qwen/Qwen3-1.7B": 1720.6e6}
+                 "Qwen/Qwen3-0.6B": 596.0e6, "Qwen/Qwen3-1.7B": 1720.6e6, "Qwen/Qwen3-30B-A3B": 30.5e9,
+                 "Qwen/Qwen3-235B-A22B": 235.0e9}
     cfg = model_shapes(name)
     from jgrpo.models.llm import param_shapes
 

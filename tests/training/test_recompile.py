@@ -42,6 +42,8 @@ from tests.helpers import EVEN_PARITY_REWARD, tiny_config
     pytest.param(["env.name=calculator", "env.turn_prefix=<tool_call>", "env.max_turns=2", "env.max_total_tokens=64",
                   "env.max_append_tokens=40", "env.num_workers=0", "data.max_prompt_length=384",
                   "sampler.prompt_bucket=64", "grpo.behaviour_refresh=2"], id="multi_turn_v2"),
+    # A mixture of experts (the tiny Qwen3-MoE): routing changes from iteration to iteration, shapes do not.
+    pytest.param(["model.name=tiny-random-qwen3-moe"], id="moe"),
     # The sampler on devices 0-3, the trainer on 4-7: the behaviour copy crosses sub-meshes at each refresh.
     pytest.param(["mesh.rollout_devices=4", "grpo.behaviour_refresh=2"], id="split_placement_v2"),
 ])

@@ -1,0 +1,133 @@
+"""The mixture-of-experts MLP of Qwen3-MoE: a float32 softmax router, top-k experts per token, SwiGLU experts.
+
+Router: logits = h @ router [M, E] in the compute dtype; probabilities = softmax over all E in float32; each
+token takes its top-k experts, their probabilities renormalised over the k only when `norm_topk_prob` (as
+transformers' `Qwen3MoeTopKRouter`), cast back to the compute dtype as gates. The layer's output is the
+gate-weighted sum of the k experts' SwiGLU outputs. Dropless: every (token, expert) assignment is computed,
+whatever the load, so no token's output depends on how the others were routed.
+
+How the experts' matmuls run, `model.moe_impl` (the same values and gradients, tested against each other):
+
+- `sorted_tiles`: the m*k assignments sorted by expert, each expert's group padded to a multiple of a tile, in a
+  static buffer of m*k + E*(tile - 1) rows (rounded to tiles); every tile holds one expert's rows, so one batched
+  matmul over tiles (each tile with its expert's weights) does the work: nothing dropped, the shapes fixed (no
+  recompiling as the routing changes), ~k/E of the dense flops plus the padding.
+- `ragged`: `jax.lax.ragged_dot` over the sorted assignments. Exact and the natural op on GPU; XLA:CPU lowers it
+  densely (an [E, m*k, ...] product: ~E times the routed flops), so it is not CPU's choice.
+- `dense`: every expert on every token, the gates zero outside the top k. The reference the others are tested
+  against; E/k times the routed flops.
+
+`auto` resolves by platform (`resolve_moe_impl`): CPU sorted_tiles, GPU ragged, TPU sorted_tiles (until a
+Pallas grouped matmul lands). benchmarks/moe.py measures the choices side by side.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jgrpo.parallel.platform_defaults import resolve
+
+MOE_IMPLS = ("auto", "sorted_tiles", "ragged", "dense")
+
+
+# What `model.moe_impl: auto` picks by platform: ragged on GPU (its grouped matmul is native there), sorted_tiles
+# elsewhere (XLA:CPU runs ragged_dot densely: benchmarks/moe.py; reasons in docs/configuration.md).
+MOE_AUTO = {"cpu": "sorted_tiles", "tpu": "sorted_tiles", "gpu": "ragged", "other": "sorted_tiles"}
+
+
+def resolve_moe_impl(choice: str, platform: str) -> str:
+    """`model.moe_impl` ("auto" or one of MOE_IMPLS) on devices of `platform`."""
+    return resolve("model.moe_impl", choice, MOE_IMPLS[1:], MOE_AUTO, platform)
+
+
+def route(h: jax.Array, router: jax.Array, k: int, norm_topk_prob: bool, ids: jax.Array | None = None):
+    """(expert ids [M, k] int32, gates [M, k] in h's dtype, router logits [M, E] float32) of tokens h [M, D].
+
+    With `ids` (routing replay: the experts another forward chose) the tokens go to those experts whatever the
+    router says now; the gates are still this router's float32 softmax over all E, taken at those ids (and
+    renormalised over them when `norm_topk_prob`), so the router keeps its gradient."""
+    logits = jnp.matmul(h, router.astype(h.dtype)).astype(jnp.float32)
+    probs = jax.nn.softmax(logits, axis=-1)
+    if ids is None:
+        top, ids = jax.lax.top_k(probs, k)
+    else:
+        top = jnp.take_along_axis(probs, ids, axis=-1)
+    if norm_topk_prob:
+        top = top / jnp.sum(top, axis=-1, keepdims=True)
+    return ids.astype(jnp.int32), top.astype(h.dtype), logits
+
+
+def _swiglu(x, gate, up, down):
+    """One expert's (or a batch of tiles') SwiGLU: x [..., m, D], weights [..., D, F] / [..., F, D]."""
+    return jnp.matmul(jax.nn.silu(jnp.matmul(x, gate)) * jnp.matmul(x, up), down)
+
+
+def _dense(x, ids, gates, gate, up, down):
+    E = gate.shape[0]
+    y = jax.vmap(_swiglu, in_axes=(None, 0, 0, 0))(x, gate, up, down)  # [E, M, D]
+    weight = jnp.sum(jax.nn.one_hot(ids, E, dtype=x.dtype) * gates[..., None], axis=1)  # [M, E]
+    return jnp.einsum("me,emd->md", weight, y)
+
+
+def _sorted(ids: jax.Array, E: int):
+    """The m*k assignments in expert order: (order [A] (flat assignment index), their experts [A], rows per
+    expert [E])."""
+    flat = ids.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    return order, flat[order], jnp.bincount(flat, length=E).astype(jnp.int32)
+
+
+def tile_rows(assignments: int, experts: int) -> int:
+    """The tile of `sorted_tiles`: about the rows an expert gets when the load is even, a power of two in
+    [8, 128] (small for a decode step's few tokens, so the padding stays small; large for a training forward)."""
+    even = max(1, assignments // experts)
+    return int(min(128, max(8, 1 << (even - 1).bit_length())))
+
+
+def _sorted_tiles(x, ids, gates, gate, up, down):
+    M, k = ids.shape
+    E, A = gate.shape[0], ids.size
+    t = tile_rows(A, E)
+    tiles = -(-(A + E * (t - 1)) // t)  # enough for every group padded to a tile: static
+    order, expert, counts = _sorted(ids, E)
+    padded = -(-counts // t) * t
+    group_start = jnp.cumsum(padded) - padded  # each expert's first row in the buffer
+    first = jnp.cumsum(counts) - counts  # each expert's first assignment in sorted order
+    rank = jnp.arange(A) - first[expert]  # an assignment's place in its expert's group
+    at = group_start[expert] + rank  # [A] its row in the buffer
+    rows = jnp.zeros((tiles * t, x.shape[-1]), x.dtype).at[at].set(x[order // k])
+    # The expert of each tile: tiles past the last group get the last expert (their rows are zero, unread).
+    tile_expert = jnp.clip(jnp.searchsorted(jnp.cumsum(padded), jnp.arange(tiles) * t, side="right"), 0, E - 1)
+    y = _swiglu(rows.reshape(tiles, t, -1), gate[tile_expert], up[tile_expert], down[tile_expert])
+    y = y.reshape(tiles * t, -1)[at]  # [A, D] in sorted order
+    return _combine(y, order, gates, M, k)
+
+
+def _ragged(x, ids, gates, gate, up, down):
+    M, k = ids.shape
+    order, _, counts = _sorted(ids, gate.shape[0])
+    rows = x[order // k]
+    h = jax.nn.silu(jax.lax.ragged_dot(rows, gate, counts)) * jax.lax.ragged_dot(rows, up, counts)
+    return _combine(jax.lax.ragged_dot(h, down, counts), order, gates, M, k)
+
+
+def _combine(y_sorted, order, gates, M: int, k: int):
+    """[M, D]: each token's k expert outputs (rows of y_sorted, in expert order) weighted by its gates."""
+    y = jnp.zeros_like(y_sorted).at[order].set(y_sorted).reshape(M, k, -1)
+    return jnp.einsum("mk,mkd->md", gates, y)
+
+
+IMPLEMENTATIONS = {"sorted_tiles": _sorted_tiles, "ragged": _ragged, "dense": _dense}
+
+
+def moe_mlp(h: jax.Array, p: dict, *, k: int, norm_topk_prob: bool, impl: str, ids: jax.Array | None = None):
+    """The MoE block on h [B, T, D] with a layer's weights `p` (router [D, E], experts_gate / experts_up
+    [E, D, F], experts_down [E, F, D]): (output [B, T, D], expert ids [B, T, k]). `ids` [B, T, k]: replay
+    these experts instead of the router's top k (`route`)."""
+    B, T, D = h.shape
+    x = h.reshape(B * T, D)
+    replay = None if ids is None else ids.reshape(B * T, k).astype(jnp.int32)
+    ids, gates, _ = route(x, p["router"], k, norm_topk_prob, replay)
+    y = IMPLEMENTATIONS[impl](x, ids, gates, p["experts_gate"], p["experts_up"], p["experts_down"])
+    return y.reshape(B, T, D), ids.reshape(B, T, k)
