@@ -103,7 +103,8 @@ def _layer_step(cfg, p, x, cos, sin, allowed, k_segments, v_segments, chunk, off
     """One layer for one new token: write its keys/values into generated chunk `chunk` at slot `offset` and
     attend to the prompt and the first `visible` chunks. Segments are one layer's [B, KVH, S_i, Dh], or with
     `layer` (a traced index) the stacked [L, B, KVH, S_i, Dh], written and read at that layer. Rows where `keep`
-    ([B] bool) is set keep the slot's old keys/values (a paused turn's, still to be read)."""
+    ([B] bool) is set keep the slot's old keys/values (a paused turn's, still to be read). Returns the new
+    residual stream, the segments and the token's experts [B, k] (None for a dense layer)."""
     q, k, v = layer_qkv(cfg, p, x, cos, sin)  # q [B, 1, H, Dh]; k, v [B, 1, KVH, Dh]
     k_segments, v_segments = list(k_segments), list(v_segments)
     for segments, new in ((k_segments, k), (v_segments, v)):
@@ -122,8 +123,8 @@ def _layer_step(cfg, p, x, cos, sin, allowed, k_segments, v_segments, chunk, off
 
     read_k, read_v = (tuple(map(read, segments[:visible + 1])) for segments in (k_segments, v_segments))
     attended = _attend_one(q, read_k, read_v, allowed)
-    x, _ = layer_output(cfg, p, x, attended)
-    return x, tuple(k_segments), tuple(v_segments)
+    x, ids = layer_output(cfg, p, x, attended)
+    return x, tuple(k_segments), tuple(v_segments), None if ids is None else ids[:, 0]
 
 
 def decode_step(
@@ -138,8 +139,9 @@ def decode_step(
     offset: jax.Array,  # [] int32: the slot written inside that chunk (the same for every row)
     visible: int,  # static: the step reads the prompt and chunks 0 .. visible - 1 only
     keep: jax.Array | None = None,  # [B] bool: rows whose slot keeps its old keys/values (not written this step)
-) -> tuple[jax.Array, DecodeCache]:
-    """Feed one token per row: (final hidden state [B, D] after the final norm, the updated cache).
+) -> tuple[jax.Array, DecodeCache, jax.Array | None]:
+    """Feed one token per row: (final hidden state [B, D] after the final norm, the updated cache, the experts
+    the token went to in each layer [B, L, k], None for a dense model).
 
     The token's keys/values go to slot `offset` of generated chunk `chunk`; it attends to the slots `allowed`
     marks among the prompt segment and the first `visible` chunks. Chunks after those are not read, so while the
@@ -148,19 +150,21 @@ def decode_step(
     cdt = jnp.dtype(cfg.compute_dtype)
     cos, sin = rope_cos_sin(cfg, positions[:, None])  # [B, 1, Dh/2]
     x = jnp.take(params["embed"], tokens, axis=0).astype(cdt)[:, None, :]  # [B, 1, D]
-    new_k, new_v = [], []
+    new_k, new_v, routing = [], [], []
     for p, k_segments, v_segments in zip(layers, cache.k, cache.v, strict=True):  # unrolled over layers
         p = {name: w.astype(cdt) for name, w in p.items()}
-        x, k_segments, v_segments = _layer_step(cfg, p, x, cos, sin, allowed, k_segments, v_segments, chunk, offset,
-                                                   visible, keep=keep)
+        x, k_segments, v_segments, ids = _layer_step(cfg, p, x, cos, sin, allowed, k_segments, v_segments, chunk,
+                                                     offset, visible, keep=keep)
         new_k.append(k_segments)
         new_v.append(v_segments)
+        routing.append(ids)
     hidden = rms_norm(x[:, 0], params["final_norm"], cfg.rms_norm_eps)
-    return hidden, DecodeCache(tuple(new_k), tuple(new_v))
+    routing = jnp.stack(routing, axis=1) if cfg.num_experts else None
+    return hidden, DecodeCache(tuple(new_k), tuple(new_v)), routing
 
 
 def decode_step_scanned(cfg: LLMConfig, params: dict, tokens, positions, allowed, cache: DecodeCache,
-                        chunk: int, offset, visible: int, keep=None) -> tuple[jax.Array, DecodeCache]:
+                        chunk: int, offset, visible: int, keep=None):
     """`decode_step` with the layers under one `lax.scan` over the stacked weights `params["layers"]` and a
     stacked cache (`decode_cache(..., stacked=True)`), written in place in the scan's carry.
 
@@ -177,10 +181,12 @@ def decode_step_scanned(cfg: LLMConfig, params: dict, tokens, positions, allowed
         x, k_segments, v_segments = carry
         p, index = xs
         p = {name: w.astype(cdt) for name, w in p.items()}
-        return _layer_step(cfg, p, x, cos, sin, allowed, k_segments, v_segments, chunk, offset, visible,
-                           layer=index, keep=keep), None
+        *carry, ids = _layer_step(cfg, p, x, cos, sin, allowed, k_segments, v_segments, chunk, offset, visible,
+                                  layer=index, keep=keep)
+        return tuple(carry), ids
 
     xs = (params["layers"], jnp.arange(cfg.num_layers))
-    (x, k_segments, v_segments), _ = jax.lax.scan(layer, (x, k_segments, v_segments), xs)
+    (x, k_segments, v_segments), routing = jax.lax.scan(layer, (x, k_segments, v_segments), xs)
     hidden = rms_norm(x[:, 0], params["final_norm"], cfg.rms_norm_eps)
-    return hidden, DecodeCache((k_segments,), (v_segments,))
+    routing = None if routing is None else jnp.swapaxes(routing, 0, 1)  # [B, L, k]
+    return hidden, DecodeCache((k_segments,), (v_segments,)), routing

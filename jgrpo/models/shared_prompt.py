@@ -30,10 +30,12 @@ def forward_shared_prompts(
     completion_tokens: jax.Array,  # [R, N] int32, R = Bp * G; rows b*G ... b*G + G-1 continue prompt b
     completion_mask: jax.Array,  # [R, N] bool
     completion_positions: jax.Array,  # [R, N] int32: the real prompt length of the row's prompt + j
-) -> tuple[jax.Array, jax.Array]:
-    """Hidden states after the final norm: (prompt [Bp, P, D], completion [R, N, D]).
+    routing: tuple[jax.Array, jax.Array] | None = None,  # MoE replay: experts [Bp, P, L, k] and [R, N, L, k]
+) -> tuple[jax.Array, jax.Array, tuple[jax.Array, jax.Array] | None]:
+    """Hidden states after the final norm: (prompt [Bp, P, D], completion [R, N, D]), and for a mixture of
+    experts the experts of both streams' tokens ([Bp, P, L, k], [R, N, L, k]; `routing` replayed), else None.
 
-    The same numbers as `model(concat(repeat(prompt, G), completion), ...)` sliced into the two parts.
+    The same numbers as `model.routed(concat(repeat(prompt, G), completion), ...)` sliced into the two parts.
     """
     cfg = model.cfg
     cdt = jnp.dtype(cfg.compute_dtype)
@@ -48,18 +50,22 @@ def forward_shared_prompts(
     completion_rope = rope_cos_sin(cfg, completion_positions)
     embed = model.embed[...]
 
-    def layer(carry, p):
+    def layer(carry, xs):
         xp, xc = carry  # [Bp, P, D], [R, N, D]
+        p, (replay_p, replay_c) = xs
         p = {name: w.astype(cdt) for name, w in p.items()}
         qp, kp, vp = layer_qkv(cfg, p, xp, *prompt_rope)
         qc, kc, vc = layer_qkv(cfg, p, xc, *completion_rope)
         keys = jnp.concatenate([jnp.repeat(kp, G, axis=0), kc], axis=1)  # [R, P + N, KVH, Dh]
         values = jnp.concatenate([jnp.repeat(vp, G, axis=0), vc], axis=1)
-        xp, _ = layer_output(cfg, p, xp, causal_attention(cfg.attention, qp, kp, vp, prompt_mask))
-        xc, _ = layer_output(cfg, p, xc, causal_attention(cfg.attention, qc, keys, values, completion_valid))
-        return (xp, xc), None
+        xp, ids_p = layer_output(cfg, p, xp, causal_attention(cfg.attention, qp, kp, vp, prompt_mask), replay_p)
+        xc, ids_c = layer_output(cfg, p, xc, causal_attention(cfg.attention, qc, keys, values, completion_valid),
+                                 replay_c)
+        return (xp, xc), None if ids_p is None else (ids_p, ids_c)
 
     carry = (jnp.take(embed, prompt_tokens, axis=0).astype(cdt), jnp.take(embed, completion_tokens, axis=0).astype(cdt))
-    (xp, xc), _ = jax.lax.scan(with_remat(layer, cfg.remat), carry, model.layers.arrays())
+    per_layer = (None, None) if routing is None else tuple(jnp.moveaxis(r, 2, 0) for r in routing)  # [L, ...]
+    (xp, xc), ids = jax.lax.scan(with_remat(layer, cfg.remat), carry, (model.layers.arrays(), per_layer))
+    ids = None if ids is None else tuple(jnp.moveaxis(r, 0, 2) for r in ids)
     norm = model.final_norm[...]
-    return rms_norm(xp, norm, cfg.rms_norm_eps), rms_norm(xc, norm, cfg.rms_norm_eps)
+    return rms_norm(xp, norm, cfg.rms_norm_eps), rms_norm(xc, norm, cfg.rms_norm_eps), ids

@@ -264,8 +264,9 @@ class StepFunctions:
             def first_of_group(x):  # [r, ...] -> [r/G, ...]: the group's shared prompt
                 return x[:, :P].reshape(rows // G, G, P)[:, 0]
 
-            prompt, completion = forward_shared_prompts(model, first_of_group(inputs), first_of_group(input_mask),
-                                                        inputs[:, P:], input_mask[:, P:], positions[:, P:])
+            prompt, completion, _ = forward_shared_prompts(model, first_of_group(inputs),
+                                                           first_of_group(input_mask), inputs[:, P:],
+                                                           input_mask[:, P:], positions[:, P:])
             return jnp.concatenate([jnp.repeat(prompt[:, -1:], G, axis=0), completion], axis=1)
         hidden, _ = model(inputs, positions, input_mask)  # [r, P+N-1, D]
         return hidden[:, P - 1 :]

@@ -1,5 +1,8 @@
 """Prefill + one-token decode through the KV cache reproduces the full-sequence forward."""
 
+import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,9 +25,22 @@ CFG = LLMConfig(
 )
 
 
+# The same sizes as a Qwen3-MoE: 8 experts of 32 units, 2 per token.
+MOE_CFG = dataclasses.replace(CFG, architecture="qwen3_moe", num_experts=8, experts_per_token=2,
+                              moe_intermediate_size=32, norm_topk_prob=True)
+
+
 @pytest.fixture(scope="module")
 def model():
     return split_model(LLM(CFG, rngs=nnx.Rngs(params=1)))
+
+
+def _moe_model():
+    """The MoE sizes with a router 30x wider than its init: top-k margins far above float32 rounding, so the
+    decode step and the full forward must route every token alike."""
+    graphdef, params = split_model(LLM(MOE_CFG, rngs=nnx.Rngs(params=1)))
+    params["layers"]["router"] = params["layers"]["router"] * 30
+    return graphdef, params
 
 
 def test_prefill_then_decode_matches_full_forward(model):
@@ -72,11 +88,16 @@ def test_cache_requires_index_and_matching_mask(model):
         forward(graphdef, params, tokens, tokens, jnp.ones((2, 3), bool), init_cache(CFG, 2, 4), 0)
 
 
-def test_unrolled_decode_step_matches_full_forward(model):
-    """models.decode (per-layer weights and [B, KVH, S, Dh] caches, as the sampler uses) == the scanned forward."""
-    from jgrpo.models.decode import decode_cache, decode_step, prompt_store, unstack_layers
+@pytest.mark.parametrize("scanned", [False, True], ids=["unrolled", "scanned"])
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_decode_step_matches_full_forward(model, moe, scanned):
+    """models.decode (per-layer weights and [B, KVH, S, Dh] caches as the sampler uses them, or its scanned form)
+    == the full forward; a mixture of experts also routes each fed token to the experts the full forward picks."""
+    from jgrpo.models.decode import decode_cache, decode_step, decode_step_scanned, prompt_store, unstack_layers
+    from jgrpo.models.llm import merge_model
 
-    graphdef, params = model
+    graphdef, params = _moe_model() if moe else model
+    cfg = MOE_CFG if moe else CFG
     prompt_len, new_tokens, repeats = 5, 4, 2
     S = prompt_len + new_tokens
     rng = np.random.default_rng(1)
@@ -87,24 +108,32 @@ def test_unrolled_decode_step_matches_full_forward(model):
                               jnp.asarray(rng.integers(0, CFG.vocab_size, (4, new_tokens)), jnp.int32)], 1)
     mask = jnp.concatenate([jnp.repeat(prompt_mask, repeats, 0), jnp.ones((4, new_tokens), bool)], 1)
     positions = position_ids_from_mask(mask)
-    full, _ = jax.jit(forward, static_argnums=0)(graphdef, params, tokens, positions, mask)
+    full, _, full_routing = merge_model(graphdef, params).routed(tokens, positions, mask)
 
     _, prefill = forward(graphdef, params, prompts, position_ids_from_mask(prompt_mask), prompt_mask,
-                         init_cache(CFG, 2, prompt_len), 0)
+                         init_cache(cfg, 2, prompt_len), 0)
     chunk_len = 3  # 4 fed slots in chunks of 3: two segments, the second one ragged
     store = prompt_store(prefill)
-    cache = decode_cache(jax.tree.map(lambda x: jnp.repeat(x, repeats, axis=1), store), 2, chunk_len)
-    assert len(cache.k) == CFG.num_layers and len(cache.k[0]) == 3
-    assert cache.k[0][0].shape == (4, CFG.num_kv_heads, prompt_len, CFG.head_dim)
-    assert cache.k[0][1].shape == (4, CFG.num_kv_heads, chunk_len, CFG.head_dim)
-    step = jax.jit(decode_step, static_argnums=(0, 7, 9))
-    layers = unstack_layers(params["layers"])
+    cache = decode_cache(jax.tree.map(lambda x: jnp.repeat(x, repeats, axis=1), store), 2, chunk_len, scanned)
+    if scanned:
+        assert len(cache.k) == 1 and cache.k[0][1].shape == (CFG.num_layers, 4, CFG.num_kv_heads, chunk_len, 16)
+        step = functools.partial(jax.jit(decode_step_scanned, static_argnums=(0, 6, 8)), cfg, params)
+    else:
+        assert len(cache.k) == CFG.num_layers and len(cache.k[0]) == 3
+        assert cache.k[0][0].shape == (4, CFG.num_kv_heads, prompt_len, CFG.head_dim)
+        assert cache.k[0][1].shape == (4, CFG.num_kv_heads, chunk_len, CFG.head_dim)
+        step = functools.partial(jax.jit(decode_step, static_argnums=(0, 7, 9)), cfg, params,
+                                 unstack_layers(params["layers"]))
     row_prompt_mask = jnp.repeat(prompt_mask, repeats, 0)
     for slot, t in enumerate(range(prompt_len, S)):
         chunk, offset = divmod(slot, chunk_len)
         # The real prompt slots and the generated slots up to this one, over the chunks read (0 .. chunk).
         allowed = jnp.concatenate([row_prompt_mask, jnp.broadcast_to(jnp.arange((chunk + 1) * chunk_len) <= slot,
                                                                       (4, (chunk + 1) * chunk_len))], axis=1)
-        hidden, cache = step(CFG, params, layers, tokens[:, t], positions[:, t], allowed, cache, chunk,
-                             jnp.int32(offset), chunk + 1)
+        hidden, cache, routing = step(tokens[:, t], positions[:, t], allowed, cache, chunk, jnp.int32(offset),
+                                      chunk + 1)
         np.testing.assert_allclose(hidden, full[:, t], atol=1e-5, rtol=0)
+        if moe:
+            np.testing.assert_array_equal(routing, full_routing[:, t])  # [B, L, k]
+        else:
+            assert routing is None and full_routing is None

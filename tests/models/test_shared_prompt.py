@@ -61,7 +61,7 @@ def test_hidden_states_and_gradients_match_the_full_forward(name):
                                       completion_mask, positions[:, P:])
 
     reference = jax.jit(full)(params)
-    prompt_hidden, completion_hidden = jax.jit(shared)(params)
+    prompt_hidden, completion_hidden, _ = jax.jit(shared)(params)
     np.testing.assert_allclose(prompt_hidden[prompt_mask], reference[::G, :P][prompt_mask], atol=1e-5, rtol=0)
     np.testing.assert_allclose(completion_hidden[completion_mask], reference[:, P:][completion_mask],
                                atol=1e-5, rtol=0)
@@ -75,6 +75,31 @@ def test_hidden_states_and_gradients_match_the_full_forward(name):
             assert float(jnp.linalg.norm(a)) > 0, jax.tree_util.keystr(path)
         np.testing.assert_allclose(b, a, atol=1e-5 * float(jnp.max(jnp.abs(a))), rtol=1e-4,
                                    err_msg=jax.tree_util.keystr(path))
+
+
+def test_a_mixture_of_experts_routes_and_replays_as_the_full_rows():
+    # The router 30x wider than its init: top-k margins far above rounding, so both forwards route alike.
+    cfg = dataclasses.replace(GQA, architecture="qwen3_moe", num_experts=8, experts_per_token=2,
+                              moe_intermediate_size=32, norm_topk_prob=True)
+    graphdef, params = split_model(LLM(cfg, rngs=nnx.Rngs(params=3)))
+    params["layers"]["router"] = params["layers"]["router"] * 30
+    model = merge_model(graphdef, params)
+    prompt_tokens, prompt_mask, tokens, completion_mask = _batch()
+    seq, mask, positions = _full_rows(prompt_tokens, prompt_mask, tokens, completion_mask)
+    full, _, routing = model.routed(seq, positions, mask)
+    _, completion, (prompt_ids, completion_ids) = forward_shared_prompts(
+        model, prompt_tokens, prompt_mask, tokens, completion_mask, positions[:, P:])
+    np.testing.assert_array_equal(prompt_ids[prompt_mask], routing[::G, :P][prompt_mask])
+    np.testing.assert_array_equal(completion_ids[completion_mask], routing[:, P:][completion_mask])
+    # Replaying other experts (every layer takes the next layer's) gives what the full rows give with them.
+    other = jnp.roll(routing, 1, axis=2)
+    replayed_full, _, _ = model.routed(seq, positions, mask, routing=other)
+    _, replayed, (_, replayed_ids) = forward_shared_prompts(
+        model, prompt_tokens, prompt_mask, tokens, completion_mask, positions[:, P:],
+        routing=(other[::G, :P], other[:, P:]))
+    np.testing.assert_array_equal(replayed_ids, other[:, P:])
+    np.testing.assert_allclose(replayed[completion_mask], replayed_full[:, P:][completion_mask], atol=1e-5, rtol=0)
+    assert float(jnp.abs(replayed - completion)[completion_mask].max()) > 1e-3
 
 
 def _leaf(tree, path):
