@@ -112,7 +112,7 @@ def load_params(model_dir: str | Path, cfg: LLMConfig, *, mesh=None, rules: Rule
 
         def host(names, layout=layout):  # one tensor (a layer's experts stacked) on the host, in our layout and dtype
             value = [layout.to_ours(ckpt.get(name, layout.hf_shape)).astype(dtype) for name in names]
-            return np.ascontiguousarray(value[0] if "{e}" not in layout.name else np.stack(value))
+            return np.ascontiguousarray(np.stack(value) if layout.per_expert else value[0])
 
         if path[0] != "layers":
             params[path[0]] = _place(host([layout.name]), sharding)

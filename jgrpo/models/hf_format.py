@@ -148,6 +148,11 @@ class TensorLayout:
     to_ours: Callable[[np.ndarray], np.ndarray]
     to_hf: Callable[[np.ndarray], np.ndarray]
 
+    @property
+    def per_expert(self) -> bool:
+        """One tensor per expert (`name` has "{e}"), stacked along our [E] axis."""
+        return "{e}" in self.name
+
 
 def tensor_layouts(cfg: LLMConfig) -> dict[tuple[str, ...], TensorLayout]:
     D, F, V, H, KVH, Dh = (
@@ -199,7 +204,7 @@ def tensor_layouts(cfg: LLMConfig) -> dict[tuple[str, ...], TensorLayout]:
 
 def expert_names(layout: TensorLayout, cfg: LLMConfig, layer: int) -> list[str]:
     """The HF tensors of one layer's slice of a stacked parameter: one name, or one per expert."""
-    if "{e}" in layout.name:
+    if layout.per_expert:
         return [layout.name.format(i=layer, e=e) for e in range(cfg.num_experts)]
     return [layout.name.format(i=layer)]
 
@@ -224,7 +229,7 @@ def export_hf(params: dict, cfg: LLMConfig, tokenizer, out_dir: str | Path) -> P
         if path[0] == "layers":
             for i in range(cfg.num_layers):
                 for e, name in enumerate(expert_names(layout, cfg, i)):
-                    one = value[i] if "{e}" not in layout.name else value[i, e]
+                    one = value[i, e] if layout.per_expert else value[i]
                     tensors[name] = np.ascontiguousarray(layout.to_hf(one))
         else:
             tensors[layout.name] = np.ascontiguousarray(layout.to_hf(value))

@@ -33,7 +33,8 @@ from jgrpo.models.lora import (
     low_rank,
 )
 from jgrpo.models.matmul import dense
-from jgrpo.models.moe import MOE_IMPLS, moe_mlp
+from jgrpo.models.moe import IMPLEMENTATIONS as MOE_IMPLEMENTATIONS
+from jgrpo.models.moe import moe_mlp
 from jgrpo.models.rope import apply_rope, rope_cos_sin
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe")
@@ -132,8 +133,8 @@ class LLMConfig:
                 raise ValueError(f"a mixture of experts needs 0 < experts_per_token ({self.experts_per_token}) <= "
                                  f"num_experts ({self.num_experts}) and moe_intermediate_size > 0 "
                                  f"({self.moe_intermediate_size})")
-            if self.moe_impl not in MOE_IMPLS[1:]:
-                raise ValueError(f"moe_impl must be one of {MOE_IMPLS[1:]}, got '{self.moe_impl}'")
+            if self.moe_impl not in MOE_IMPLEMENTATIONS:
+                raise ValueError(f"moe_impl must be one of {tuple(MOE_IMPLEMENTATIONS)}, got '{self.moe_impl}'")
 
     @property
     def lora_scale(self) -> float:

@@ -28,17 +28,14 @@ import jax.numpy as jnp
 
 from jgrpo.parallel.platform_defaults import resolve
 
-MOE_IMPLS = ("auto", "sorted_tiles", "ragged", "dense")
-
-
 # What `model.moe_impl: auto` picks by platform: ragged on GPU (its grouped matmul is native there), sorted_tiles
 # elsewhere (XLA:CPU runs ragged_dot densely: benchmarks/moe.py; reasons in docs/configuration.md).
 MOE_AUTO = {"cpu": "sorted_tiles", "tpu": "sorted_tiles", "gpu": "ragged", "other": "sorted_tiles"}
 
 
 def resolve_moe_impl(choice: str, platform: str) -> str:
-    """`model.moe_impl` ("auto" or one of MOE_IMPLS) on devices of `platform`."""
-    return resolve("model.moe_impl", choice, MOE_IMPLS[1:], MOE_AUTO, platform)
+    """`model.moe_impl` ("auto" or one of IMPLEMENTATIONS) on devices of `platform`."""
+    return resolve("model.moe_impl", choice, tuple(IMPLEMENTATIONS), MOE_AUTO, platform)
 
 
 def route(h: jax.Array, router: jax.Array, k: int, norm_topk_prob: bool, ids: jax.Array | None = None):

@@ -117,9 +117,11 @@ def advance(graphdef, params, state: SlotState, chunks: int, version: int) -> Sl
     """Decode up to `chunks` chunk boundaries of the ring, stopping early when nothing can run."""
     plan = state.spec.plan
     layers = None
-    if not plan.scanned:  # the unrolled decode reads the layers as separate arrays: split once per params, not per
-        source, layers = state.unstacked or (None, None)  # chunk (a copy of every layer weight, ~0.3 s a call for
-        if source is not params["layers"]:  # SmolLM2 on CPU)
+    # The unrolled decode reads the layers as separate arrays: split once per params object, not in every chunk
+    # program (a copy of every layer weight, ~0.3 s a call for SmolLM2 on CPU).
+    if not plan.scanned:
+        source, layers = state.unstacked or (None, None)
+        if source is not params["layers"]:
             layers = _unstack(params["layers"])
             state = dataclasses.replace(state, unstacked=(params["layers"], layers))
     for _ in range(chunks):

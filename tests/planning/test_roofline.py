@@ -29,14 +29,13 @@ def test_programs_take_their_slowest_resource_and_the_iteration_their_sum():
 
 
 def test_a_mixture_of_experts_counts_its_routed_experts_only():
-    # Qwen3-30B-A3B's shapes: ~3.3B active matmul parameters per token of its ~30.5B (48 layers, 128 experts of
-    # 768 units, 8 per token, hidden 2048, 32 query and 4 kv heads of 128, vocab 151936, untied head).
-    from jgrpo.models.llm import LLMConfig
+    # Qwen3-30B-A3B's shipped shapes: ~3.3B active matmul parameters per token of its ~30.5B (48 layers, 128
+    # experts of 768 units, 8 per token, hidden 2048, 32 query and 4 kv heads of 128, vocab 151936, untied head).
+    from jgrpo.models.shapes import model_shapes
     from jgrpo.planning.roofline import matmul_params
 
-    cfg = LLMConfig(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_layers=48, num_heads=32,
-                    num_kv_heads=4, head_dim=128, architecture="qwen3_moe", qk_norm=True, num_experts=128,
-                    experts_per_token=8, moe_intermediate_size=768, norm_topk_prob=True)
+    cfg = model_shapes("Qwen/Qwen3-30B-A3B")
+    assert (cfg.num_layers, cfg.num_experts, cfg.experts_per_token, cfg.moe_intermediate_size) == (48, 128, 8, 768)
     attention = 2048 * (32 * 128 + 2 * 4 * 128) + 32 * 128 * 2048  # q, k, v, o
     routed = 2048 * 128 + 8 * 3 * 2048 * 768  # the router, and 8 SwiGLU experts
     assert matmul_params(cfg) == 48 * (attention + routed) + 151936 * 2048
