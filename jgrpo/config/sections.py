@@ -49,6 +49,10 @@ class ModelConfig:
     # CPU and TPU, ragged (jax.lax.ragged_dot) on GPU; dense (every expert on every token) is the test reference
     # (why: docs/configuration.md). Dense models ignore it.
     moe_impl: Literal["auto", "sorted_tiles", "ragged", "dense"] = "auto"
+    # Mixture-of-experts models: rollout = every trainer forward sends each token to the experts the sampler's
+    # forward chose (routing replay, R3; docs/algorithm.md §16); none = the trainer's router decides. A dense
+    # model with rollout is a config error.
+    routing_replay: Literal["none", "rollout"] = "none"
     # Tokens per chunk when computing log-probs from hidden states (never materialise [B, T, V]).
     logprob_chunk: int = 256
     # Trainer forward/backward: compute each prompt once for its G completions instead of once per row

@@ -349,8 +349,8 @@ class LLM(nnx.Module):
         return hidden, cache
 
     def routed(self, tokens, positions, kv_mask, cache=None, cache_index=None, routing=None):
-        """`__call__` that also returns the experts each token went to, [B, T, L, k] int32 (the router's top k,
-        or `routing` replayed), or None for a dense model."""
+        """`__call__` that also returns the experts the router picks for each token, [B, T, L, k] int32 (its top k,
+        also where `routing` replayed others: the difference is the replay's work), or None for a dense model."""
         cfg = self.cfg
         cdt = jnp.dtype(cfg.compute_dtype)
         B, T = tokens.shape

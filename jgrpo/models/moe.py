@@ -120,11 +120,13 @@ IMPLEMENTATIONS = {"sorted_tiles": _sorted_tiles, "ragged": _ragged, "dense": _d
 
 def moe_mlp(h: jax.Array, p: dict, *, k: int, norm_topk_prob: bool, impl: str, ids: jax.Array | None = None):
     """The MoE block on h [B, T, D] with a layer's weights `p` (router [D, E], experts_gate / experts_up
-    [E, D, F], experts_down [E, F, D]): (output [B, T, D], expert ids [B, T, k]). `ids` [B, T, k]: replay
-    these experts instead of the router's top k (`route`)."""
+    [E, D, F], experts_down [E, F, D]): (output [B, T, D], the router's top-k experts [B, T, k]). `ids`
+    [B, T, k]: replay these experts instead of the router's top k (`route`); what is returned is still the
+    router's own choice, so a caller can count where replay overrode it."""
     B, T, D = h.shape
     x = h.reshape(B * T, D)
     replay = None if ids is None else ids.reshape(B * T, k).astype(jnp.int32)
-    ids, gates, _ = route(x, p["router"], k, norm_topk_prob, replay)
-    y = IMPLEMENTATIONS[impl](x, ids, gates, p["experts_gate"], p["experts_up"], p["experts_down"])
-    return y.reshape(B, T, D), ids.reshape(B, T, k)
+    used, gates, logits = route(x, p["router"], k, norm_topk_prob, replay)
+    y = IMPLEMENTATIONS[impl](x, used, gates, p["experts_gate"], p["experts_up"], p["experts_down"])
+    chosen = used if replay is None else jax.lax.top_k(jax.nn.softmax(logits, axis=-1), k)[1]
+    return y.reshape(B, T, D), chosen.reshape(B, T, k)

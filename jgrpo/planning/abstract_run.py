@@ -41,6 +41,7 @@ from jgrpo.parallel.mesh import (
 )
 from jgrpo.planning.roofline import CHIPS, Chip
 from jgrpo.rollout.sampling_weights import sampling_copy
+from jgrpo.sampling.layout import routing_record
 from jgrpo.sampling.methods import SamplingMethod
 from jgrpo.sampling.pool import SampleOutput
 from jgrpo.sampling.sampler import Prompts, Sampler
@@ -259,6 +260,10 @@ def _step_programs(config, run: AbstractRun, resident, shape, rules, wanted) -> 
         ((R, N), jnp.bool_), ((R, N), jnp.int32))))
     if c.env.on:  # episodes: which rows are in the loss (failed environments are not)
         samples = samples._replace(valid=_rows(mesh, rules, (R,), jnp.bool_))
+    if routing_record(run.cfg):  # a mixture of experts' routing record (`SampleOutput.routing`)
+        L, k, dtype = routing_record(run.cfg)
+        samples = samples._replace(routing=_rows(mesh, rules, (R, N, L, k), jnp.dtype(dtype)),
+                                   prompt_routing=_rows(mesh, rules, (R, P, L, k), jnp.dtype(dtype)))
     rewards = _rows(mesh, rules, (R, 1 + len(c.reward.component_names())), jnp.float32)  # the reward table
     prompts = _rows(mesh, rules, (B, P), jnp.int32), _rows(mesh, rules, (B, P), jnp.bool_)
     assemble = steps.assemble.lower(*prompts, samples, rewards)

@@ -145,6 +145,7 @@ MEAN_COUNTS = {
     "sequence_mask_frac": "bound_row_count",  # the rows in the loss
     "entropy_mean": "completion_token_count",
     "logprob_mismatch_mean": "mismatch_token_count",
+    "routing_mismatch": "routing_count",
     "logprob_mismatch_max": "mismatch_token_count",
     "outside_support_frac": "completion_token_count",
     **dict.fromkeys(("tv_theta_alpha", "tv_k_alpha", "tv_weight_mean", "tv_weight_M", "surrogate_alpha",
@@ -201,6 +202,13 @@ def finalize_metrics(acc: dict[str, jax.Array]) -> dict[str, jax.Array]:
         out["outside_support_frac"] = mean(acc["outside_support_count"], completion_tokens)
     if "staleness_max" in acc:
         out["staleness"] = acc["staleness_max"]
+    if "routing_count" in acc:  # a mixture of experts (`rl.routing_replay`)
+        out["routing_count"] = acc["routing_count"]
+        out["routing_mismatch"] = mean(acc["routing_mismatch_count"], acc["routing_count"])
+        counts = acc["expert_tokens"]  # [L, E]
+        layer_mean = jnp.mean(counts, axis=-1)
+        out["expert_load_max"] = jnp.max(jnp.where(layer_mean > 0, jnp.max(counts, axis=-1)
+                                                   / jnp.maximum(layer_mean, 1e-9), 0.0))
 
     bound_rows = acc["bound_row_count"]
     tv_theta = mean(acc["tv_theta_alpha_sum"], bound_rows)

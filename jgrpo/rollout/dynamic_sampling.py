@@ -78,8 +78,12 @@ def _gather(drawn: list[Rollout], chosen: list[tuple[int, int]], group_size: int
         values = [values_of(d) for d in drawn]
         return [values[r][row] for r, row in rows]
 
-    def stacked(values_of):
-        return np.stack(pick(values_of))
+    def stacked(values_of, left_pad: bool = False):
+        values = pick(values_of)
+        if left_pad:  # per-row prompt records of rounds whose prompts were padded to different widths
+            width = max(len(v) for v in values)
+            values = [np.pad(v, [(width - len(v), 0)] + [(0, 0)] * (v.ndim - 1)) for v in values]
+        return np.stack(values)
 
     first = drawn[0]
     prompts = dataclasses.replace(
@@ -88,7 +92,8 @@ def _gather(drawn: list[Rollout], chosen: list[tuple[int, int]], group_size: int
         epoch=drawn[-1].prompts.epoch)
     global_rows = first.samples.tokens.shape[0]
     samples = SampleOutput(*(None if getattr(first.samples, f) is None else to_global_rows(
-        stacked(lambda d, f=f: local_rows(getattr(d.samples, f))), mesh, SAMPLE_RULES, global_rows)
+        stacked(lambda d, f=f: local_rows(getattr(d.samples, f)), left_pad=f == "prompt_routing"), mesh,
+        SAMPLE_RULES, global_rows)
         for f in SampleOutput._fields))
     scores = RewardResult(
         total=stacked(lambda d: d.scores.total),

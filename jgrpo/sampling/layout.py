@@ -72,7 +72,8 @@ def plan_and_layout(sampler, batch: int, prompt_len: int, cfg, interactive: bool
                 scanned=resolve_decode_layers(s.decode_layers, platform(s.mesh)) == "scanned",
                 stop_ids=tuple(sorted({int(i) for i in s.stop_ids})), pad_id=int(s.pad_id), interactive=interactive,
                 turn_tokens=turn if interactive else 0,
-                append_width=min(s.max_new_tokens, 1 + (s.append_tokens or s.max_new_tokens)) if interactive else 0)
+                append_width=min(s.max_new_tokens, 1 + (s.append_tokens or s.max_new_tokens)) if interactive else 0,
+                routing=routing_record(cfg))
     segment = prompt_len + s.max_new_tokens if interactive else prompt_len  # a slot's prompt segment
     if s.mesh is None:
         return plan, None
@@ -89,6 +90,13 @@ def plan_and_layout(sampler, batch: int, prompt_len: int, cfg, interactive: bool
         queues=row_sharding(s.mesh, s.rules, (queues,)) if queues > 1 else None,
     )
     return plan, layout
+
+
+def routing_record(cfg) -> tuple[int, int, str] | None:
+    """(L, k, dtype) of a mixture of experts' routing record: uint8 ids while E <= 256, else int16."""
+    if not getattr(cfg, "num_experts", 0):
+        return None
+    return cfg.num_layers, cfg.experts_per_token, "uint8" if cfg.num_experts <= 256 else "int16"
 
 
 def _constrain(x, sharding):

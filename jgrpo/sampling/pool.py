@@ -9,7 +9,8 @@
 
 A program's static shape is its `Plan`; with how tokens are drawn and where arrays live it is a `PoolSpec`, the
 static argument of every jitted function of `jgrpo.sampling.slot_pool`. The dynamic state is the `PromptStore`
-(the prefilled prompts slots are filled from) and the `Pool` (clock, pending rows, slots, rows, cache).
+(the prefilled prompts slots are filled from) and the `Pool` (clock, pending rows, slots, rows, cache); `record`
+and `record_routing` write a step's tokens into the rows, `turn_ends` says where a turn ends.
 """
 
 from __future__ import annotations
@@ -38,6 +39,12 @@ class SampleOutput(NamedTuple):
     # [R] bool: the row is in the loss and in its group's statistics; None: every row is (False: a multi-turn
     # episode whose environment failed, env.on_failure: mask).
     valid: jax.Array | None = None
+    # A mixture of experts: the experts each position ran through, per layer, from the forward that computed it
+    # (uint8 when E <= 256, else int16): `routing` [R, N, L, k] the row's tokens (a token's entry is written when
+    # it is fed; the row's last token is never fed: 0), `prompt_routing` [R, P, L, k] its prompt's, from the
+    # prefill (left padding: 0). What routing replay (`model.routing_replay`) gives the trainer's forwards.
+    routing: jax.Array | None = None
+    prompt_routing: jax.Array | None = None
 
     def map(self, fn) -> SampleOutput:
         """`fn` applied to every field that is set (a missing `valid` stays None)."""
@@ -77,6 +84,9 @@ class Plan(NamedTuple):
     interactive: bool = False
     turn_tokens: int = 0  # 0: max_new_tokens
     append_width: int = 0  # W, the tokens an append prefills: a turn's last drawn token and the appended ids
+    # A mixture of experts records the experts of every position it runs (`SampleOutput.routing`): (layers L,
+    # experts per token k, the record's dtype); None for a dense model.
+    routing: tuple[int, int, str] | None = None
 
     @property
     def rows_per_queue(self) -> int:  # Rq
@@ -130,6 +140,7 @@ class PromptStore(NamedTuple):
     index: jax.Array  # [Q, W] int32 each prompt's index in its own batch
     first: jax.Array  # [Q] int32 the queue's first prompt (global index)
     tokens: jax.Array | None = None  # [Q, W, P] int32 the prompts' ids (interactive: a turn prefills its context)
+    routing: jax.Array | None = None  # [Q, W, P, L, k] the prompts' experts (a mixture of experts)
 
 
 class Slots(NamedTuple):  # every field [Q, Sq] (prompt_mask [Q, Sq, P])
@@ -152,6 +163,7 @@ class Rows(NamedTuple):  # the output, per queue-local row
     drawn: jax.Array | None = None  # [Q, Rq, N] bool (interactive): drawn by the sampler, not appended
     version: jax.Array | None = None  # [Q, Rq, N] int32 (interactive): the weights version that drew the token
     finished: jax.Array | None = None  # [Q, Rq] bool (interactive): the row is complete (its budget or the host)
+    routing: jax.Array | None = None  # [Q, Rq, N, L, k] the experts of each fed token (a mixture of experts)
 
 
 class Pool(NamedTuple):
@@ -173,3 +185,39 @@ def queue_prompts(batch: int, rows: int, queues: int, group: int) -> np.ndarray:
     last = (np.arange(queues) * per_queue + per_queue - 1) // group
     width = int((last - first).max()) + 1
     return np.minimum(first[:, None] + np.arange(width)[None, :], last[:, None])
+
+
+def record(rows: Rows, row, index, tokens, logprobs, stopped, active, version=None) -> Rows:
+    """Write each active slot's token `index` of its row (queue-local scatters; inactive slots write nothing);
+    interactive rows also record that the sampler drew it, with weights `version`."""
+    where = jnp.where(active, row, rows.lengths.shape[1])  # out of range = dropped
+    at_row = jax.vmap(lambda buf, r, v: buf.at[r].set(v, mode="drop"))
+    at_token = jax.vmap(lambda buf, r, i, v: buf.at[r, i].set(v, mode="drop"))
+    written = rows._replace(tokens=at_token(rows.tokens, where, index, tokens),
+                            logprobs=at_token(rows.logprobs, where, index, logprobs),
+                            lengths=at_row(rows.lengths, where, index + 1),
+                            stopped=at_row(rows.stopped, where, stopped))
+    if rows.drawn is None:
+        return written
+    return written._replace(drawn=at_token(rows.drawn, where, index, jnp.ones_like(active)),
+                            version=at_token(rows.version, where, index, jnp.broadcast_to(version, tokens.shape)))
+
+
+def record_routing(rows: Rows, row, index, experts, active) -> Rows:
+    """Write the experts [Q, n, L, k] of token `index` of each active slot's row (queue-local scatters)."""
+    where = jnp.where(active, row, rows.lengths.shape[1])  # out of range = dropped
+    at_token = jax.vmap(lambda buf, r, i, v: buf.at[r, i].set(v, mode="drop"))
+    return rows._replace(routing=at_token(rows.routing, where, index, experts.astype(rows.routing.dtype)))
+
+
+def turn_ends(plan: Plan, stopped, count, turn_start):
+    """Interactive: after a token, (the slot stops decoding, it is held for the host, the row is complete). A turn
+    ends at a stop id or after `turn_tokens` drawn tokens; a row is complete when its N tokens are used."""
+    full = count >= plan.max_new_tokens
+    turn_over = stopped | (count - turn_start >= plan.turn_limit)
+    return turn_over | full, turn_over & ~full, full
+
+
+def mark(flags, row, where):
+    """flags [Q, Rq] bool set at rows `row` [Q, n] where `where`."""
+    return jax.vmap(lambda f, r, w: f.at[jnp.where(w, r, f.shape[0])].set(True, mode="drop"))(flags, row, where)

@@ -62,7 +62,11 @@ from jgrpo.sampling.pool import (
     SampleOutput,
     Slots,
     Weights,
+    mark,
     queue_prompts,
+    record,
+    record_routing,
+    turn_ends,
 )
 
 
@@ -101,35 +105,6 @@ def draw(spec: PoolSpec, prompts: PromptStore, logits, q, row, count):
     return tokens.reshape(row.shape), logprobs.reshape(row.shape)
 
 
-def record(rows: Rows, row, index, tokens, logprobs, stopped, active, version=None) -> Rows:
-    """Write each active slot's token `index` of its row (queue-local scatters; inactive slots write nothing);
-    interactive rows also record that the sampler drew it, with weights `version`."""
-    where = jnp.where(active, row, rows.lengths.shape[1])  # out of range = dropped
-    at_row = jax.vmap(lambda buf, r, v: buf.at[r].set(v, mode="drop"))
-    at_token = jax.vmap(lambda buf, r, i, v: buf.at[r, i].set(v, mode="drop"))
-    written = rows._replace(tokens=at_token(rows.tokens, where, index, tokens),
-                            logprobs=at_token(rows.logprobs, where, index, logprobs),
-                            lengths=at_row(rows.lengths, where, index + 1),
-                            stopped=at_row(rows.stopped, where, stopped))
-    if rows.drawn is None:
-        return written
-    return written._replace(drawn=at_token(rows.drawn, where, index, jnp.ones_like(active)),
-                            version=at_token(rows.version, where, index, jnp.broadcast_to(version, tokens.shape)))
-
-
-def turn_ends(plan: Plan, stopped, count, turn_start):
-    """Interactive: after a token, (the slot stops decoding, it is held for the host, the row is complete). A turn
-    ends at a stop id or after `turn_tokens` drawn tokens; a row is complete when its N tokens are used."""
-    full = count >= plan.max_new_tokens
-    turn_over = stopped | (count - turn_start >= plan.turn_limit)
-    return turn_over | full, turn_over & ~full, full
-
-
-def _mark(flags, row, where):
-    """flags [Q, Rq] bool set at rows `row` [Q, n] where `where`."""
-    return jax.vmap(lambda f, r, w: f.at[jnp.where(w, r, f.shape[0])].set(True, mode="drop"))(flags, row, where)
-
-
 def prefill(spec: PoolSpec, model, tokens, mask, key, prompt_index=None) -> PromptStore:
     """Run the B left-padded prompts [B, P] once; lay them out per queue. `key`: one key, or [B] keys;
     `prompt_index` [B] (default 0 .. B-1): each prompt's index in its own batch (see `draw`)."""
@@ -137,7 +112,7 @@ def prefill(spec: PoolSpec, model, tokens, mask, key, prompt_index=None) -> Prom
     B, P = tokens.shape
     with jax.named_scope("prefill"):
         cache = spec.pin("prefill", init_cache(model.cfg, B, P))
-        hidden, cache = model(tokens, position_ids_from_mask(mask), mask, cache, 0)
+        hidden, cache, routing = model.routed(tokens, position_ids_from_mask(mask), mask, cache, 0)
         last_logits = model.logits(hidden[:, -1])  # [B, V]; left padding puts every prompt's end last
         prompts = jnp.asarray(queue_prompts(B, plan.rows, plan.queues, plan.num_samples))  # [Q, W]
         store = jax.tree.map(lambda x: spec.pin("store", x[:, prompts]), prompt_store(cache))
@@ -145,7 +120,9 @@ def prefill(spec: PoolSpec, model, tokens, mask, key, prompt_index=None) -> Prom
         keys_q = jnp.broadcast_to(key, prompts.shape) if key.ndim == 0 else spec.pin("queues", key[prompts])
         index_q = prompts if prompt_index is None else spec.pin("queues", prompt_index[prompts])
         ids = spec.pin("queues", tokens[prompts]) if plan.interactive else None  # a turn's context starts with them
-        return PromptStore(store, logits_q, mask_q, keys_q, index_q, prompts[:, 0], ids)
+        if plan.routing:  # [Q, W, P, L, k]
+            routing = spec.pin("queues", jnp.where(mask[..., None, None], routing, 0).astype(plan.routing[2])[prompts])
+        return PromptStore(store, logits_q, mask_q, keys_q, index_q, prompts[:, 0], ids, routing)
 
 
 def first_tokens(spec: PoolSpec, prompts: PromptStore, version=None) -> Pool:
@@ -178,7 +155,10 @@ def first_tokens(spec: PoolSpec, prompts: PromptStore, version=None) -> Pool:
             done, held, full = turn_ends(plan, jnp.isin(first, stops), slots.count, 0)
             slots = slots._replace(done=empty | done, held=~empty & held, turn_start=jnp.zeros((Q, Sq), jnp.int32))
             rows = rows._replace(drawn=jnp.zeros((Q, Rq, N), bool), version=jnp.full((Q, Rq, N), -1, jnp.int32),
-                                 finished=_mark(jnp.zeros((Q, Rq), bool), row, ~empty & full))
+                                 finished=mark(jnp.zeros((Q, Rq), bool), row, ~empty & full))
+        if plan.routing:
+            L, k, dtype = plan.routing
+            rows = rows._replace(routing=jnp.zeros((Q, Rq, N, L, k), dtype))
         rows = record(rows, slots.row, jnp.zeros_like(row), first, first_lp, jnp.isin(first, stops), ~empty, version)
         per_queue = functools.partial(jax.tree.map, lambda x: spec.pin("queues", x))
         return Pool(clock=jnp.int32(0), pending=jnp.full((Q,), min(Sq, Rq), jnp.int32), slots=per_queue(slots),
@@ -208,21 +188,23 @@ def feed(spec: PoolSpec, w: Weights, prompts: PromptStore, pool: Pool, chunk: in
     keep = flat(sl.held) if plan.interactive else None
     args = (flat(sl.last), positions, allowed, pool.cache, chunk, offset, visible, keep)
     if plan.scanned:
-        hidden, cache, _ = decode_step_scanned(w.model.cfg, w.params, *args)
+        hidden, cache, experts = decode_step_scanned(w.model.cfg, w.params, *args)
     else:
-        hidden, cache, _ = model_decode_step(w.model.cfg, w.params, w.layers, *args)
+        hidden, cache, experts = model_decode_step(w.model.cfg, w.params, w.layers, *args)
     tokens, logprobs = draw(spec, prompts, w.model.logits(hidden).reshape(Q, Sq, -1), jnp.arange(Q)[:, None],
                             sl.row, sl.count)
     active = ~sl.done
     tokens = jnp.where(active, tokens, plan.pad_id)
     stopped = active & jnp.isin(tokens, plan.stops())
     rows = record(pool.rows, sl.row, sl.count, tokens, logprobs, stopped, active, pool.version)
+    if plan.routing:  # the fed token is the row's token count - 1
+        rows = record_routing(rows, sl.row, sl.count - 1, experts.reshape(Q, Sq, *experts.shape[1:]), active)
     count = sl.count + active
     slots = sl._replace(last=tokens, count=count, done=sl.done | stopped | (count >= N))
     if plan.interactive:  # a turn that ends holds its slot for the host
         done, held, full = turn_ends(plan, stopped, count, sl.turn_start)
         slots = slots._replace(done=sl.done | (active & done), held=sl.held | (active & held))
-        rows = rows._replace(finished=_mark(rows.finished, sl.row, active & full))
+        rows = rows._replace(finished=mark(rows.finished, sl.row, active & full))
     return pool._replace(clock=pool.clock + 1, slots=slots, rows=rows, cache=spec.pin("cache", cache))
 
 
@@ -263,7 +245,7 @@ def refill(spec: PoolSpec, prompts: PromptStore, pool: Pool, width: int) -> Pool
         done, held, full = turn_ends(plan, first_stop, jnp.ones_like(row), 0)
         slots = slots._replace(done=put(sl.done, done), held=put(sl.held, held),
                                turn_start=put(sl.turn_start, jnp.zeros_like(row)))
-        rows = rows._replace(finished=_mark(rows.finished, row, valid & full))
+        rows = rows._replace(finished=mark(rows.finished, row, valid & full))
     return pool._replace(pending=pool.pending + n, slots=slots, rows=rows, cache=spec.pin("cache", cache))
 
 
@@ -364,9 +346,9 @@ def decode(spec: PoolSpec, w: Weights, prompts: PromptStore, pool: Pool) -> Pool
     return pool
 
 
-def outputs(plan: Plan, pool: Pool, version=None) -> SampleOutput:
+def outputs(plan: Plan, pool: Pool, version=None, prompts: PromptStore | None = None) -> SampleOutput:
     """The rows, in order, as [R, ...] arrays. Without the interactive records, every token was drawn with the
-    params of `version`."""
+    params of `version`. A mixture of experts' rows carry their routing, their prompts' from `prompts`."""
     R, N = plan.rows, plan.max_new_tokens
     out = pool.rows
     lengths = out.lengths.reshape(R)
@@ -375,9 +357,15 @@ def outputs(plan: Plan, pool: Pool, version=None) -> SampleOutput:
         loss_mask, versions = out.drawn.reshape(R, N), out.version.reshape(R, N)
     else:
         loss_mask, versions = completion_mask, jnp.where(completion_mask, version, -1).astype(jnp.int32)
+    routing = prompt_routing = None
+    if plan.routing:
+        routing = out.routing.reshape(R, N, *out.routing.shape[3:])
+        rows = jnp.broadcast_to(jnp.arange(plan.rows_per_queue), (plan.queues, plan.rows_per_queue))
+        prompt = local_prompt(plan, prompts, jnp.arange(plan.queues)[:, None], rows)  # [Q, Rq]
+        prompt_routing = _pick(prompts.routing, prompt).reshape(R, *prompts.routing.shape[2:])
     return SampleOutput(tokens=out.tokens.reshape(R, N), logprobs=out.logprobs.reshape(R, N),
                         completion_mask=completion_mask, lengths=lengths, truncated=~out.stopped.reshape(R),
-                        loss_mask=loss_mask, version=versions)
+                        loss_mask=loss_mask, version=versions, routing=routing, prompt_routing=prompt_routing)
 
 
 def start(spec: PoolSpec, w: Weights, prompts, key, version) -> tuple[PromptStore, Pool]:
@@ -394,4 +382,4 @@ def sample(graphdef, params, prompts, key, version, *, spec: PoolSpec) -> Sample
     params' version, recorded with every token."""
     w = weights(graphdef, params, spec.plan)
     store, pool = start(spec, w, prompts, key, version)
-    return outputs(spec.plan, decode(spec, w, store, pool), version)
+    return outputs(spec.plan, decode(spec, w, store, pool), version, store)

@@ -45,8 +45,8 @@ import numpy as np
 
 from jgrpo.models.decode import DecodeCache, unstack_layers
 from jgrpo.models.llm import KVCache
-from jgrpo.sampling.pool import Pool, PoolSpec, PromptStore, SampleOutput
-from jgrpo.sampling.slot_pool import decode_chunk, draw, local_prompt, outputs, record, start, turn_ends, weights
+from jgrpo.sampling.pool import Pool, PoolSpec, PromptStore, SampleOutput, record, turn_ends
+from jgrpo.sampling.slot_pool import decode_chunk, draw, local_prompt, outputs, start, weights
 
 DECODING, PAUSED, DONE, EMPTY = "decoding", "paused", "done", "empty"
 
@@ -193,8 +193,12 @@ def _prefill_turn(spec, store: PromptStore, pool: Pool, w, slot, row, context: K
     mask = jnp.concatenate([prompt_mask, jnp.arange(N) < length])  # the row's context after the append, [P + N]
     positions = jnp.sum(prompt_mask, dtype=jnp.int32) + fed + jnp.arange(W)
     cache = jax.tree.map(lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, W), (0, 0), (0, 0))), context)  # room past the end
-    hidden, cache = w.model(feed[None], positions[None], jnp.concatenate([mask, jnp.zeros(W, bool)])[None], cache,
-                            P + fed)
+    hidden, cache, experts = w.model.routed(feed[None], positions[None],
+                                            jnp.concatenate([mask, jnp.zeros(W, bool)])[None], cache, P + fed)
+    if plan.routing:  # the experts of the fed tokens: the turn's last drawn token and the appended ids
+        fed_ids = jnp.where(jnp.arange(W) <= count, fed + jnp.arange(W), N)  # past them: dropped
+        rows = rows._replace(routing=rows.routing.at[q, row, fed_ids].set(experts[0].astype(rows.routing.dtype),
+                                                                          mode="drop"))
     context = KVCache(cache.k[:, :, :P + N], cache.v[:, :, :P + N])
     return _next_turn(spec, store, pool, rows, slot, row, length, w.model.logits(hidden[0, count]), mask, context,
                       version)
@@ -362,7 +366,7 @@ def finish_row(state: SlotState, row: int) -> SlotState:
 def drain(state: SlotState) -> tuple[np.ndarray, SampleOutput, SlotState]:
     """(row indices, their outputs as numpy [n, ...], the state with them marked drained): the complete rows not
     drained before, in row order."""
-    out = jax.device_get(outputs(state.spec.plan, state.pool))
+    out = jax.device_get(outputs(state.spec.plan, state.pool, prompts=state.store))
     complete = np.asarray(jax.device_get(state.pool.rows.finished)).reshape(-1) & ~state.drained
     rows = np.flatnonzero(complete)
     drained = state.drained | complete

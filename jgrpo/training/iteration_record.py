@@ -14,6 +14,9 @@ process computes the same numbers; only process 0 writes them. Names group into 
                               fraction of sampled tokens outside the trainer's truncated support; logged on
                               iterations whose first update runs at the behaviour params (every one when v = 1,
                               each refresh when v > 1)
+    moe/*                     a mixture of experts: routing_mismatch (share of top-k sets the trainer's router
+                              picks differently from the sampler's, when mismatch/* is logged), lp_mismatch (=
+                              mismatch/logprob_mean), expert_load_max (`rl.routing_replay`)
     loss/*                    loss, pg_loss, kl_loss, ratio_*, advantage_*, zero_variance_frac, grad_norm, ...,
                               empty_steps (updates with nothing in the loss)
     dynamic/*                 DAPO dynamic sampling (docs/algorithm.md §15): extra_rounds, prompts_sampled,
@@ -56,8 +59,12 @@ _SECTIONS = {
     "logprob_mismatch_mean": "mismatch/logprob_mean",
     "logprob_mismatch_max": "mismatch/logprob_max",
     "outside_support_frac": "mismatch/outside_support_frac",
+    "routing_mismatch": "moe/routing_mismatch",
+    "routing_count": "moe/routing_count",
+    "expert_load_max": "moe/expert_load_max",
 }
-_FIRST_UPDATE_ONLY = ("logprob_mismatch_mean", "logprob_mismatch_max", "mismatch_token_count", "outside_support_frac")
+_FIRST_UPDATE_ONLY = ("logprob_mismatch_mean", "logprob_mismatch_max", "mismatch_token_count", "outside_support_frac",
+                      "routing_mismatch", "routing_count")
 _STEP_FLAGS = ("empty", "lp_k_exact")  # read by the trainer and below, not logged as loss/*
 
 
@@ -105,6 +112,8 @@ def _update_means(update_metrics: list[dict], behaviour_is_current: bool) -> dic
         bounded = [m for m in update_metrics if m["bound_row_count"] > 0]
         without_tv_k = np.mean([float(m["lower_bound"]) + 2 * float(m["tv_k_alpha"]) for m in bounded])
         record["theorem1/lower_bound"] = float(without_tv_k - 2 * record["theorem1/tv_k_alpha"])
+    if "moe/routing_mismatch" in record and "mismatch/logprob_mean" in record:
+        record["moe/lp_mismatch"] = record["mismatch/logprob_mean"]  # beside the routing it comes from
     return record
 
 

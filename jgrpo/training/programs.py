@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import jax
 
-from jgrpo.config import Config
+from jgrpo.config import Config, ConfigError
 from jgrpo.parallel.mesh import TRAIN_RULES, Rules
 from jgrpo.rollout.sampling_weights import sampling_copy
 from jgrpo.training.optimizer import learning_rate_schedule, make_optimizer
@@ -26,10 +26,14 @@ def step_functions(config: Config, *, graphdef, params, mesh, method, iterations
     options = StepOptions(grpo=g, method=method, logprob_chunk=m.logprob_chunk,
                           new_tokens=config.completion_tokens, share_prompts=m.share_prompts,
                           skip_empty_steps=config.optim.skip_empty_steps,
-                          reward_weights=config.reward.component_weights(), on_policy=config.samples_on_policy)
+                          reward_weights=config.reward.component_weights(), on_policy=config.samples_on_policy,
+                          routing_replay=m.routing_replay == "rollout")
     steps = StepFunctions(graphdef=graphdef, params=params, frozen=frozen, mesh=mesh, rules=rules,
                           optimizer=make_optimizer(config.optim, total_updates), options=options)
     steps.check_rows(config.data.batch_size * g.num_generations)
+    if m.routing_replay == "rollout" and not steps.num_experts:
+        raise ConfigError(f"model.routing_replay=rollout replays a mixture of experts' routing, but {m.name} is a "
+                          "dense model (no experts); set model.routing_replay: none")
     # Jitted: the trainer reads an iteration's rates from it (optim/lr), one compiled call each.
     return steps, jax.jit(learning_rate_schedule(config.optim, total_updates))
 

@@ -44,6 +44,7 @@ from jgrpo.rl.corrections import m2po_drop
 from jgrpo.rl.diagnostics import extreme_kind, finalize_metrics
 from jgrpo.rl.logprobs import token_logprobs
 from jgrpo.rl.objectives import grpo_loss, step_has_signal, step_normaliser
+from jgrpo.rl.routing_replay import routing_metrics, sampler_ran, sequence_routing
 from jgrpo.sampling.methods import SamplingMethod
 from jgrpo.sampling.pool import SampleOutput
 
@@ -89,6 +90,9 @@ class StepBatch(NamedTuple):
     lp_k: jax.Array | None = None  # [C, r, N] float32
     lp_ref: jax.Array | None = None  # [C, r, N] float32
     m2po_drop: jax.Array | None = None  # [C, r, N] bool: the tokens M2PO drops (`corrections.m2po_drop`)
+    # [C, r, P+N-1, L, k] uint8 / int16 (a mixture of experts): the experts the sampler ran each input position through
+    # (`rl.routing_replay`); replayed by every forward with `routing_replay`, else only compared with.
+    routing: jax.Array | None = None
 
 
 def _stack_sum(metrics: dict[str, jax.Array]) -> dict[str, jax.Array]:
@@ -123,6 +127,7 @@ class StepOptions(NamedTuple):
     skip_empty_steps: bool = True  # a step with nothing in the loss changes nothing
     reward_weights: tuple[float, ...] | None = None  # of the reward table's columns (per-reward advantages)
     on_policy: bool | None = None  # the sampling params are always pi_k (`Config.samples_on_policy`)
+    routing_replay: bool = False  # a mixture of experts' forwards use the sampler's experts (`model.routing_replay`)
 
 
 class StepFunctions:
@@ -142,6 +147,7 @@ class StepFunctions:
         self.reward_weights = o.reward_weights  # of the reward table's columns (per-reward advantages only)
         self.method, self.chunk, self.new_tokens = o.method, o.logprob_chunk, o.new_tokens
         self.share_prompts, self.skip_empty_steps, self.rules = o.share_prompts, o.skip_empty_steps, rules
+        self.routing_replay = o.routing_replay
         self.chunks = grpo.num_minibatches * grpo.micro_batches
         self.lp_k_source = lp_k_source(grpo, o.on_policy)
         # Log-probs shard the vocabulary over the axes that shard the weights (`token_logprobs`): rows over the
@@ -156,6 +162,7 @@ class StepFunctions:
             transform_non_params=lambda _: replicated(mesh),
         )
         cfg = model_config(graphdef, join_adapters(params, frozen))
+        self.num_experts = cfg.num_experts
         # The reference of a LoRA run is the base alone: the same model without adapter leaves.
         self.base_graphdef = abstract_model(without_lora(cfg))[0] if cfg.lora_rank else None
         # Programs that run the model are traced in the mesh context where the attention kernel needs it.
@@ -243,6 +250,10 @@ class StepFunctions:
         def chunked(x):  # [R, ...] -> [C, R/C, ...]
             return self._rows(x.reshape((C, R // C) + x.shape[1:]))
 
+        routing = None
+        if samples.routing is not None:
+            routing = chunked(sequence_routing(samples.prompt_routing, samples.routing, prompt_tokens.shape[1]))
+
         batch = StepBatch(
             inputs=chunked(seq[:, :-1]),
             input_mask=chunked(mask[:, :-1]),
@@ -251,29 +262,36 @@ class StepFunctions:
             completion_mask=chunked(samples.loss_mask),
             lp_alpha=chunked(samples.logprobs.astype(jnp.float32)),
             adv=GroupAdvantages(*(chunked(x) for x in adv)),
+            routing=routing,
         )
         return batch, adv
 
     # -------------------------------------------------------------- log-probs
 
-    def _predicting_states(self, model, inputs, input_mask, positions, new_tokens: int) -> jax.Array:
-        """[r, N, D]: the hidden states at slots P-1 ... P+N-2, which predict completion tokens 0 ... N-1."""
+    def _predicting_states(self, model, micro: StepBatch, new_tokens: int):
+        """(the hidden states at slots P-1 ... P+N-2 [r, N, D], which predict completion tokens 0 ... N-1; the
+        experts the router picks at every input position [r, P+N-1, L, k], None for a dense model). With routing
+        replay the forward sends each token to `micro.routing`'s experts instead."""
+        inputs, input_mask, positions = micro.inputs, micro.input_mask, micro.positions
+        replay = micro.routing if self.routing_replay else None
         rows, P = inputs.shape[0], inputs.shape[1] + 1 - new_tokens
         G = self.grpo.num_generations
         if self.share_prompts and G > 1 and rows % G == 0 and new_tokens > 1:
             def first_of_group(x):  # [r, ...] -> [r/G, ...]: the group's shared prompt
-                return x[:, :P].reshape(rows // G, G, P)[:, 0]
+                return x[:, :P].reshape(rows // G, G, P, *x.shape[2:])[:, 0]
 
-            prompt, completion, _ = forward_shared_prompts(model, first_of_group(inputs),
-                                                           first_of_group(input_mask), inputs[:, P:],
-                                                           input_mask[:, P:], positions[:, P:])
-            return jnp.concatenate([jnp.repeat(prompt[:, -1:], G, axis=0), completion], axis=1)
-        hidden, _ = model(inputs, positions, input_mask)  # [r, P+N-1, D]
-        return hidden[:, P - 1 :]
+            prompt, completion, chosen = forward_shared_prompts(
+                model, first_of_group(inputs), first_of_group(input_mask), inputs[:, P:], input_mask[:, P:],
+                positions[:, P:], None if replay is None else (first_of_group(replay), replay[:, P:]))
+            if chosen is not None:
+                chosen = jnp.concatenate([jnp.repeat(chosen[0], G, axis=0), chosen[1]], axis=1)
+            return jnp.concatenate([jnp.repeat(prompt[:, -1:], G, axis=0), completion], axis=1), chosen
+        hidden, _, chosen = model.routed(inputs, positions, input_mask, routing=replay)  # [r, P+N-1, D]
+        return hidden[:, P - 1 :], chosen
 
-    def _sequence_logprobs(self, params, inputs, input_mask, positions, targets, *, kind: str = "sampled",
-                           with_kl: bool = False):
-        """Per-token [r, N] log-probs of `targets` under `params` (docs/algorithm.md §6).
+    def _sequence_logprobs(self, params, micro: StepBatch, *, kind: str = "sampled", with_kl: bool = False):
+        """Per-token [r, N] log-probs of `micro.targets` under `params` (docs/algorithm.md §6), and for a mixture
+        of experts the routing metrics of the forward (`rl.routing_replay`; else an empty dict).
 
         kind "sampled": (lp, entropy) under the sampling method's distribution (truncated like the sampler's),
         plus, `with_kl` and a truncating method, the untruncated tempered log-probs for the KL term.
@@ -281,7 +299,8 @@ class StepFunctions:
         """
         adapters = any(is_adapter(name) for name in params["layers"])
         model = merge_model(self.graphdef if adapters or self.base_graphdef is None else self.base_graphdef, params)
-        hidden = self._predicting_states(model, inputs, input_mask, positions, targets.shape[1])
+        targets = micro.targets
+        hidden, chosen = self._predicting_states(model, micro, targets.shape[1])
         tempered = self.method.tempered_logprobs
         process = tempered if kind == "kl" else self.method.process_logits
         untruncated = tempered if kind == "sampled" and with_kl and self.method.truncates else None
@@ -290,18 +309,19 @@ class StepFunctions:
         shapes = (unembedding.shape, (hidden.shape[0], self.chunk, unembedding.shape[1]))
         vocab_parallel = tuple(NamedSharding(self.mesh, logical_to_spec(names, rules, shape, self.mesh))
                                for names, shape in zip((table, logits), shapes, strict=True))
-        return token_logprobs(hidden, unembedding, targets, chunk=self.chunk, process_logits=process,
-                              untruncated=untruncated, compute_dtype=model.cfg.compute_dtype,
-                              vocab_parallel=vocab_parallel)
+        logprobs = token_logprobs(hidden, unembedding, targets, chunk=self.chunk, process_logits=process,
+                                  untruncated=untruncated, compute_dtype=model.cfg.compute_dtype,
+                                  vocab_parallel=vocab_parallel)
+        routing = {}
+        if chosen is not None and micro.routing is not None:
+            P = micro.inputs.shape[1] + 1 - targets.shape[1]
+            ran = sampler_ran(micro.input_mask, micro.completion_mask[:, -1], P)
+            routing = routing_metrics(chosen, micro.routing, ran, self.num_experts, self.routing_replay)
+        return logprobs, routing
 
     def _all_logprobs(self, params, batch: StepBatch, kind: str):
         """[C, r, N] log-probs of every chunk (one chunk at a time: the memory of one micro-batch)."""
-
-        def one(xs):
-            inputs, input_mask, positions, targets = xs
-            return self._sequence_logprobs(params, inputs, input_mask, positions, targets, kind=kind)[0]
-
-        return self._rows(jax.lax.map(one, (batch.inputs, batch.input_mask, batch.positions, batch.targets)))
+        return self._rows(jax.lax.map(lambda micro: self._sequence_logprobs(params, micro, kind=kind)[0][0], batch))
 
     def _m2po_mask(self, batch: StepBatch) -> jax.Array:
         """[C, r, N] bool: M2PO's dropped tokens, decided over the whole batch (needs `batch.lp_k`)."""
@@ -324,8 +344,8 @@ class StepFunctions:
 
     def _loss(self, params, micro: StepBatch, norm, first_update, frozen=None):
         with_kl = self.grpo.beta > 0
-        lp, entropy, *lp_kl = self._sequence_logprobs(join_adapters(params, frozen), micro.inputs, micro.input_mask,
-                                                      micro.positions, micro.targets, with_kl=with_kl)
+        (lp, entropy, *lp_kl), routing = self._sequence_logprobs(join_adapters(params, frozen), micro,
+                                                                 with_kl=with_kl)
         own = jax.lax.stop_gradient(lp)
         if self.lp_k_source == "computed":
             later = micro.lp_k
@@ -336,9 +356,10 @@ class StepFunctions:
         lp_k = jnp.where(first_update, own, later)
         # lp itself stands in for the trainer's behaviour log-probs: the host keeps that mismatch metric only
         # for updates where the current params are the behaviour params (first update after a refresh).
-        return grpo_loss(lp, micro.lp_alpha, lp_k, micro.lp_ref, micro.adv, micro.completion_mask, norm, self.grpo,
-                         entropy=entropy, lp_behaviour_trainer=lp, lp_kl=lp_kl[0] if lp_kl else None,
-                         m2po_drop=micro.m2po_drop)
+        loss, metrics = grpo_loss(lp, micro.lp_alpha, lp_k, micro.lp_ref, micro.adv, micro.completion_mask, norm,
+                                  self.grpo, entropy=entropy, lp_behaviour_trainer=lp,
+                                  lp_kl=lp_kl[0] if lp_kl else None, m2po_drop=micro.m2po_drop)
+        return loss, {**metrics, **routing}
 
     def _train_step(self, params, opt_state, batch: StepBatch, minibatch, first_update, frozen=None):
         """One optimiser step on minibatch `minibatch` (traced), accumulating gradients over its micro-batches.

@@ -93,11 +93,13 @@ def test_a_mixture_of_experts_routes_and_replays_as_the_full_rows():
     np.testing.assert_array_equal(completion_ids[completion_mask], routing[:, P:][completion_mask])
     # Replaying other experts (every layer takes the next layer's) gives what the full rows give with them.
     other = jnp.roll(routing, 1, axis=2)
-    replayed_full, _, _ = model.routed(seq, positions, mask, routing=other)
+    replayed_full, _, chosen_full = model.routed(seq, positions, mask, routing=other)
     _, replayed, (_, replayed_ids) = forward_shared_prompts(
         model, prompt_tokens, prompt_mask, tokens, completion_mask, positions[:, P:],
         routing=(other[::G, :P], other[:, P:]))
-    np.testing.assert_array_equal(replayed_ids, other[:, P:])
+    # Both return what their router picks under the replay (the replay's overrides are where it differs from other).
+    np.testing.assert_array_equal(replayed_ids[completion_mask], chosen_full[:, P:][completion_mask])
+    assert (replayed_ids[completion_mask] != other[:, P:][completion_mask]).any()
     np.testing.assert_allclose(replayed[completion_mask], replayed_full[:, P:][completion_mask], atol=1e-5, rtol=0)
     assert float(jnp.abs(replayed - completion)[completion_mask].max()) > 1e-3
 

@@ -1,5 +1,8 @@
-"""GRPO on the tiny random Qwen3-MoE (configs/tiny_moe.yaml): the router learns, sampler and trainer agree in
-float32, and LoRA adapts attention only (experts and router bit for bit unchanged)."""
+"""GRPO on the tiny random Qwen3-MoE (configs/tiny_moe.yaml): the router learns under routing replay, sampler and
+trainer agree in float32, a replayed run resumes bit for bit, and LoRA adapts attention only (experts and router bit
+for bit unchanged)."""
+
+import json
 
 import jax
 import numpy as np
@@ -20,19 +23,37 @@ def _host(tree):
     return jax.tree.map(np.asarray, jax.device_get(tree))
 
 
-def test_full_training_moves_router_and_experts_and_sampler_matches_trainer(tmp_path):
-    trainer = Trainer(_config(tmp_path))
+def _train(run_dir, iterations, *overrides):
+    trainer = Trainer(_config(run_dir, "model.routing_replay=rollout", "grpo.behaviour_refresh=2",
+                              "grpo.num_minibatches=2", f"run.iterations={iterations}", "checkpoint.every=1",
+                              *overrides))
     try:
-        before = _host(trainer.state.params["layers"])
-        records = [trainer.train_iteration()]
-        after = _host(trainer.state.params["layers"])
+        assert trainer.run() == "done"
+        return _host((trainer.state.params, trainer.state.opt_state, trainer.state.behaviour))
     finally:
         trainer.close()
-    assert any(r["loss/grad_norm"] > 0 for r in records)
-    for name in ("router", "experts_gate", "experts_up", "experts_down", "q"):
-        assert not np.array_equal(before[name], after[name]), name  # gradients reach the router through the gates
-    for r in records:  # float32: the sampler's decode and the trainer's forward route every token alike
-        assert r["mismatch/logprob_max"] < 1e-5, r["mismatch/logprob_max"]
+
+
+def test_replayed_training_moves_the_router_matches_the_sampler_and_resumes_bit_for_bit(tmp_path):
+    # v = 2: iteration 2 samples with the behaviour copy saved at iteration 1 and replays its routing.
+    straight = _train(tmp_path / "straight", 2)
+    _, initial, _ = load_model("tiny-random-qwen3-moe")
+    for name in ("router", "experts_gate", "experts_up", "experts_down", "q"):  # the router learns through the gates
+        assert not np.array_equal(np.asarray(initial["layers"][name]), straight[0]["layers"][name]), name
+    first = [json.loads(line) for line in (tmp_path / "straight" / "metrics.jsonl").open()][0]
+    assert first["loss/grad_norm"] > 0
+    # Float32: replayed, the trainer's forward gives the sampler's log-probs; its router agrees everywhere.
+    assert first["moe/lp_mismatch"] <= 1e-5 and first["mismatch/logprob_max"] < 1e-5
+    assert first["moe/routing_mismatch"] == 0 and first["moe/routing_count"] > 0 and first["moe/expert_load_max"] >= 1
+    _train(tmp_path / "resumed", 1)
+    resumed = _train(tmp_path / "resumed", 2)
+    for a, b in zip(jax.tree.leaves(straight), jax.tree.leaves(resumed), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_routing_replay_on_a_dense_model_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="model.routing_replay=rollout .* tiny-random-llama is a dense model"):
+        Trainer(tiny_config(tmp_path, "model.routing_replay=rollout", *QUIET))
 
 
 def test_lora_adapts_attention_and_leaves_experts_and_router_untouched(tmp_path):

@@ -42,8 +42,10 @@ from tests.helpers import EVEN_PARITY_REWARD, tiny_config
     pytest.param(["env.name=calculator", "env.turn_prefix=<tool_call>", "env.max_turns=2", "env.max_total_tokens=64",
                   "env.max_append_tokens=40", "env.num_workers=0", "data.max_prompt_length=384",
                   "sampler.prompt_bucket=64", "grpo.behaviour_refresh=2"], id="multi_turn_v2"),
-    # A mixture of experts (the tiny Qwen3-MoE): routing changes from iteration to iteration, shapes do not.
-    pytest.param(["model.name=tiny-random-qwen3-moe"], id="moe"),
+    # A mixture of experts (the tiny Qwen3-MoE): routing changes from iteration to iteration, shapes do not; the
+    # sampler's routing replayed in every forward, off-policy (the behaviour copy's routing).
+    pytest.param(["model.name=tiny-random-qwen3-moe", "model.routing_replay=rollout", "grpo.behaviour_refresh=2"],
+                 id="moe_replay_v2"),
     # The sampler on devices 0-3, the trainer on 4-7: the behaviour copy crosses sub-meshes at each refresh.
     pytest.param(["mesh.rollout_devices=4", "grpo.behaviour_refresh=2"], id="split_placement_v2"),
 ])

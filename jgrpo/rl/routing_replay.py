@@ -1,0 +1,62 @@
+"""Routing replay (R3) for mixture-of-experts policies: the trainer's forwards use the experts the sampler used.
+
+A top-k router is a discontinuous function of its input: the sampler's forward (a decode step, one token against a
+cache) and the trainer's (a whole sequence at once, other matmul shapes) round differently, and where two experts'
+probabilities are within that rounding of each other the token goes to another expert. The trainer then scores a
+different network than the one that sampled, and the importance ratio pi_theta / alpha measures routing noise,
+not a policy change. The sampler records the experts of every position it runs (`SampleOutput.routing`,
+`prompt_routing`); with `model.routing_replay: rollout` every trainer forward (the reference's log-probs, pi_k's,
+the update) sends each token to those experts, with gates from the trainer's router at those ids, so gradients
+still reach the router (`models.moe.route`). docs/algorithm.md §16 says what this means off-policy.
+
+Here: the record laid out as the trainer's input sequence, and what the update logs about it:
+    routing_mismatch   share of (position, layer) top-k sets the trainer's router would choose differently from the
+                       record (with replay: where replay overrode it), over the positions the sampler ran
+    expert_load_max    the most loaded expert's tokens over the mean, in the worst layer (1 = even load), of the
+                       experts that ran in the update's forward
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+
+def sequence_routing(prompt_routing, routing, prompt_width: int):
+    """[R, P + N - 1, L, k] (the record's dtype): the recorded experts of the trainer's input positions [prompt | completion but
+    its last token]. `prompt_routing` [R, Ps, L, k] is left-padded to the sampler's prompt width Ps, which may
+    differ from the trainer's `prompt_width` P (another batch widened the run's prompts since): the real tokens
+    are the last ones either way, so the record is right-aligned to P."""
+    Ps = prompt_routing.shape[1]
+    if Ps >= prompt_width:
+        prompt_routing = prompt_routing[:, Ps - prompt_width:]
+    else:
+        prompt_routing = jnp.pad(prompt_routing, ((0, 0), (prompt_width - Ps, 0), (0, 0), (0, 0)))
+    return jnp.concatenate([prompt_routing, routing[:, :-1]], axis=1)
+
+
+def sampler_ran(input_mask, last_target_mask, prompt_width: int):
+    """[r, T] bool: the input positions the sampler's forward ran (and recorded): every real prompt token and every
+    completion token but a row's last (drawn and never fed). `last_target_mask` [r]: the row's last completion
+    slot (N - 1) holds a token, so the last input position was fed."""
+    T = input_mask.shape[1]
+    next_real = jnp.concatenate([input_mask[:, 1:], last_target_mask[:, None]], axis=1)
+    return input_mask & ((jnp.arange(T) < prompt_width) | next_real)
+
+
+def routing_metrics(chosen, recorded, ran, num_experts: int, replayed: bool) -> dict:
+    """Sums for the update's metrics (`rl.diagnostics.finalize_metrics`): `chosen` [r, T, L, k] the trainer router's
+    top k, `recorded` [r, T, L, k] the sampler's, `ran` [r, T] the positions both cover; the experts that ran in
+    the forward are the recorded ones when `replayed`, else the trainer's own."""
+    differs = jnp.any(jnp.sort(chosen, axis=-1) != jnp.sort(recorded, axis=-1), axis=-1)  # [r, T, L]
+    weight = jnp.broadcast_to(ran.astype(jnp.float32)[..., None], differs.shape)
+    return {"routing_mismatch_count": jnp.sum(differs * weight), "routing_count": jnp.sum(weight),
+            "expert_tokens": expert_tokens(recorded if replayed else chosen, ran, num_experts)}
+
+
+def expert_tokens(experts, ran, num_experts: int):
+    """[L, E] float32: the tokens each expert of each layer got, over the positions `ran` [r, T]."""
+    L, k = experts.shape[2:]
+    flat = jnp.moveaxis(experts, 2, 0).reshape(L, -1)  # [L, r*T*k]
+    weight = jnp.broadcast_to(ran[..., None], ran.shape + (k,)).reshape(-1).astype(jnp.float32)
+    return jnp.zeros((L, num_experts), jnp.float32).at[jnp.arange(L)[:, None], flat].add(weight[None, :])
+
