@@ -40,7 +40,7 @@ def programs(k: int):
     """{impl: (train step: forward + backward, forward only)}, jitted."""
 
     def loss(h, p, impl):
-        out, _ = moe_mlp(h, p, k=k, norm_topk_prob=True, impl=impl)
+        out, _, _ = moe_mlp(h, p, k=k, norm_topk_prob=True, impl=impl)
         return jnp.mean(out.astype(jnp.float32) ** 2)
 
     def forward(h, p, impl):

@@ -53,6 +53,11 @@ class ModelConfig:
     # forward chose (routing replay, R3; docs/algorithm.md §16); none = the trainer's router decides. A dense
     # model with rollout is a config error.
     routing_replay: Literal["none", "rollout"] = "none"
+    # Mixture-of-experts models: the router's load-balance loss (transformers' load_balancing_loss_func, k at an
+    # even load) and z loss (mean logsumexp^2 of its logits) are added to the loss with these weights; 0 (off) for
+    # RL, whatever the model's config.json says for pretraining. Logged either way (moe/aux_loss, moe/z_loss).
+    router_aux_loss_coef: float = 0.0
+    router_z_loss_coef: float = 0.0
     # Tokens per chunk when computing log-probs from hidden states (never materialise [B, T, V]).
     logprob_chunk: int = 256
     # Trainer forward/backward: compute each prompt once for its G completions instead of once per row
@@ -62,6 +67,8 @@ class ModelConfig:
 
     def __post_init__(self):
         _check(self.logprob_chunk > 0, "model.logprob_chunk", self.logprob_chunk, "a positive integer")
+        for name in ("router_aux_loss_coef", "router_z_loss_coef"):
+            _check(getattr(self, name) >= 0, f"model.{name}", getattr(self, name), "a number >= 0 (0 = off)")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

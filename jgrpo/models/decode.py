@@ -123,7 +123,7 @@ def _layer_step(cfg, p, x, cos, sin, allowed, k_segments, v_segments, chunk, off
 
     read_k, read_v = (tuple(map(read, segments[:visible + 1])) for segments in (k_segments, v_segments))
     attended = _attend_one(q, read_k, read_v, allowed)
-    x, ids = layer_output(cfg, p, x, attended)
+    x, ids, _ = layer_output(cfg, p, x, attended)
     return x, tuple(k_segments), tuple(v_segments), None if ids is None else ids[:, 0]
 
 

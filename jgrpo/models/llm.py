@@ -278,9 +278,11 @@ def layer_qkv(cfg: LLMConfig, p: dict, x: jax.Array, cos, sin):
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
-def layer_output(cfg: LLMConfig, p: dict, x: jax.Array, attended: jax.Array, routing: jax.Array | None = None):
-    """(the residual stream after a layer, its experts [B, T, k] or None for a dense MLP), given the attention
-    output [B, T, H, Dh]: o-projection, then the MLP. `routing` [B, T, k]: a mixture of experts replays these."""
+def layer_output(cfg: LLMConfig, p: dict, x: jax.Array, attended: jax.Array, routing: jax.Array | None = None,
+                 token_mask: jax.Array | None = None):
+    """(the residual stream after a layer, its router's experts [B, T, k] and `moe.RouterStats` over the tokens of
+    `token_mask` [B, T] (None and None for a dense MLP)), given the attention output [B, T, H, Dh]: o-projection,
+    then the MLP. `routing` [B, T, k]: a mixture of experts replays these."""
     with jax.named_scope("attention"):
         x = x + project(cfg, p, "o", attended)
         if cfg.o_bias:
@@ -288,10 +290,11 @@ def layer_output(cfg: LLMConfig, p: dict, x: jax.Array, attended: jax.Array, rou
     with jax.named_scope("mlp"):
         h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
         if cfg.num_experts:
-            out, ids = moe_mlp(h, p, k=cfg.experts_per_token, norm_topk_prob=cfg.norm_topk_prob, impl=cfg.moe_impl,
-                               ids=routing)
-            return x + out, ids
-        return x + project(cfg, p, "down", jax.nn.silu(project(cfg, p, "gate", h)) * project(cfg, p, "up", h)), None
+            out, ids, stats = moe_mlp(h, p, k=cfg.experts_per_token, norm_topk_prob=cfg.norm_topk_prob,
+                                      impl=cfg.moe_impl, ids=routing, token_mask=token_mask)
+            return x + out, ids, stats
+        mlp = project(cfg, p, "down", jax.nn.silu(project(cfg, p, "gate", h)) * project(cfg, p, "up", h))
+        return x + mlp, None, None
 
 
 def with_remat(fn, policy: str):
@@ -348,9 +351,11 @@ class LLM(nnx.Module):
         hidden, cache, _ = self.routed(tokens, positions, kv_mask, cache, cache_index, routing)
         return hidden, cache
 
-    def routed(self, tokens, positions, kv_mask, cache=None, cache_index=None, routing=None):
+    def routed(self, tokens, positions, kv_mask, cache=None, cache_index=None, routing=None, router_stats=False):
         """`__call__` that also returns the experts the router picks for each token, [B, T, L, k] int32 (its top k,
-        also where `routing` replayed others: the difference is the replay's work), or None for a dense model."""
+        also where `routing` replayed others: the difference is the replay's work), or None for a dense model.
+        `router_stats`: a fourth value, each layer's `moe.RouterStats` ([L, ...]) over the real tokens (without a
+        cache; with one, over every token), for the router losses."""
         cfg = self.cfg
         cdt = jnp.dtype(cfg.compute_dtype)
         B, T = tokens.shape
@@ -390,15 +395,16 @@ class LLM(nnx.Module):
                     jax.lax.dynamic_update_slice(cache.v, v[None].astype(cache.v.dtype), start),
                 )
                 k, v = cache.k[index].astype(cdt), cache.v[index].astype(cdt)  # [B, S, KVH, Dh]
-            x, ids = layer_output(cfg, p, x, attend(q, k, v), replay)
-            return (x, cache), ids
+            x, ids, stats = layer_output(cfg, p, x, attend(q, k, v), replay, kv_mask if cache is None else None)
+            return (x, cache), (ids, stats)
 
         layer = with_remat(layer, cfg.remat)
         replay = None if routing is None else jnp.moveaxis(routing, 2, 0)  # per layer, [L, B, T, k]
         xs = (self.layers.arrays(), jnp.arange(cfg.num_layers), replay)
-        (x, cache), ids = jax.lax.scan(layer, (x, cache), xs)
+        (x, cache), (ids, stats) = jax.lax.scan(layer, (x, cache), xs)
         ids = None if ids is None else jnp.moveaxis(ids, 0, 2)  # [B, T, L, k]
-        return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps), cache, ids
+        hidden = rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)
+        return (hidden, cache, ids, stats) if router_stats else (hidden, cache, ids)
 
 
 def split_model(model: LLM) -> tuple[nnx.GraphDef, dict]:

@@ -23,6 +23,8 @@ Pallas grouped matmul lands). benchmarks/moe.py measures the choices side by sid
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
@@ -118,15 +120,55 @@ def _combine(y_sorted, order, gates, M: int, k: int):
 IMPLEMENTATIONS = {"sorted_tiles": _sorted_tiles, "ragged": _ragged, "dense": _dense}
 
 
-def moe_mlp(h: jax.Array, p: dict, *, k: int, norm_topk_prob: bool, impl: str, ids: jax.Array | None = None):
+class RouterStats(NamedTuple):
+    """A router over a set of tokens, as sums (so layers, streams and micro-batches add up): what the load-balance
+    and z losses are computed from (`router_losses`)."""
+
+    assignments: jax.Array  # [..., E] float32 the (token, expert) assignments that ran (under replay: replayed)
+    probability: jax.Array  # [..., E] float32 the router's softmax probabilities, summed over the tokens
+    z: jax.Array  # [...] float32 logsumexp(router logits)^2, summed over the tokens
+    tokens: jax.Array  # [...] float32 the tokens counted
+
+    def scaled(self, factor) -> RouterStats:
+        return RouterStats(*(x * factor for x in self))
+
+    def __add__(self, other: RouterStats) -> RouterStats:  # noqa: D105 - stats of two token sets
+        return RouterStats(*(a + b for a, b in zip(self, other, strict=True)))
+
+
+def router_stats(logits, used, token_mask) -> RouterStats:
+    """Stats of router `logits` [M, E] float32 with experts `used` [M, k] over the tokens of `token_mask` [M]."""
+    weight = token_mask.astype(jnp.float32)
+    probs = jax.nn.softmax(logits, axis=-1)
+    assignments = jnp.zeros(logits.shape[-1], jnp.float32).at[used.reshape(-1)].add(
+        jnp.repeat(weight, used.shape[-1]))
+    return RouterStats(assignments, jnp.sum(probs * weight[:, None], axis=0),
+                       jnp.sum(jnp.square(jax.nn.logsumexp(logits, axis=-1)) * weight), jnp.sum(weight))
+
+
+def router_losses(stats: RouterStats) -> tuple[jax.Array, jax.Array]:
+    """(load-balance loss, z loss) of every layer's tokens pooled (any leading axes are summed). Load balance as
+    transformers' `load_balancing_loss_func`: E * sum_e (assignments_e / T) (probability_e / T), k at an even load;
+    its gradient reaches the router through the probabilities. z loss (ST-MoE): the mean of logsumexp^2."""
+    E = stats.assignments.shape[-1]
+    tokens = jnp.maximum(jnp.sum(stats.tokens), 1.0)
+    assignments = jnp.sum(stats.assignments.reshape(-1, E), axis=0)
+    probability = jnp.sum(stats.probability.reshape(-1, E), axis=0)
+    return E * jnp.sum(assignments * probability) / tokens**2, jnp.sum(stats.z) / tokens
+
+
+def moe_mlp(h: jax.Array, p: dict, *, k: int, norm_topk_prob: bool, impl: str, ids: jax.Array | None = None,
+            token_mask: jax.Array | None = None):
     """The MoE block on h [B, T, D] with a layer's weights `p` (router [D, E], experts_gate / experts_up
-    [E, D, F], experts_down [E, F, D]): (output [B, T, D], the router's top-k experts [B, T, k]). `ids`
-    [B, T, k]: replay these experts instead of the router's top k (`route`); what is returned is still the
-    router's own choice, so a caller can count where replay overrode it."""
+    [E, D, F], experts_down [E, F, D]): (output [B, T, D], the router's top-k experts [B, T, k], its
+    `RouterStats` over the tokens of `token_mask` [B, T] (default all)). `ids` [B, T, k]: replay these experts
+    instead of the router's top k (`route`); what is returned is still the router's own choice, so a caller can
+    count where replay overrode it."""
     B, T, D = h.shape
     x = h.reshape(B * T, D)
     replay = None if ids is None else ids.reshape(B * T, k).astype(jnp.int32)
     used, gates, logits = route(x, p["router"], k, norm_topk_prob, replay)
     y = IMPLEMENTATIONS[impl](x, used, gates, p["experts_gate"], p["experts_up"], p["experts_down"])
     chosen = used if replay is None else jax.lax.top_k(jax.nn.softmax(logits, axis=-1), k)[1]
-    return y.reshape(B, T, D), chosen.reshape(B, T, k)
+    mask = jnp.ones(B * T, bool) if token_mask is None else token_mask.reshape(B * T)
+    return y.reshape(B, T, D), chosen.reshape(B, T, k), router_stats(logits, used, mask)

@@ -31,9 +31,12 @@ def forward_shared_prompts(
     completion_mask: jax.Array,  # [R, N] bool
     completion_positions: jax.Array,  # [R, N] int32: the real prompt length of the row's prompt + j
     routing: tuple[jax.Array, jax.Array] | None = None,  # MoE replay: experts [Bp, P, L, k] and [R, N, L, k]
-) -> tuple[jax.Array, jax.Array, tuple[jax.Array, jax.Array] | None]:
+    router_stats: bool = False,
+):
     """Hidden states after the final norm: (prompt [Bp, P, D], completion [R, N, D]), and for a mixture of
-    experts the experts of both streams' tokens ([Bp, P, L, k], [R, N, L, k]; `routing` replayed), else None.
+    experts the experts the router picks for both streams' tokens ([Bp, P, L, k], [R, N, L, k]; where `routing`
+    replayed others too), else None. `router_stats`: a fourth value, each layer's `moe.RouterStats` over the real
+    tokens, each prompt token counted G times (as in the full rows).
 
     The same numbers as `model.routed(concat(repeat(prompt, G), completion), ...)` sliced into the two parts.
     """
@@ -58,14 +61,19 @@ def forward_shared_prompts(
         qc, kc, vc = layer_qkv(cfg, p, xc, *completion_rope)
         keys = jnp.concatenate([jnp.repeat(kp, G, axis=0), kc], axis=1)  # [R, P + N, KVH, Dh]
         values = jnp.concatenate([jnp.repeat(vp, G, axis=0), vc], axis=1)
-        xp, ids_p = layer_output(cfg, p, xp, causal_attention(cfg.attention, qp, kp, vp, prompt_mask), replay_p)
-        xc, ids_c = layer_output(cfg, p, xc, causal_attention(cfg.attention, qc, keys, values, completion_valid),
-                                 replay_c)
-        return (xp, xc), None if ids_p is None else (ids_p, ids_c)
+        xp, ids_p, stats_p = layer_output(cfg, p, xp, causal_attention(cfg.attention, qp, kp, vp, prompt_mask),
+                                          replay_p, prompt_mask)
+        xc, ids_c, stats_c = layer_output(cfg, p, xc, causal_attention(cfg.attention, qc, keys, values,
+                                                                       completion_valid), replay_c, completion_mask)
+        if ids_p is None:
+            return (xp, xc), None
+        return (xp, xc), ((ids_p, ids_c), stats_p.scaled(G) + stats_c)
 
     carry = (jnp.take(embed, prompt_tokens, axis=0).astype(cdt), jnp.take(embed, completion_tokens, axis=0).astype(cdt))
     per_layer = (None, None) if routing is None else tuple(jnp.moveaxis(r, 2, 0) for r in routing)  # [L, ...]
-    (xp, xc), ids = jax.lax.scan(with_remat(layer, cfg.remat), carry, (model.layers.arrays(), per_layer))
+    (xp, xc), routed = jax.lax.scan(with_remat(layer, cfg.remat), carry, (model.layers.arrays(), per_layer))
+    ids, stats = (None, None) if routed is None else routed
     ids = None if ids is None else tuple(jnp.moveaxis(r, 0, 2) for r in ids)
     norm = model.final_norm[...]
-    return rms_norm(xp, norm, cfg.rms_norm_eps), rms_norm(xc, norm, cfg.rms_norm_eps), ids
+    hidden = rms_norm(xp, norm, cfg.rms_norm_eps), rms_norm(xc, norm, cfg.rms_norm_eps)
+    return (*hidden, ids, stats) if router_stats else (*hidden, ids)

@@ -202,6 +202,9 @@ def finalize_metrics(acc: dict[str, jax.Array]) -> dict[str, jax.Array]:
         out["outside_support_frac"] = mean(acc["outside_support_count"], completion_tokens)
     if "staleness_max" in acc:
         out["staleness"] = acc["staleness_max"]
+    for name in ("router_aux_loss", "router_z_loss"):  # a mixture of experts: the step's micro-batches' mean
+        if name in acc:
+            out[name] = acc[name]
     if "routing_count" in acc:  # a mixture of experts (`rl.routing_replay`)
         out["routing_count"] = acc["routing_count"]
         out["routing_mismatch"] = mean(acc["routing_mismatch_count"], acc["routing_count"])

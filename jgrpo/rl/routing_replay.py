@@ -9,7 +9,9 @@ not a policy change. The sampler records the experts of every position it runs (
 the update) sends each token to those experts, with gates from the trainer's router at those ids, so gradients
 still reach the router (`models.moe.route`). docs/algorithm.md §16 says what this means off-policy.
 
-Here: the record laid out as the trainer's input sequence, and what the update logs about it:
+Here: the record laid out as the trainer's input sequence, and what a trainer forward reports about its router:
+    router_aux_loss    the load-balance loss, router_z_loss the z loss (`models.moe.router_losses`), which the update
+                       adds to its loss with `model.router_*_loss_coef` > 0
     routing_mismatch   share of (position, layer) top-k sets the trainer's router would choose differently from the
                        record (with replay: where replay overrode it), over the positions the sampler ran
     expert_load_max    the most loaded expert's tokens over the mean, in the worst layer (1 = even load), of the
@@ -20,12 +22,14 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from jgrpo.models.moe import RouterStats, router_losses
+
 
 def sequence_routing(prompt_routing, routing, prompt_width: int):
-    """[R, P + N - 1, L, k] (the record's dtype): the recorded experts of the trainer's input positions [prompt | completion but
-    its last token]. `prompt_routing` [R, Ps, L, k] is left-padded to the sampler's prompt width Ps, which may
-    differ from the trainer's `prompt_width` P (another batch widened the run's prompts since): the real tokens
-    are the last ones either way, so the record is right-aligned to P."""
+    """[R, P + N - 1, L, k] (the record's dtype): the recorded experts of the trainer's input positions [prompt |
+    completion but its last token]. `prompt_routing` [R, Ps, L, k] is left-padded to the sampler's prompt width
+    Ps, which may differ from the trainer's `prompt_width` P (another batch widened the run's prompts since): the
+    real tokens are the last ones either way, so the record is right-aligned to P."""
     Ps = prompt_routing.shape[1]
     if Ps >= prompt_width:
         prompt_routing = prompt_routing[:, Ps - prompt_width:]
@@ -60,3 +64,11 @@ def expert_tokens(experts, ran, num_experts: int):
     weight = jnp.broadcast_to(ran[..., None], ran.shape + (k,)).reshape(-1).astype(jnp.float32)
     return jnp.zeros((L, num_experts), jnp.float32).at[jnp.arange(L)[:, None], flat].add(weight[None, :])
 
+
+def forward_metrics(router: RouterStats, chosen, recorded, ran, replayed: bool) -> dict:
+    """A mixture of experts' trainer forward: its router losses (differentiable), and with a routing record
+    (`recorded` [r, T, L, k], None without one) the routing metrics over the positions `ran` [r, T]."""
+    metrics = dict(zip(("router_aux_loss", "router_z_loss"), router_losses(router), strict=True))
+    if recorded is not None:
+        metrics.update(routing_metrics(chosen, recorded, ran, router.assignments.shape[-1], replayed))
+    return metrics

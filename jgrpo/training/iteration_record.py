@@ -16,7 +16,8 @@ process computes the same numbers; only process 0 writes them. Names group into 
                               each refresh when v > 1)
     moe/*                     a mixture of experts: routing_mismatch (share of top-k sets the trainer's router
                               picks differently from the sampler's, when mismatch/* is logged), lp_mismatch (=
-                              mismatch/logprob_mean), expert_load_max (`rl.routing_replay`)
+                              mismatch/logprob_mean), expert_load_max (`rl.routing_replay`), aux_loss and z_loss
+                              (the router losses, added to the loss with `model.router_*_loss_coef` > 0)
     loss/*                    loss, pg_loss, kl_loss, ratio_*, advantage_*, zero_variance_frac, grad_norm, ...,
                               empty_steps (updates with nothing in the loss)
     dynamic/*                 DAPO dynamic sampling (docs/algorithm.md §15): extra_rounds, prompts_sampled,
@@ -62,6 +63,8 @@ _SECTIONS = {
     "routing_mismatch": "moe/routing_mismatch",
     "routing_count": "moe/routing_count",
     "expert_load_max": "moe/expert_load_max",
+    "router_aux_loss": "moe/aux_loss",
+    "router_z_loss": "moe/z_loss",
 }
 _FIRST_UPDATE_ONLY = ("logprob_mismatch_mean", "logprob_mismatch_max", "mismatch_token_count", "outside_support_frac",
                       "routing_mismatch", "routing_count")

@@ -27,13 +27,19 @@ def step_functions(config: Config, *, graphdef, params, mesh, method, iterations
                           new_tokens=config.completion_tokens, share_prompts=m.share_prompts,
                           skip_empty_steps=config.optim.skip_empty_steps,
                           reward_weights=config.reward.component_weights(), on_policy=config.samples_on_policy,
-                          routing_replay=m.routing_replay == "rollout")
+                          routing_replay=m.routing_replay == "rollout",
+                          router_loss_coefs=(m.router_aux_loss_coef, m.router_z_loss_coef))
     steps = StepFunctions(graphdef=graphdef, params=params, frozen=frozen, mesh=mesh, rules=rules,
                           optimizer=make_optimizer(config.optim, total_updates), options=options)
     steps.check_rows(config.data.batch_size * g.num_generations)
-    if m.routing_replay == "rollout" and not steps.num_experts:
-        raise ConfigError(f"model.routing_replay=rollout replays a mixture of experts' routing, but {m.name} is a "
-                          "dense model (no experts); set model.routing_replay: none")
+    if not steps.num_experts:
+        if m.routing_replay == "rollout":
+            raise ConfigError(f"model.routing_replay=rollout replays a mixture of experts' routing, but {m.name} is "
+                              "a dense model (no experts); set model.routing_replay: none")
+        for name in ("router_aux_loss_coef", "router_z_loss_coef"):
+            if getattr(m, name):
+                raise ConfigError(f"model.{name}={getattr(m, name)} weighs a mixture of experts' router loss, but "
+                                  f"{m.name} is a dense model (no router); set it to 0")
     # Jitted: the trainer reads an iteration's rates from it (optim/lr), one compiled call each.
     return steps, jax.jit(learning_rate_schedule(config.optim, total_updates))
 

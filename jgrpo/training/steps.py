@@ -44,7 +44,7 @@ from jgrpo.rl.corrections import m2po_drop
 from jgrpo.rl.diagnostics import extreme_kind, finalize_metrics
 from jgrpo.rl.logprobs import token_logprobs
 from jgrpo.rl.objectives import grpo_loss, step_has_signal, step_normaliser
-from jgrpo.rl.routing_replay import routing_metrics, sampler_ran, sequence_routing
+from jgrpo.rl.routing_replay import forward_metrics, sampler_ran, sequence_routing
 from jgrpo.sampling.methods import SamplingMethod
 from jgrpo.sampling.pool import SampleOutput
 
@@ -128,6 +128,7 @@ class StepOptions(NamedTuple):
     reward_weights: tuple[float, ...] | None = None  # of the reward table's columns (per-reward advantages)
     on_policy: bool | None = None  # the sampling params are always pi_k (`Config.samples_on_policy`)
     routing_replay: bool = False  # a mixture of experts' forwards use the sampler's experts (`model.routing_replay`)
+    router_loss_coefs: tuple[float, float] = (0.0, 0.0)  # load balance, z (`model.router_*_loss_coef`)
 
 
 class StepFunctions:
@@ -147,7 +148,7 @@ class StepFunctions:
         self.reward_weights = o.reward_weights  # of the reward table's columns (per-reward advantages only)
         self.method, self.chunk, self.new_tokens = o.method, o.logprob_chunk, o.new_tokens
         self.share_prompts, self.skip_empty_steps, self.rules = o.share_prompts, o.skip_empty_steps, rules
-        self.routing_replay = o.routing_replay
+        self.routing_replay, self.router_loss_coefs = o.routing_replay, o.router_loss_coefs
         self.chunks = grpo.num_minibatches * grpo.micro_batches
         self.lp_k_source = lp_k_source(grpo, o.on_policy)
         # Log-probs shard the vocabulary over the axes that shard the weights (`token_logprobs`): rows over the
@@ -270,28 +271,30 @@ class StepFunctions:
 
     def _predicting_states(self, model, micro: StepBatch, new_tokens: int):
         """(the hidden states at slots P-1 ... P+N-2 [r, N, D], which predict completion tokens 0 ... N-1; the
-        experts the router picks at every input position [r, P+N-1, L, k], None for a dense model). With routing
-        replay the forward sends each token to `micro.routing`'s experts instead."""
+        experts the router picks at every input position [r, P+N-1, L, k] and its `RouterStats`, None and None for
+        a dense model). With routing replay the forward sends each token to `micro.routing`'s experts instead."""
         inputs, input_mask, positions = micro.inputs, micro.input_mask, micro.positions
         replay = micro.routing if self.routing_replay else None
         rows, P = inputs.shape[0], inputs.shape[1] + 1 - new_tokens
-        G = self.grpo.num_generations
+        G, stats = self.grpo.num_generations, bool(self.num_experts)
         if self.share_prompts and G > 1 and rows % G == 0 and new_tokens > 1:
             def first_of_group(x):  # [r, ...] -> [r/G, ...]: the group's shared prompt
                 return x[:, :P].reshape(rows // G, G, P, *x.shape[2:])[:, 0]
 
-            prompt, completion, chosen = forward_shared_prompts(
+            prompt, completion, chosen, *router = forward_shared_prompts(
                 model, first_of_group(inputs), first_of_group(input_mask), inputs[:, P:], input_mask[:, P:],
-                positions[:, P:], None if replay is None else (first_of_group(replay), replay[:, P:]))
+                positions[:, P:], None if replay is None else (first_of_group(replay), replay[:, P:]), stats)
             if chosen is not None:
                 chosen = jnp.concatenate([jnp.repeat(chosen[0], G, axis=0), chosen[1]], axis=1)
-            return jnp.concatenate([jnp.repeat(prompt[:, -1:], G, axis=0), completion], axis=1), chosen
-        hidden, _, chosen = model.routed(inputs, positions, input_mask, routing=replay)  # [r, P+N-1, D]
-        return hidden[:, P - 1 :], chosen
+            hidden = jnp.concatenate([jnp.repeat(prompt[:, -1:], G, axis=0), completion], axis=1)
+            return hidden, chosen, router[0] if router else None
+        hidden, _, chosen, *router = model.routed(inputs, positions, input_mask, routing=replay,
+                                                  router_stats=stats)  # [r, P+N-1, D]
+        return hidden[:, P - 1 :], chosen, router[0] if router else None
 
     def _sequence_logprobs(self, params, micro: StepBatch, *, kind: str = "sampled", with_kl: bool = False):
         """Per-token [r, N] log-probs of `micro.targets` under `params` (docs/algorithm.md §6), and for a mixture
-        of experts the routing metrics of the forward (`rl.routing_replay`; else an empty dict).
+        of experts the forward's router losses and routing metrics (`rl.routing_replay`; else an empty dict).
 
         kind "sampled": (lp, entropy) under the sampling method's distribution (truncated like the sampler's),
         plus, `with_kl` and a truncating method, the untruncated tempered log-probs for the KL term.
@@ -300,7 +303,7 @@ class StepFunctions:
         adapters = any(is_adapter(name) for name in params["layers"])
         model = merge_model(self.graphdef if adapters or self.base_graphdef is None else self.base_graphdef, params)
         targets = micro.targets
-        hidden, chosen = self._predicting_states(model, micro, targets.shape[1])
+        hidden, chosen, router = self._predicting_states(model, micro, targets.shape[1])
         tempered = self.method.tempered_logprobs
         process = tempered if kind == "kl" else self.method.process_logits
         untruncated = tempered if kind == "sampled" and with_kl and self.method.truncates else None
@@ -312,12 +315,10 @@ class StepFunctions:
         logprobs = token_logprobs(hidden, unembedding, targets, chunk=self.chunk, process_logits=process,
                                   untruncated=untruncated, compute_dtype=model.cfg.compute_dtype,
                                   vocab_parallel=vocab_parallel)
-        routing = {}
-        if chosen is not None and micro.routing is not None:
-            P = micro.inputs.shape[1] + 1 - targets.shape[1]
-            ran = sampler_ran(micro.input_mask, micro.completion_mask[:, -1], P)
-            routing = routing_metrics(chosen, micro.routing, ran, self.num_experts, self.routing_replay)
-        return logprobs, routing
+        if router is None:
+            return logprobs, {}
+        ran = sampler_ran(micro.input_mask, micro.completion_mask[:, -1], micro.inputs.shape[1] + 1 - targets.shape[1])
+        return logprobs, forward_metrics(router, chosen, micro.routing, ran, self.routing_replay)
 
     def _all_logprobs(self, params, batch: StepBatch, kind: str):
         """[C, r, N] log-probs of every chunk (one chunk at a time: the memory of one micro-batch)."""
@@ -359,6 +360,10 @@ class StepFunctions:
         loss, metrics = grpo_loss(lp, micro.lp_alpha, lp_k, micro.lp_ref, micro.adv, micro.completion_mask, norm,
                                   self.grpo, entropy=entropy, lp_behaviour_trainer=lp,
                                   lp_kl=lp_kl[0] if lp_kl else None, m2po_drop=micro.m2po_drop)
+        if "router_aux_loss" in routing:  # a micro-batch's share: the step's value is the micro-batches' mean
+            for name, coef in zip(("router_aux_loss", "router_z_loss"), self.router_loss_coefs, strict=True):
+                routing[name] = routing[name] / self.grpo.micro_batches
+                loss = loss + coef * routing[name] if coef else loss
         return loss, {**metrics, **routing}
 
     def _train_step(self, params, opt_state, batch: StepBatch, minibatch, first_update, frozen=None):

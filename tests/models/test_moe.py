@@ -13,7 +13,7 @@ import transformers
 
 from jgrpo.models.hf import export_hf, load_model
 from jgrpo.models.llm import abstract_model
-from jgrpo.models.moe import IMPLEMENTATIONS, moe_mlp, resolve_moe_impl, route, tile_rows
+from jgrpo.models.moe import IMPLEMENTATIONS, moe_mlp, resolve_moe_impl, route, router_losses, router_stats, tile_rows
 from tests.helpers_models import hf_logits, jgrpo_logits, left_padded_batch, save_hf_model
 
 
@@ -46,7 +46,7 @@ def test_implementations_agree_in_values_and_gradients(tokens):
     h = jnp.abs(jax.random.normal(jax.random.key(1), (1, tokens, 16)))
 
     def loss(h, p, impl):
-        out, ids = moe_mlp(h, p, k=2, norm_topk_prob=True, impl=impl)
+        out, ids, _ = moe_mlp(h, p, k=2, norm_topk_prob=True, impl=impl)
         return jnp.sum(out * jnp.cos(out)), (out, ids)
 
     results = {impl: jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True), static_argnums=2)(h, p, impl)
@@ -173,7 +173,7 @@ def test_replayed_experts_run_whatever_the_router_says_and_the_router_keeps_its_
     assert float(jnp.abs(want_grads[1]["router"]).max()) > 1e-3
     for impl in IMPLEMENTATIONS:
         def block(h, p, impl=impl):
-            out, ids = moe_mlp(h, p, k=2, norm_topk_prob=norm_topk_prob, impl=impl, ids=forced.reshape(1, 6, 2))
+            out, ids, _ = moe_mlp(h, p, k=2, norm_topk_prob=norm_topk_prob, impl=impl, ids=forced.reshape(1, 6, 2))
             np.testing.assert_array_equal(ids.reshape(6, 2), top)  # what the router picks, not what was replayed
             return out
 
@@ -197,3 +197,25 @@ def test_the_model_returns_its_routing_and_replaying_it_changes_nothing(tmp_path
     other = jnp.roll(routing, 1, axis=-2)  # each layer gets the other layer's experts: a different network
     changed, _, _ = model.routed(tokens, position_ids_from_mask(mask), mask, routing=other)
     assert float(jnp.abs(changed - hidden)[mask].max()) > 1e-3
+
+
+def test_router_losses_by_hand_and_as_transformers_computes_the_load_balance():
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    # Two tokens, two experts, k = 1: probabilities [.5, .5] and [.75, .25], both tokens on expert 0.
+    logits = jnp.log(jnp.asarray([[1.0, 1.0], [3.0, 1.0]]))
+    aux, z = router_losses(router_stats(logits, jnp.asarray([[0], [0]]), jnp.ones(2, bool)))
+    # E * sum_e (assignments_e / T)(probability_e / T) = 2 * (2/2 * 1.25/2 + 0) = 1.25; z: mean of lse^2.
+    np.testing.assert_allclose(aux, 1.25, rtol=1e-6)
+    np.testing.assert_allclose(z, (np.log(2.0) ** 2 + np.log(4.0) ** 2) / 2, rtol=1e-6)
+    # Three layers' logits over 2 x 5 tokens with padding: every layer's real tokens pooled, as transformers does.
+    layers = jax.random.normal(jax.random.key(0), (3, 10, 8))
+    mask = jnp.asarray([[True] * 5, [False, False, True, True, True]]).reshape(-1)
+    stats = [router_stats(x, jax.lax.top_k(jax.nn.softmax(x), 2)[1], mask) for x in layers]
+    aux, _ = router_losses(jax.tree.map(lambda *xs: jnp.stack(xs), *stats))
+    want = load_balancing_loss_func(tuple(torch.from_numpy(np.asarray(x)) for x in layers), num_experts=8, top_k=2,
+                                    attention_mask=torch.from_numpy(np.asarray(mask).reshape(2, 5)))
+    np.testing.assert_allclose(aux, want.item(), rtol=1e-5)
+    # Its gradient reaches the router (through the probabilities; the assignments are counts).
+    grad = jax.grad(lambda x: router_losses(router_stats(x, jax.lax.top_k(x, 2)[1], mask))[0])(layers[0])
+    assert float(jnp.abs(grad).max()) > 1e-4

@@ -12,6 +12,7 @@ from flax import nnx
 import jgrpo.training.steps as train_step_module
 from jgrpo.config import GRPOConfig, MeshConfig
 from jgrpo.models.llm import LLM, LLMConfig, merge_model, position_ids_from_mask, split_model
+from jgrpo.models.moe import router_losses
 from jgrpo.models.shared_prompt import forward_shared_prompts
 from jgrpo.parallel.mesh import make_mesh
 from jgrpo.sampling.methods import SamplingMethod
@@ -86,9 +87,12 @@ def test_a_mixture_of_experts_routes_and_replays_as_the_full_rows():
     model = merge_model(graphdef, params)
     prompt_tokens, prompt_mask, tokens, completion_mask = _batch()
     seq, mask, positions = _full_rows(prompt_tokens, prompt_mask, tokens, completion_mask)
-    full, _, routing = model.routed(seq, positions, mask)
-    _, completion, (prompt_ids, completion_ids) = forward_shared_prompts(
-        model, prompt_tokens, prompt_mask, tokens, completion_mask, positions[:, P:])
+    full, _, routing, full_stats = model.routed(seq, positions, mask, router_stats=True)
+    _, completion, (prompt_ids, completion_ids), stats = forward_shared_prompts(
+        model, prompt_tokens, prompt_mask, tokens, completion_mask, positions[:, P:], router_stats=True)
+    # The router's statistics count each prompt token G times, as the full rows do: the same router losses.
+    np.testing.assert_allclose(router_losses(stats), router_losses(full_stats), rtol=1e-5)
+    np.testing.assert_allclose(stats.tokens, full_stats.tokens)
     np.testing.assert_array_equal(prompt_ids[prompt_mask], routing[::G, :P][prompt_mask])
     np.testing.assert_array_equal(completion_ids[completion_mask], routing[:, P:][completion_mask])
     # Replaying other experts (every layer takes the next layer's) gives what the full rows give with them.

@@ -25,7 +25,8 @@ def _host(tree):
 
 def _train(run_dir, iterations, *overrides):
     trainer = Trainer(_config(run_dir, "model.routing_replay=rollout", "grpo.behaviour_refresh=2",
-                              "grpo.num_minibatches=2", f"run.iterations={iterations}", "checkpoint.every=1",
+                              "grpo.num_minibatches=2", "model.router_aux_loss_coef=0.01",
+                              "model.router_z_loss_coef=0.001", f"run.iterations={iterations}", "checkpoint.every=1",
                               *overrides))
     try:
         assert trainer.run() == "done"
@@ -45,15 +46,18 @@ def test_replayed_training_moves_the_router_matches_the_sampler_and_resumes_bit_
     # Float32: replayed, the trainer's forward gives the sampler's log-probs; its router agrees everywhere.
     assert first["moe/lp_mismatch"] <= 1e-5 and first["mismatch/logprob_max"] < 1e-5
     assert first["moe/routing_mismatch"] == 0 and first["moe/routing_count"] > 0 and first["moe/expert_load_max"] >= 1
+    assert 1.5 < first["moe/aux_loss"] < 4 and first["moe/z_loss"] > 0  # k = 2 at an even load
     _train(tmp_path / "resumed", 1)
     resumed = _train(tmp_path / "resumed", 2)
     for a, b in zip(jax.tree.leaves(straight), jax.tree.leaves(resumed), strict=True):
         np.testing.assert_array_equal(a, b)
 
 
-def test_routing_replay_on_a_dense_model_is_a_config_error(tmp_path):
+def test_routing_replay_or_router_losses_on_a_dense_model_are_config_errors(tmp_path):
     with pytest.raises(ConfigError, match="model.routing_replay=rollout .* tiny-random-llama is a dense model"):
         Trainer(tiny_config(tmp_path, "model.routing_replay=rollout", *QUIET))
+    with pytest.raises(ConfigError, match="model.router_z_loss_coef=0.001 .* tiny-random-llama is a dense model"):
+        Trainer(tiny_config(tmp_path, "model.router_z_loss_coef=1e-3", *QUIET))
 
 
 def test_lora_adapts_attention_and_leaves_experts_and_router_untouched(tmp_path):
