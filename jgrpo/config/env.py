@@ -24,6 +24,9 @@ class EnvConfig:
     tool_format: Literal["auto", "hermes", "template"] = "auto"
     # Text the model is given at the start of each of its turns (appended, not sampled, not trained on).
     turn_prefix: str = ""
+    # The first turn's instead (null: turn_prefix): e.g. the opening of a tool call, so that a model that never
+    # calls a tool by itself starts with one and learns the rest (configs/quickstart_tools.yaml).
+    first_turn_prefix: str | None = None
     # pool: a slot whose turn ends pauses while the others decode; its environment answers meanwhile and the
     # episode rejoins resume_after chunks later. turn_sync: every episode finishes its turn, all environments
     # step, the next turn starts (the baseline; same trajectories).

@@ -3,7 +3,8 @@
 An episode's token sequence is the prompt's ids, then for each turn the ids the sampler drew and the ids
 appended after them. The appended ids are the *delta*: what the chat template writes after the assistant's
 content when the environment's messages follow (the turn close, e.g. `<|im_end|>\\n`, the messages, the next
-assistant header), minus the stop token the model already drew, plus `env.turn_prefix`. Re-tokenizing the whole
+assistant header), minus the stop token the model already drew, plus `env.turn_prefix` (the prompt ends with
+`env.first_turn_prefix` when one is set). Re-tokenizing the whole
 transcript instead would change the sampled ids (verl #3720: the newline after `<|im_end|>`), so the trainer would
 score tokens nobody sampled.
 
@@ -30,11 +31,14 @@ _SENTINEL = "\u2063jgrpo-sentinel\u2063"
 class Renderer:
     """Prompt and delta ids of one run's episodes (`tools`: the environment's, shown per `tool_format`)."""
 
-    def __init__(self, tokenizer, *, tools: Sequence = (), tool_format: str = "auto", turn_prefix: str = ""):
+    def __init__(self, tokenizer, *, tools: Sequence = (), tool_format: str = "auto", turn_prefix: str = "",
+                 first_turn_prefix: str | None = None):
         self.tokenizer, self.tools, self.turn_prefix = tokenizer, list(tools), turn_prefix
+        self.first_turn_prefix = turn_prefix if first_turn_prefix is None else first_turn_prefix
         self.format = resolve_format(tool_format, tokenizer) if self.tools else "hermes"
         self._schemas = [t.schema() for t in self.tools] if self.format == "template" and self.tools else None
         self._prefix_ids = self.encode(turn_prefix) if turn_prefix else []
+        self._first_prefix_ids = self.encode(self.first_turn_prefix) if self.first_turn_prefix else []
         self._warned = False
 
     def encode(self, text: str) -> list[int]:
@@ -56,14 +60,16 @@ class Renderer:
 
     def prompt(self, messages: Sequence[dict]) -> tuple[list[dict], list[int]]:
         """(the transcript so far, the prompt ids): `reset`'s messages rendered with the assistant header, then
-        `env.turn_prefix`."""
+        the first turn's prefix."""
         transcript = self.with_tools(messages)
-        return transcript, self.encode(self._render(transcript, True)) + self._prefix_ids
+        return transcript, self.encode(self._render(transcript, True)) + self._first_prefix_ids
 
-    def turn_text(self, ids: Sequence[int], stopped: bool) -> str:
-        """The turn as the environment reads it: the turn prefix and the drawn text (no stop token)."""
+    def turn_text(self, ids: Sequence[int], stopped: bool, first: bool = False) -> str:
+        """The turn as the environment reads it: its prefix (the `first` turn's own) and the drawn text (no stop
+        token)."""
         drawn = list(ids[:-1] if stopped else ids)
-        return self.turn_prefix + self.tokenizer.decode(drawn, skip_special_tokens=True)
+        return (self.first_turn_prefix if first else self.turn_prefix) + self.tokenizer.decode(
+            drawn, skip_special_tokens=True)
 
     def delta(self, reply, stop_id: int | None) -> list[int]:
         """The ids to append after a turn: `reply` (messages, or ids taken as they are) rendered after an

@@ -113,7 +113,8 @@ class EpisodeRunner:
         except Exception as error:  # the user's environment: its failure is a setup error  # noqa: BLE001
             raise ConfigError(f"env.name={e.name}: the environment does not build: {type(error).__name__}: "
                               f"{error}") from error
-        renderer = Renderer(tokenizer, tools=tools, tool_format=e.tool_format, turn_prefix=e.turn_prefix)
+        renderer = Renderer(tokenizer, tools=tools, tool_format=e.tool_format, turn_prefix=e.turn_prefix,
+                            first_turn_prefix=e.first_turn_prefix)
         return cls(config, sampler=sampler, tokenizer=tokenizer, workers=EnvironmentWorkers(config), renderer=renderer)
 
     def close(self) -> None:
@@ -231,7 +232,7 @@ class EpisodeRunner:
 
     def _submit(self, ep: Episode, ids: np.ndarray, stopped: bool) -> None:
         """A turn ended: read it, and hand it to its environment (unless the episode failed already)."""
-        text = self.renderer.turn_text(ids, stopped)
+        text = self.renderer.turn_text(ids, stopped, first=ep.turns == 0)
         calls, error = parse_tool_calls(text)
         turn = Turn(ep.turns, tuple(int(i) for i in ids), text, tuple(calls), error, not stopped)
         ep.transcript.append({"role": "assistant", "content": text})

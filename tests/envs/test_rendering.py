@@ -89,6 +89,14 @@ def test_turn_prefix_and_raw_ids(smollm2):
     assert smollm2.decode(renderer.delta([{"role": "user", "content": "x"}], None)).endswith("assistant\n<tool_call>")
     assert renderer.delta([5, 6, 7], None) == [5, 6, 7]
     assert renderer.turn_text([28, 29, 2], stopped=True).startswith("<tool_call>")
+    # A first-turn prefix: the prompt ends with it, later turns start with turn_prefix (here none).
+    opening = '<tool_call>{"name": "calculator", "arguments": {"expression": "'
+    renderer = Renderer(smollm2, first_turn_prefix=opening)
+    assert smollm2.decode(renderer.prompt([{"role": "user", "content": "hi"}])[1]).endswith("assistant\n" + opening)
+    assert smollm2.decode(renderer.delta([{"role": "user", "content": "x"}], None)).endswith("assistant\n")
+    assert renderer.turn_text(smollm2.encode('2*3"}}</tool_call>'), stopped=False, first=True) == (
+        opening + '2*3"}}</tool_call>')
+    assert renderer.turn_text(smollm2.encode("6"), stopped=False) == "6"
 
 
 def test_a_long_reply_is_cut_to_max_append_tokens(smollm2):
