@@ -20,6 +20,11 @@ if "xla_force_host_platform_device_count" not in _flags:
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ["JGRPO_TEST_XLA_CACHE"] = tempfile.mkdtemp(prefix="jgrpo-xla-")
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")  # the default (1 s) skips most
+    # A size limit turns on the cache's file lock around every read and write. Without it an entry is written in
+    # place while another worker may read it: a half-written executable aborts the reading process (seen: a
+    # worker killed by "Fatal Python error: Aborted" in compilation_cache.get_executable_and_time when two
+    # workers compiled the same tiny MoE programs at once). 8 GiB is far above what a run writes.
+    os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(8 << 30))
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
