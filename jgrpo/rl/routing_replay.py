@@ -21,6 +21,7 @@ Here: the record laid out as the trainer's input sequence, and what a trainer fo
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 
 from jgrpo.models.moe import RouterStats, router_losses
 
@@ -30,12 +31,18 @@ def sequence_routing(prompt_routing, routing, prompt_width: int):
     completion but its last token]. `prompt_routing` [R, Ps, L, k] is left-padded to the sampler's prompt width
     Ps, which may differ from the trainer's `prompt_width` P (another batch widened the run's prompts since): the
     real tokens are the last ones either way, so the record is right-aligned to P."""
-    Ps = prompt_routing.shape[1]
-    if Ps >= prompt_width:
-        prompt_routing = prompt_routing[:, Ps - prompt_width:]
-    else:
-        prompt_routing = jnp.pad(prompt_routing, ((0, 0), (prompt_width - Ps, 0), (0, 0), (0, 0)))
-    return jnp.concatenate([prompt_routing, routing[:, :-1]], axis=1)
+    return jnp.concatenate([right_aligned(prompt_routing, prompt_width), routing[:, :-1]], axis=1)
+
+
+def right_aligned(prompt_records, width: int):
+    """Per-row prompt records [R, Ps, ...] (numpy or jax) of left-padded prompts as [R, width, ...]: zeros added at
+    the front, or front columns dropped; the real tokens are the last ones either way."""
+    Ps = prompt_records.shape[1]
+    if Ps >= width:
+        return prompt_records[:, Ps - width:]
+    padding = [(0, 0), (width - Ps, 0)] + [(0, 0)] * (prompt_records.ndim - 2)
+    return np.pad(prompt_records, padding) if isinstance(prompt_records, np.ndarray) else jnp.pad(prompt_records,
+                                                                                                  padding)
 
 
 def sampler_ran(input_mask, last_target_mask, prompt_width: int):

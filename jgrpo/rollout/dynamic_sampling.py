@@ -24,6 +24,7 @@ import numpy as np
 from jgrpo.parallel.host_arrays import global_max, global_sum, local_rows, to_global_rows
 from jgrpo.parallel.mesh import SAMPLE_RULES
 from jgrpo.rewards.scorer import RewardResult
+from jgrpo.rl.routing_replay import right_aligned
 from jgrpo.rollout.records import Rollout
 from jgrpo.sampling.pool import SampleOutput
 
@@ -78,12 +79,12 @@ def _gather(drawn: list[Rollout], chosen: list[tuple[int, int]], group_size: int
         values = [values_of(d) for d in drawn]
         return [values[r][row] for r, row in rows]
 
-    def stacked(values_of, left_pad: bool = False):
-        values = pick(values_of)
-        if left_pad:  # per-row prompt records of rounds whose prompts were padded to different widths
-            width = max(len(v) for v in values)
-            values = [np.pad(v, [(width - len(v), 0)] + [(0, 0)] * (v.ndim - 1)) for v in values]
-        return np.stack(values)
+    def stacked(values_of):
+        return np.stack(pick(values_of))
+
+    def prompt_records(values_of):  # rounds' prompts may be padded to different widths: align to the widest
+        width = max(values_of(d).shape[1] for d in drawn)
+        return stacked(lambda d: right_aligned(values_of(d), width))
 
     first = drawn[0]
     prompts = dataclasses.replace(
@@ -92,9 +93,8 @@ def _gather(drawn: list[Rollout], chosen: list[tuple[int, int]], group_size: int
         epoch=drawn[-1].prompts.epoch)
     global_rows = first.samples.tokens.shape[0]
     samples = SampleOutput(*(None if getattr(first.samples, f) is None else to_global_rows(
-        stacked(lambda d, f=f: local_rows(getattr(d.samples, f)), left_pad=f == "prompt_routing"), mesh,
-        SAMPLE_RULES, global_rows)
-        for f in SampleOutput._fields))
+        (prompt_records if f == "prompt_routing" else stacked)(lambda d, f=f: local_rows(getattr(d.samples, f))),
+        mesh, SAMPLE_RULES, global_rows) for f in SampleOutput._fields))
     scores = RewardResult(
         total=stacked(lambda d: d.scores.total),
         per_function={name: stacked(lambda d, n=name: d.scores.per_function[n]) for name in first.scores.per_function},
