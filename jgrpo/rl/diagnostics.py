@@ -208,6 +208,7 @@ def finalize_metrics(acc: dict[str, jax.Array]) -> dict[str, jax.Array]:
     if "routing_count" in acc:  # a mixture of experts (`rl.routing_replay`)
         out["routing_count"] = acc["routing_count"]
         out["routing_mismatch"] = mean(acc["routing_mismatch_count"], acc["routing_count"])
+    if "expert_tokens" in acc:
         counts = acc["expert_tokens"]  # [L, E]
         layer_mean = jnp.mean(counts, axis=-1)
         out["expert_load_max"] = jnp.max(jnp.where(layer_mean > 0, jnp.max(counts, axis=-1)

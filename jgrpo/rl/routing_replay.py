@@ -15,7 +15,7 @@ Here: the record laid out as the trainer's input sequence, and what a trainer fo
     routing_mismatch   share of (position, layer) top-k sets the trainer's router would choose differently from the
                        record (with replay: where replay overrode it), over the positions the sampler ran
     expert_load_max    the most loaded expert's tokens over the mean, in the worst layer (1 = even load), of the
-                       experts that ran in the update's forward
+                       experts that ran in the update's forward (over its real tokens: the router's own statistics)
 """
 
 from __future__ import annotations
@@ -54,28 +54,20 @@ def sampler_ran(input_mask, last_target_mask, prompt_width: int):
     return input_mask & ((jnp.arange(T) < prompt_width) | next_real)
 
 
-def routing_metrics(chosen, recorded, ran, num_experts: int, replayed: bool) -> dict:
+def routing_metrics(chosen, recorded, ran) -> dict:
     """Sums for the update's metrics (`rl.diagnostics.finalize_metrics`): `chosen` [r, T, L, k] the trainer router's
-    top k, `recorded` [r, T, L, k] the sampler's, `ran` [r, T] the positions both cover; the experts that ran in
-    the forward are the recorded ones when `replayed`, else the trainer's own."""
+    top k, `recorded` [r, T, L, k] the sampler's, `ran` [r, T] the positions both cover."""
     differs = jnp.any(jnp.sort(chosen, axis=-1) != jnp.sort(recorded, axis=-1), axis=-1)  # [r, T, L]
     weight = jnp.broadcast_to(ran.astype(jnp.float32)[..., None], differs.shape)
-    return {"routing_mismatch_count": jnp.sum(differs * weight), "routing_count": jnp.sum(weight),
-            "expert_tokens": expert_tokens(recorded if replayed else chosen, ran, num_experts)}
+    return {"routing_mismatch_count": jnp.sum(differs * weight), "routing_count": jnp.sum(weight)}
 
 
-def expert_tokens(experts, ran, num_experts: int):
-    """[L, E] float32: the tokens each expert of each layer got, over the positions `ran` [r, T]."""
-    L, k = experts.shape[2:]
-    flat = jnp.moveaxis(experts, 2, 0).reshape(L, -1)  # [L, r*T*k]
-    weight = jnp.broadcast_to(ran[..., None], ran.shape + (k,)).reshape(-1).astype(jnp.float32)
-    return jnp.zeros((L, num_experts), jnp.float32).at[jnp.arange(L)[:, None], flat].add(weight[None, :])
-
-
-def forward_metrics(router: RouterStats, chosen, recorded, ran, replayed: bool) -> dict:
-    """A mixture of experts' trainer forward: its router losses (differentiable), and with a routing record
-    (`recorded` [r, T, L, k], None without one) the routing metrics over the positions `ran` [r, T]."""
+def forward_metrics(router: RouterStats, chosen, recorded, ran) -> dict:
+    """A mixture of experts' trainer forward: its router losses (differentiable), the tokens each expert of each
+    layer ran (`expert_tokens` [L, E], the replayed experts under replay: the router's own counts), and with a
+    routing record (`recorded` [r, T, L, k], None without one) the routing metrics over the positions `ran`."""
     metrics = dict(zip(("router_aux_loss", "router_z_loss"), router_losses(router), strict=True))
+    metrics["expert_tokens"] = router.assignments
     if recorded is not None:
-        metrics.update(routing_metrics(chosen, recorded, ran, router.assignments.shape[-1], replayed))
+        metrics.update(routing_metrics(chosen, recorded, ran))
     return metrics

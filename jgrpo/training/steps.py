@@ -318,7 +318,7 @@ class StepFunctions:
         if router is None:
             return logprobs, {}
         ran = sampler_ran(micro.input_mask, micro.completion_mask[:, -1], micro.inputs.shape[1] + 1 - targets.shape[1])
-        return logprobs, forward_metrics(router, chosen, micro.routing, ran, self.routing_replay)
+        return logprobs, forward_metrics(router, chosen, micro.routing, ran)
 
     def _all_logprobs(self, params, batch: StepBatch, kind: str):
         """[C, r, N] log-probs of every chunk (one chunk at a time: the memory of one micro-batch)."""
