@@ -85,6 +85,10 @@ FAMILIES = {
 }
 
 
+# Qwen3-MoE with a periodic stack: layers 1 and 3 of 4 mixtures of experts, 0 and 2 dense MLPs.
+FAMILIES["qwen3_moe_step2"] = {**FAMILIES["qwen3_moe"], "num_hidden_layers": 4, "decoder_sparse_step": 2}
+
+
 def make_hf_model(family: str, seed: int = 0, num_layers: int = 2):
     """A transformers model with *every* weight random (HF zero-inits biases and one-inits norms)."""
     kwargs = dict(FAMILIES[family])
@@ -94,7 +98,7 @@ def make_hf_model(family: str, seed: int = 0, num_layers: int = 2):
         vocab_size=VOCAB,
         hidden_size=64,
         intermediate_size=96,
-        num_hidden_layers=num_layers,
+        num_hidden_layers=kwargs.pop("num_hidden_layers", num_layers),
         max_position_embeddings=256,
         **kwargs,
     )

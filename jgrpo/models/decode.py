@@ -26,6 +26,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jgrpo.models.layer_stack import scan_layers
 from jgrpo.models.llm import KVCache, LLMConfig, layer_output, layer_qkv, rms_norm
 from jgrpo.models.rope import rope_cos_sin
 from jgrpo.parallel.platform_defaults import resolve
@@ -49,12 +50,6 @@ class DecodeCache(NamedTuple):
 
     k: tuple[tuple[jax.Array, ...], ...]  # L x (prompt, chunk 0, chunk 1, ...)
     v: tuple[tuple[jax.Array, ...], ...]
-
-
-def unstack_layers(layers: dict[str, jax.Array]) -> tuple[dict[str, jax.Array], ...]:
-    """The stacked {name: [L, ...]} layer weights as L dicts of separate arrays (one copy, outside any loop)."""
-    num_layers = next(iter(layers.values())).shape[0]
-    return tuple({name: w[i] for name, w in layers.items()} for i in range(num_layers))
 
 
 def prompt_store(cache: KVCache) -> KVCache:
@@ -130,7 +125,7 @@ def _layer_step(cfg, p, x, cos, sin, allowed, k_segments, v_segments, chunk, off
 def decode_step(
     cfg: LLMConfig,
     params: dict,  # the full params pytree (embed, final_norm, ...); its "layers" entry is not read
-    layers: tuple[dict[str, jax.Array], ...],  # from `unstack_layers(params["layers"])`
+    layers: tuple[dict[str, jax.Array], ...],  # from `layer_stack.unstack_layers(cfg, params["layers"])`
     tokens: jax.Array,  # [B] int32, the token fed this step
     positions: jax.Array,  # [B] int32, its rotary position
     allowed: jax.Array,  # [B, P + visible * C] bool: the prompt and visible chunk slots each row attends to
@@ -141,7 +136,7 @@ def decode_step(
     keep: jax.Array | None = None,  # [B] bool: rows whose slot keeps its old keys/values (not written this step)
 ) -> tuple[jax.Array, DecodeCache, jax.Array | None]:
     """Feed one token per row: (final hidden state [B, D] after the final norm, the updated cache, the experts
-    the token went to in each layer [B, L, k], None for a dense model).
+    the token went to in each MoE layer [B, L, k], None for a dense model).
 
     The token's keys/values go to slot `offset` of generated chunk `chunk`; it attends to the slots `allowed`
     marks among the prompt segment and the first `visible` chunks. Chunks after those are not read, so while the
@@ -157,9 +152,10 @@ def decode_step(
                                                      offset, visible, keep=keep)
         new_k.append(k_segments)
         new_v.append(v_segments)
-        routing.append(ids)
+        if ids is not None:  # a MoE layer
+            routing.append(ids)
     hidden = rms_norm(x[:, 0], params["final_norm"], cfg.rms_norm_eps)
-    routing = jnp.stack(routing, axis=1) if cfg.num_experts else None
+    routing = jnp.stack(routing, axis=1) if routing else None
     return hidden, DecodeCache(tuple(new_k), tuple(new_v)), routing
 
 
@@ -177,16 +173,14 @@ def decode_step_scanned(cfg: LLMConfig, params: dict, tokens, positions, allowed
     cos, sin = rope_cos_sin(cfg, positions[:, None])
     x = jnp.take(params["embed"], tokens, axis=0).astype(cdt)[:, None, :]
 
-    def layer(carry, xs):
+    def layer(carry, p, index, _):
         x, k_segments, v_segments = carry
-        p, index = xs
         p = {name: w.astype(cdt) for name, w in p.items()}
         *carry, ids = _layer_step(cfg, p, x, cos, sin, allowed, k_segments, v_segments, chunk, offset, visible,
                                   layer=index, keep=keep)
         return tuple(carry), ids
 
-    xs = (params["layers"], jnp.arange(cfg.num_layers))
-    (x, k_segments, v_segments), routing = jax.lax.scan(layer, (x, k_segments, v_segments), xs)
+    (x, k_segments, v_segments), routing = scan_layers(cfg, layer, (x, k_segments, v_segments), params["layers"])
     hidden = rms_norm(x[:, 0], params["final_norm"], cfg.rms_norm_eps)
     routing = None if routing is None else jnp.swapaxes(routing, 0, 1)  # [B, L, k]
     return hidden, DecodeCache((k_segments,), (v_segments,)), routing

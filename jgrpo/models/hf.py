@@ -22,6 +22,7 @@ from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 from jgrpo.models.attention_backends import resolve_attention
 from jgrpo.models.builtin import ModelNotFound, resolve_model_dir
 from jgrpo.models.hf_format import expert_names, export_hf, hf_config_from_llm, llm_config_from_hf, tensor_layouts
+from jgrpo.models.layer_stack import stacked_layers
 from jgrpo.models.llm import LOGICAL_AXES, LLMConfig, abstract_model, param_shapes_by_path, position_ids_from_mask
 from jgrpo.models.lora import init_adapter, join_adapters, lora_shapes_by_path, with_lora
 from jgrpo.models.moe import resolve_moe_impl
@@ -94,7 +95,7 @@ def load_params(model_dir: str | Path, cfg: LLMConfig, *, mesh=None, rules: Rule
     ckpt = _Checkpoint(Path(model_dir))
     layouts = tensor_layouts(cfg)
     expected = {name for path, lay in layouts.items() if path[0] == "layers"
-                for i in range(cfg.num_layers) for name in expert_names(lay, cfg, i)}
+                for i in stacked_layers(cfg, path[1]) for name in expert_names(lay, cfg, i)}
     expected |= {lay.name for path, lay in layouts.items() if path[0] != "layers"}
     skippable = {"lm_head.weight"} if cfg.tie_word_embeddings else set()  # some tied checkpoints store the copy
     unexpected = sorted(n for n in ckpt.names() - expected - skippable if not n.endswith(_IGNORED_SUFFIXES))
@@ -119,7 +120,7 @@ def load_params(model_dir: str | Path, cfg: LLMConfig, *, mesh=None, rules: Rule
             continue
         # Each layer goes onto the devices with the layer axis dropped, then layers are stacked there.
         per_layer = _drop_layer_axis(sharding)
-        layers = [_place(host(expert_names(layout, cfg, i)), per_layer) for i in range(cfg.num_layers)]
+        layers = [_place(host(expert_names(layout, cfg, i)), per_layer) for i in stacked_layers(cfg, path[1])]
         params["layers"][path[1]] = jax.jit(lambda *xs: jnp.stack(xs), out_shardings=sharding)(*layers)
         del layers
     return params

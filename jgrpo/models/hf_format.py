@@ -17,6 +17,7 @@ import jax
 import numpy as np
 
 from jgrpo.config.errors import ConfigError
+from jgrpo.models.layer_stack import stacked_layers
 from jgrpo.models.llm import SUPPORTED_ARCHITECTURES, SUPPORTED_ROPE_TYPES, LLMConfig, param_shapes_by_path
 
 __all__ = ["TensorLayout", "expert_names", "export_hf", "hf_config_from_llm", "llm_config_from_hf", "tensor_layouts"]
@@ -89,17 +90,23 @@ def llm_config_from_hf(
 def _moe_fields(hf: dict[str, Any]) -> dict[str, Any]:
     """LLMConfig's mixture-of-experts fields from a qwen3_moe config.json (transformers 5 writes
     `num_local_experts`, the Qwen checkpoints `num_experts`; `norm_topk_prob` absent = false, as transformers'
-    config class)."""
+    config class). Layer i is sparse when it is not in `mlp_only_layers` and (i + 1) % decoder_sparse_step == 0
+    (transformers); the layers scan in periods (models/layer_stack.py), so the sparse layers must be every s-th."""
     layers, step = hf["num_hidden_layers"], int(hf.get("decoder_sparse_step", 1))
     dense = sorted(int(i) for i in hf.get("mlp_only_layers") or [])
-    if step != 1 or dense:
-        raise ConfigError(f"model.name: qwen3_moe with decoder_sparse_step={step} and mlp_only_layers={dense}: "
-                          f"dense layers among the {layers} are not supported yet; supported: every layer a "
-                          "mixture of experts (decoder_sparse_step 1, mlp_only_layers [])")
+    sparse = [i for i in range(layers) if i not in dense and (i + 1) % step == 0]
+    period = next((s for s in range(1, layers + 1)
+                   if layers % s == 0 and sparse == [i for i in range(layers) if (i + 1) % s == 0]), None)
+    if period is None:
+        raise ConfigError(f"model.name: qwen3_moe with decoder_sparse_step={step} and mlp_only_layers={dense} makes "
+                          f"layers {sparse} of {layers} mixtures of experts; supported: every s-th layer, s dividing "
+                          f"the {layers} layers (layers s-1, 2s-1, ...: decoder_sparse_step s with mlp_only_layers "
+                          "empty or naming only dense layers)")
     return {"num_experts": int(hf.get("num_experts") or hf["num_local_experts"]),
             "experts_per_token": int(hf["num_experts_per_tok"]),
             "moe_intermediate_size": int(hf["moe_intermediate_size"]),
-            "norm_topk_prob": bool(hf.get("norm_topk_prob", False))}
+            "norm_topk_prob": bool(hf.get("norm_topk_prob", False)),
+            "decoder_sparse_step": period}
 
 
 def hf_config_from_llm(cfg: LLMConfig, **token_ids) -> dict[str, Any]:
@@ -134,7 +141,7 @@ def hf_config_from_llm(cfg: LLMConfig, **token_ids) -> dict[str, Any]:
     if cfg.num_experts:
         hf |= {"num_experts": cfg.num_experts, "num_experts_per_tok": cfg.experts_per_token,
                "moe_intermediate_size": cfg.moe_intermediate_size, "norm_topk_prob": cfg.norm_topk_prob,
-               "decoder_sparse_step": 1, "mlp_only_layers": []}
+               "decoder_sparse_step": cfg.decoder_sparse_step, "mlp_only_layers": []}
     hf.update({k: v for k, v in token_ids.items() if v is not None})
     return hf
 
@@ -227,9 +234,9 @@ def export_hf(params: dict, cfg: LLMConfig, tokenizer, out_dir: str | Path) -> P
         if value.shape != expected:
             raise ValueError(f"param '{'/'.join(path)}' has shape {value.shape}, expected {expected}")
         if path[0] == "layers":
-            for i in range(cfg.num_layers):
+            for at, i in enumerate(stacked_layers(cfg, path[1])):
                 for e, name in enumerate(expert_names(layout, cfg, i)):
-                    one = value[i, e] if layout.per_expert else value[i]
+                    one = value[at, e] if layout.per_expert else value[at]
                     tensors[name] = np.ascontiguousarray(layout.to_hf(one))
         else:
             tensors[layout.name] = np.ascontiguousarray(layout.to_hf(value))

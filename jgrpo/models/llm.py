@@ -33,6 +33,7 @@ from jgrpo.models.lora import (
     low_rank,
 )
 from jgrpo.models.matmul import dense
+from jgrpo.models.layer_stack import moe_layer_count, scan_layers, stack_length
 from jgrpo.models.moe import IMPLEMENTATIONS as MOE_IMPLEMENTATIONS
 from jgrpo.models.moe import moe_mlp
 from jgrpo.models.rope import apply_rope, rope_cos_sin
@@ -106,6 +107,9 @@ class LLMConfig:
     experts_per_token: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False  # renormalise the top-k gates over the k (Qwen3-30B-A3B: true)
+    # One layer in s is a mixture of experts, the last of each s (s - 1 dense MLPs of `intermediate_size` before
+    # it; models/layer_stack.py). 1: every layer (Qwen3-30B-A3B).
+    decoder_sparse_step: int = 1
     moe_impl: str = "sorted_tiles"  # how the experts' matmuls run (`model.moe_impl` resolved for the platform)
 
     def __post_init__(self):
@@ -135,6 +139,11 @@ class LLMConfig:
                                  f"({self.moe_intermediate_size})")
             if self.moe_impl not in MOE_IMPLEMENTATIONS:
                 raise ValueError(f"moe_impl must be one of {tuple(MOE_IMPLEMENTATIONS)}, got '{self.moe_impl}'")
+        if self.decoder_sparse_step < 1 or (self.decoder_sparse_step > 1 and not self.num_experts):
+            raise ValueError(f"decoder_sparse_step {self.decoder_sparse_step}: 1, or more for a mixture of experts")
+        if self.num_layers % self.decoder_sparse_step:
+            raise ValueError(f"num_layers {self.num_layers} is not a multiple of decoder_sparse_step "
+                             f"{self.decoder_sparse_step}: the layers scan as whole periods of dense layers then MoE")
 
     @property
     def lora_scale(self) -> float:
@@ -179,16 +188,17 @@ def param_shapes_by_path(cfg: LLMConfig) -> dict[tuple[str, ...], tuple[int, ...
         ("layers", "o"): (L, H, Dh, D),
         ("layers", "mlp_norm"): (L, D),
     }
-    if cfg.num_experts:
-        E, Fe = cfg.num_experts, cfg.moe_intermediate_size
+    if cfg.num_experts:  # the MoE layers' stacks (models/layer_stack.py)
+        E, Fe, Lm = cfg.num_experts, cfg.moe_intermediate_size, moe_layer_count(cfg)
         shapes |= {
-            ("layers", "router"): (L, D, E),
-            ("layers", "experts_gate"): (L, E, D, Fe),
-            ("layers", "experts_up"): (L, E, D, Fe),
-            ("layers", "experts_down"): (L, E, Fe, D),
+            ("layers", "router"): (Lm, D, E),
+            ("layers", "experts_gate"): (Lm, E, D, Fe),
+            ("layers", "experts_up"): (Lm, E, D, Fe),
+            ("layers", "experts_down"): (Lm, E, Fe, D),
         }
-    else:
-        shapes |= {("layers", "gate"): (L, D, F), ("layers", "up"): (L, D, F), ("layers", "down"): (L, F, D)}
+    Ld = stack_length(cfg, "gate")  # the dense MLPs: every layer, the periodic stack's dense ones, or none
+    if Ld:
+        shapes |= {("layers", "gate"): (Ld, D, F), ("layers", "up"): (Ld, D, F), ("layers", "down"): (Ld, F, D)}
     if not cfg.tie_word_embeddings:
         shapes[("lm_head",)] = (D, V)
     if cfg.qkv_bias:
@@ -289,21 +299,12 @@ def layer_output(cfg: LLMConfig, p: dict, x: jax.Array, attended: jax.Array, rou
             x = x + p["o_bias"]
     with jax.named_scope("mlp"):
         h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
-        if cfg.num_experts:
+        if "router" in p:  # this layer is a mixture of experts
             out, ids, stats = moe_mlp(h, p, k=cfg.experts_per_token, norm_topk_prob=cfg.norm_topk_prob,
                                       impl=cfg.moe_impl, ids=routing, token_mask=token_mask)
             return x + out, ids, stats
         mlp = project(cfg, p, "down", jax.nn.silu(project(cfg, p, "gate", h)) * project(cfg, p, "up", h))
         return x + mlp, None, None
-
-
-def with_remat(fn, policy: str):
-    """`fn` (a layer body) under the model's remat policy: what its backward pass recomputes."""
-    if policy == "full":
-        return jax.checkpoint(fn)
-    if policy == "dots":  # keep weight matmul outputs, recompute the cheap elementwise work
-        return jax.checkpoint(fn, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
-    return fn
 
 
 def vocab_logits(hidden: jax.Array, unembedding: jax.Array, compute_dtype) -> jax.Array:
@@ -382,9 +383,8 @@ class LLM(nnx.Module):
         cos, sin = rope_cos_sin(cfg, positions)
         x = jnp.take(self.embed[...], tokens, axis=0).astype(cdt)  # [B, T, D]
 
-        def layer(carry, xs):
+        def layer(carry, p, index, replay):
             x, cache = carry
-            p, index, replay = xs
             p = {name: w.astype(cdt) for name, w in p.items()}
             q, k, v = layer_qkv(cfg, p, x, cos, sin)
             if cache is not None:
@@ -398,10 +398,8 @@ class LLM(nnx.Module):
             x, ids, stats = layer_output(cfg, p, x, attend(q, k, v), replay, kv_mask if cache is None else None)
             return (x, cache), (ids, stats)
 
-        layer = with_remat(layer, cfg.remat)
-        replay = None if routing is None else jnp.moveaxis(routing, 2, 0)  # per layer, [L, B, T, k]
-        xs = (self.layers.arrays(), jnp.arange(cfg.num_layers), replay)
-        (x, cache), (ids, stats) = jax.lax.scan(layer, (x, cache), xs)
+        replay = None if routing is None else jnp.moveaxis(routing, 2, 0)  # per MoE layer, [L, B, T, k]
+        (x, cache), (ids, stats) = scan_layers(cfg, layer, (x, cache), self.layers.arrays(), replay, cfg.remat)
         ids = None if ids is None else jnp.moveaxis(ids, 0, 2)  # [B, T, L, k]
         hidden = rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)
         return (hidden, cache, ids, stats) if router_stats else (hidden, cache, ids)

@@ -105,13 +105,15 @@ ATTENTION_TARGETS = ("q", "k", "v", "o")
 
 def with_lora(cfg, rank: int, alpha: float, targets: tuple[str, ...]):
     """The model config `cfg` (an `llm.LLMConfig`) with adapters of this spec (rank 0: none). A mixture of
-    experts adapts its attention only: the experts and the router stay frozen (the MLP targets, in the default
-    list, are dropped; a list of MLP targets alone is an error)."""
-    if rank and cfg.num_experts:
+    experts adapts its attention, and the MLPs of a periodic stack's dense layers (`decoder_sparse_step` > 1):
+    the experts and the router stay frozen (the MLP targets, in the default list, are dropped when no layer is
+    dense; a list of MLP targets alone is then an error)."""
+    if rank and cfg.num_experts and cfg.decoder_sparse_step == 1:
         kept = tuple(t for t in targets if t in ATTENTION_TARGETS)
         if not kept:
             raise ConfigError(f"model.lora.targets={list(targets)}: LoRA on a mixture-of-experts model adapts "
-                              f"attention only ({', '.join(ATTENTION_TARGETS)}); its experts and router stay frozen")
+                              f"attention only ({', '.join(ATTENTION_TARGETS)}) when every layer is sparse; its "
+                              "experts and router stay frozen")
         targets = kept
     return dataclasses.replace(cfg, lora_rank=rank, lora_alpha=alpha, lora_targets=tuple(targets) if rank else ())
 

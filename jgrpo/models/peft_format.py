@@ -16,6 +16,7 @@ import jax
 import numpy as np
 
 from jgrpo.models.hf_format import tensor_layouts
+from jgrpo.models.layer_stack import stacked_layers
 from jgrpo.models.llm import LLMConfig
 from jgrpo.models.lora import without_lora
 
@@ -28,10 +29,10 @@ def peft_tensors(adapters: dict, cfg: LLMConfig) -> dict[str, np.ndarray]:
         a = np.asarray(jax.device_get(adapters["layers"][f"{target}_lora_a"]), np.float32)  # [L, *in, r]
         b = np.asarray(jax.device_get(adapters["layers"][f"{target}_lora_b"]), np.float32)  # [L, r, *out]
         module = layouts[("layers", target)].name.removesuffix(".weight")
-        for i in range(cfg.num_layers):
+        for at, i in enumerate(stacked_layers(cfg, target)):  # a periodic MoE stack: the dense layers' MLPs
             prefix = "base_model.model." + module.format(i=i)
-            tensors[prefix + ".lora_A.weight"] = np.ascontiguousarray(a[i].reshape(-1, cfg.lora_rank).T)
-            tensors[prefix + ".lora_B.weight"] = np.ascontiguousarray(b[i].reshape(cfg.lora_rank, -1).T)
+            tensors[prefix + ".lora_A.weight"] = np.ascontiguousarray(a[at].reshape(-1, cfg.lora_rank).T)
+            tensors[prefix + ".lora_B.weight"] = np.ascontiguousarray(b[at].reshape(cfg.lora_rank, -1).T)
     return tensors
 
 

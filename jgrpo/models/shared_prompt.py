@@ -19,7 +19,8 @@ import jax
 import jax.numpy as jnp
 
 from jgrpo.models.attention_backends import causal_attention
-from jgrpo.models.llm import LLM, layer_output, layer_qkv, position_ids_from_mask, rms_norm, with_remat
+from jgrpo.models.layer_stack import scan_layers
+from jgrpo.models.llm import LLM, layer_output, layer_qkv, position_ids_from_mask, rms_norm
 from jgrpo.models.rope import rope_cos_sin
 
 
@@ -53,9 +54,9 @@ def forward_shared_prompts(
     completion_rope = rope_cos_sin(cfg, completion_positions)
     embed = model.embed[...]
 
-    def layer(carry, xs):
+    def layer(carry, p, index, replay):
         xp, xc = carry  # [Bp, P, D], [R, N, D]
-        p, (replay_p, replay_c) = xs
+        replay_p, replay_c = (None, None) if replay is None else replay
         p = {name: w.astype(cdt) for name, w in p.items()}
         qp, kp, vp = layer_qkv(cfg, p, xp, *prompt_rope)
         qc, kc, vc = layer_qkv(cfg, p, xc, *completion_rope)
@@ -70,8 +71,8 @@ def forward_shared_prompts(
         return (xp, xc), ((ids_p, ids_c), stats_p.scaled(G) + stats_c)
 
     carry = (jnp.take(embed, prompt_tokens, axis=0).astype(cdt), jnp.take(embed, completion_tokens, axis=0).astype(cdt))
-    per_layer = (None, None) if routing is None else tuple(jnp.moveaxis(r, 2, 0) for r in routing)  # [L, ...]
-    (xp, xc), routed = jax.lax.scan(with_remat(layer, cfg.remat), carry, (model.layers.arrays(), per_layer))
+    per_layer = None if routing is None else tuple(jnp.moveaxis(r, 2, 0) for r in routing)  # [L, ...]
+    (xp, xc), routed = scan_layers(cfg, layer, carry, model.layers.arrays(), per_layer, cfg.remat)
     ids, stats = (None, None) if routed is None else routed
     ids = None if ids is None else tuple(jnp.moveaxis(r, 0, 2) for r in ids)
     norm = model.final_norm[...]

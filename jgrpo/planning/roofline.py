@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from jgrpo.models.layer_stack import moe_layer_count
+
 
 @dataclasses.dataclass(frozen=True)
 class Chip:
@@ -42,15 +44,13 @@ def bounds(flops: float, hbm_bytes: float, ici_bytes: float, chip: Chip) -> dict
 def matmul_params(cfg) -> int:
     """Parameters that take part in a matmul per token: every layer's projections and the unembedding (the
     embedding lookup is a gather, not a matmul). A mixture of experts counts its router and the k experts a token
-    is routed to, not the E it holds (MFU on active parameters)."""
+    is routed to, not the E it holds (MFU on active parameters); a periodic stack's dense layers their MLP."""
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    if cfg.num_experts:
-        router, expert = cfg.hidden_size * cfg.num_experts, 3 * cfg.hidden_size * cfg.moe_intermediate_size
-        mlp = router + cfg.experts_per_token * expert
-    else:
-        mlp = 3 * cfg.hidden_size * cfg.intermediate_size
-    layer = cfg.hidden_size * (q + 2 * kv) + q * cfg.hidden_size + mlp
-    return cfg.num_layers * layer + cfg.vocab_size * cfg.hidden_size
+    moe_layers = moe_layer_count(cfg)
+    moe = cfg.hidden_size * cfg.num_experts + cfg.experts_per_token * 3 * cfg.hidden_size * cfg.moe_intermediate_size
+    mlp = moe_layers * moe + (cfg.num_layers - moe_layers) * 3 * cfg.hidden_size * cfg.intermediate_size
+    attention = cfg.hidden_size * (q + 2 * kv) + q * cfg.hidden_size
+    return cfg.num_layers * attention + mlp + cfg.vocab_size * cfg.hidden_size
 
 
 def forward_flops(cfg, tokens: float, context: float) -> float:

@@ -15,6 +15,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jgrpo.models.decode import DecodeCache, resolve_decode_layers
+from jgrpo.models.layer_stack import moe_layer_count
 from jgrpo.parallel.mesh import Rules, logical_to_spec, mesh_platform, row_sharding
 from jgrpo.sampling.pool import Plan, decode_chunking
 
@@ -93,10 +94,11 @@ def plan_and_layout(sampler, batch: int, prompt_len: int, cfg, interactive: bool
 
 
 def routing_record(cfg) -> tuple[int, int, str] | None:
-    """(L, k, dtype) of a mixture of experts' routing record: uint8 ids while E <= 256, else int16."""
+    """(L, k, dtype) of a mixture of experts' routing record (L: its MoE layers): uint8 ids while E <= 256, else
+    int16."""
     if not getattr(cfg, "num_experts", 0):
         return None
-    return cfg.num_layers, cfg.experts_per_token, "uint8" if cfg.num_experts <= 256 else "int16"
+    return moe_layer_count(cfg), cfg.experts_per_token, "uint8" if cfg.num_experts <= 256 else "int16"
 
 
 def _constrain(x, sharding):

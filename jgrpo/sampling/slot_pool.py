@@ -50,7 +50,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jgrpo.models.decode import DecodeCache, decode_cache, decode_step_scanned, prompt_store, unstack_layers
+from jgrpo.models.decode import DecodeCache, decode_cache, decode_step_scanned, prompt_store
+from jgrpo.models.layer_stack import unstack_layers
 from jgrpo.models.decode import decode_step as model_decode_step
 from jgrpo.models.llm import KVCache, init_cache, merge_model, position_ids_from_mask
 from jgrpo.sampling.pool import (
@@ -73,9 +74,10 @@ from jgrpo.sampling.pool import (
 def weights(graphdef, params, plan: Plan, layers=None) -> Weights:
     """Inside a program: the model merged, and the stacked layers split once per call, outside every loop (or
     `layers`, split already by a caller that runs many programs with the same params)."""
+    model = merge_model(graphdef, params)
     if not plan.scanned and layers is None:
-        layers = unstack_layers(params["layers"])
-    return Weights(merge_model(graphdef, params), params, None if plan.scanned else layers)
+        layers = unstack_layers(model.cfg, params["layers"])
+    return Weights(model, params, None if plan.scanned else layers)
 
 
 _pick = jax.vmap(lambda x, i: x[i])  # per queue: x [Q, W, ...], i [Q, n] -> [Q, n, ...]

@@ -43,8 +43,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jgrpo.models.decode import DecodeCache, unstack_layers
-from jgrpo.models.llm import KVCache
+from jgrpo.models.decode import DecodeCache
+from jgrpo.models.layer_stack import unstack_layers
+from jgrpo.models.llm import KVCache, merge_model
 from jgrpo.sampling.pool import Pool, PoolSpec, PromptStore, SampleOutput, record, turn_ends
 from jgrpo.sampling.slot_pool import decode_chunk, draw, local_prompt, outputs, start, weights
 
@@ -110,7 +111,9 @@ def _decode_chunk(graphdef, params, layers, store, pool, version, *, spec: PoolS
                         chunk, lap, steps)
 
 
-_unstack = jax.jit(unstack_layers)
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def _unstack(graphdef, params):
+    return unstack_layers(merge_model(graphdef, params).cfg, params["layers"])
 
 
 def advance(graphdef, params, state: SlotState, chunks: int, version: int) -> SlotState:
@@ -122,7 +125,7 @@ def advance(graphdef, params, state: SlotState, chunks: int, version: int) -> Sl
     if not plan.scanned:
         source, layers = state.unstacked or (None, None)
         if source is not params["layers"]:
-            layers = _unstack(params["layers"])
+            layers = _unstack(graphdef, params)
             state = dataclasses.replace(state, unstacked=(params["layers"], layers))
     for _ in range(chunks):
         if state.idle():

@@ -35,10 +35,14 @@ def model():
     return split_model(LLM(CFG, rngs=nnx.Rngs(params=1)))
 
 
-def _moe_model():
+# A periodic stack (decoder_sparse_step 2): layers 0 and 2 dense MLPs, 1 and 3 mixtures of experts.
+MOE_STEP2_CFG = dataclasses.replace(MOE_CFG, num_layers=4, decoder_sparse_step=2)
+
+
+def _moe_model(cfg=MOE_CFG):
     """The MoE sizes with a router 30x wider than its init: top-k margins far above float32 rounding, so the
     decode step and the full forward must route every token alike."""
-    graphdef, params = split_model(LLM(MOE_CFG, rngs=nnx.Rngs(params=1)))
+    graphdef, params = split_model(LLM(cfg, rngs=nnx.Rngs(params=1)))
     params["layers"]["router"] = params["layers"]["router"] * 30
     return graphdef, params
 
@@ -89,15 +93,16 @@ def test_cache_requires_index_and_matching_mask(model):
 
 
 @pytest.mark.parametrize("scanned", [False, True], ids=["unrolled", "scanned"])
-@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+@pytest.mark.parametrize("moe", [None, MOE_CFG, MOE_STEP2_CFG], ids=["dense", "moe", "moe_step2"])
 def test_decode_step_matches_full_forward(model, moe, scanned):
     """models.decode (per-layer weights and [B, KVH, S, Dh] caches as the sampler uses them, or its scanned form)
     == the full forward; a mixture of experts also routes each fed token to the experts the full forward picks."""
-    from jgrpo.models.decode import decode_cache, decode_step, decode_step_scanned, prompt_store, unstack_layers
+    from jgrpo.models.decode import decode_cache, decode_step, decode_step_scanned, prompt_store
+    from jgrpo.models.layer_stack import unstack_layers
     from jgrpo.models.llm import merge_model
 
-    graphdef, params = _moe_model() if moe else model
-    cfg = MOE_CFG if moe else CFG
+    graphdef, params = _moe_model(moe) if moe else model
+    cfg = moe or CFG
     prompt_len, new_tokens, repeats = 5, 4, 2
     S = prompt_len + new_tokens
     rng = np.random.default_rng(1)
@@ -116,14 +121,14 @@ def test_decode_step_matches_full_forward(model, moe, scanned):
     store = prompt_store(prefill)
     cache = decode_cache(jax.tree.map(lambda x: jnp.repeat(x, repeats, axis=1), store), 2, chunk_len, scanned)
     if scanned:
-        assert len(cache.k) == 1 and cache.k[0][1].shape == (CFG.num_layers, 4, CFG.num_kv_heads, chunk_len, 16)
+        assert len(cache.k) == 1 and cache.k[0][1].shape == (cfg.num_layers, 4, CFG.num_kv_heads, chunk_len, 16)
         step = functools.partial(jax.jit(decode_step_scanned, static_argnums=(0, 6, 8)), cfg, params)
     else:
-        assert len(cache.k) == CFG.num_layers and len(cache.k[0]) == 3
+        assert len(cache.k) == cfg.num_layers and len(cache.k[0]) == 3
         assert cache.k[0][0].shape == (4, CFG.num_kv_heads, prompt_len, CFG.head_dim)
         assert cache.k[0][1].shape == (4, CFG.num_kv_heads, chunk_len, CFG.head_dim)
         step = functools.partial(jax.jit(decode_step, static_argnums=(0, 7, 9)), cfg, params,
-                                 unstack_layers(params["layers"]))
+                                 unstack_layers(cfg, params["layers"]))
     row_prompt_mask = jnp.repeat(prompt_mask, repeats, 0)
     for slot, t in enumerate(range(prompt_len, S)):
         chunk, offset = divmod(slot, chunk_len)
@@ -134,6 +139,7 @@ def test_decode_step_matches_full_forward(model, moe, scanned):
                                       chunk + 1)
         np.testing.assert_allclose(hidden, full[:, t], atol=1e-5, rtol=0)
         if moe:
+            assert routing.shape == (4, cfg.num_layers // cfg.decoder_sparse_step, 2)
             np.testing.assert_array_equal(routing, full_routing[:, t])  # [B, L, k]
         else:
             assert routing is None and full_routing is None

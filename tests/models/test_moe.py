@@ -77,19 +77,22 @@ def _router_margin(hf_model, tokens, mask) -> float:
         probs = torch.softmax(output[0].float(), dim=-1).sort(dim=-1, descending=True).values
         margins.append(float((probs[:, k - 1] - probs[:, k]).min()))
 
-    handles = [layer.mlp.gate.register_forward_hook(hook) for layer in hf_model.model.layers]
+    routers = [layer.mlp.gate for layer in hf_model.model.layers if hasattr(layer.mlp, "experts")]
+    handles = [router.register_forward_hook(hook) for router in routers]
     hf_logits(hf_model, tokens, mask)
     for handle in handles:
         handle.remove()
     return min(margins)
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_moe_plain"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_moe_plain", "qwen3_moe_step2"])
 def test_qwen3_moe_matches_transformers_for_every_implementation(family, tmp_path):
     model_dir, hf_model = save_hf_model(family, tmp_path / family)
     graphdef, params, cfg = load_model(str(model_dir))
     assert cfg.num_experts == 8 and cfg.experts_per_token == 2
-    assert cfg.norm_topk_prob == (family == "qwen3_moe") and cfg.head_dim == (24 if family == "qwen3_moe" else 16)
+    plain = family == "qwen3_moe_plain"
+    assert cfg.norm_topk_prob == (not plain) and cfg.head_dim == (16 if plain else 24)
+    assert cfg.decoder_sparse_step == (2 if family == "qwen3_moe_step2" else 1)
     tokens, mask = left_padded_batch()
     margin = _router_margin(hf_model, tokens, mask)
     print(f"{family}: smallest router top-k margin {margin:.2e}")
@@ -105,19 +108,34 @@ def test_qwen3_moe_matches_transformers_for_every_implementation(family, tmp_pat
     np.testing.assert_allclose(hf_logits(reloaded, tokens, mask)[mask], ref, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("changes,message", [
-    ({"decoder_sparse_step": 2}, "decoder_sparse_step=2"),
-    ({"mlp_only_layers": [1]}, r"mlp_only_layers=\[1\]"),
+def _hf_moe_config(layers, **changes):
+    return {"model_type": "qwen3_moe", "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8,
+            "num_hidden_layers": layers, "num_attention_heads": 2, "num_experts": 4, "num_experts_per_tok": 2,
+            "moe_intermediate_size": 4, **changes}
+
+
+@pytest.mark.parametrize("layers,changes,step", [
+    (4, {"decoder_sparse_step": 2}, 2),
+    (6, {"decoder_sparse_step": 3, "mlp_only_layers": [0, 4]}, 3),  # naming dense layers only: still period 3
+    (4, {"mlp_only_layers": [0, 2]}, 2),  # every layer sparse but the even ones: the period-2 stack
 ])
-def test_unsupported_moe_layouts_are_named(changes, message):
+def test_periodic_moe_layouts_load_as_their_period(layers, changes, step):
+    from jgrpo.models.hf import llm_config_from_hf
+
+    assert llm_config_from_hf(_hf_moe_config(layers, **changes)).decoder_sparse_step == step
+
+
+@pytest.mark.parametrize("layers,changes,message", [
+    (2, {"mlp_only_layers": [1]}, r"mlp_only_layers=\[1\] makes layers \[0\] of 2"),
+    (3, {"decoder_sparse_step": 2}, r"decoder_sparse_step=2 .* makes layers \[1\] of 3"),  # a dense layer at the end
+    (4, {"mlp_only_layers": [3]}, r"layers \[0, 1, 2\] of 4"),
+])
+def test_unsupported_moe_layouts_are_named(layers, changes, message):
     from jgrpo.config import ConfigError
     from jgrpo.models.hf import llm_config_from_hf
 
-    hf = {"model_type": "qwen3_moe", "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8,
-          "num_hidden_layers": 2, "num_attention_heads": 2, "num_experts": 4, "num_experts_per_tok": 2,
-          "moe_intermediate_size": 4, **changes}
     with pytest.raises(ConfigError, match=message):
-        llm_config_from_hf(hf)
+        llm_config_from_hf(_hf_moe_config(layers, **changes))
 
 
 @pytest.mark.parametrize("name,active", [("Qwen/Qwen3-30B-A3B", 3.3e9), ("Qwen3-235B-A22B", 22.2e9)])
@@ -219,3 +237,37 @@ def test_router_losses_by_hand_and_as_transformers_computes_the_load_balance():
     # Its gradient reaches the router (through the probabilities; the assignments are counts).
     grad = jax.grad(lambda x: router_losses(router_stats(x, jax.lax.top_k(x, 2)[1], mask))[0])(layers[0])
     assert float(jnp.abs(grad).max()) > 1e-4
+
+
+def test_a_periodic_stack_stacks_each_weight_over_its_layers_and_lora_adapts_its_dense_mlps():
+    # decoder_sparse_step 2 over 4 layers: attention stacks 4, the dense MLPs (layers 0, 2) and the experts
+    # (layers 1, 3) 2 each; LoRA keeps its MLP targets (the dense layers') and exports them under their layers.
+    from jgrpo.models.layer_stack import stacked_layers, unstack_layers
+    from jgrpo.models.llm import LLMConfig, model_param_shapes_by_path
+    from jgrpo.models.lora import LORA_TARGETS, with_lora
+    from jgrpo.models.peft_format import peft_tensors
+
+    cfg = LLMConfig(vocab_size=16, hidden_size=8, intermediate_size=12, num_layers=4, num_heads=2, num_kv_heads=2,
+                    head_dim=4, architecture="qwen3_moe", qk_norm=True, num_experts=4, experts_per_token=2,
+                    moe_intermediate_size=6, decoder_sparse_step=2)
+    assert [stacked_layers(cfg, n) for n in ("q", "gate", "router", "up_lora_a")] == [[0, 1, 2, 3], [0, 2], [1, 3],
+                                                                                       [0, 2]]
+    lora = with_lora(cfg, 2, 4.0, LORA_TARGETS)
+    assert lora.lora_targets == LORA_TARGETS
+    shapes = model_param_shapes_by_path(lora)
+    assert shapes[("layers", "q")][0] == 4 and shapes[("layers", "gate")] == (2, 8, 12)
+    assert shapes[("layers", "experts_up")] == (2, 4, 8, 6) and shapes[("layers", "gate_lora_a")] == (2, 8, 2)
+    stacks = {name[1]: np.full(shape, float(i), np.float32)
+              for i, (name, shape) in enumerate(shapes.items()) if name[0] == "layers"}
+    stacks = {name: w + np.arange(w.shape[0]).reshape(-1, *[1] * (w.ndim - 1)) * 100 for name, w in stacks.items()}
+    layers = unstack_layers(lora, stacks)
+    moe = {"router", "experts_gate", "experts_up", "experts_down"}
+    dense = {n for n in stacks if n.split("_lora")[0] in ("gate", "up", "down")}
+    assert set(layers[2]) == set(stacks) - moe and set(layers[3]) == set(stacks) - dense
+    np.testing.assert_array_equal(layers[2]["gate"], stacks["gate"][1])  # layer 2 is the second dense layer
+    np.testing.assert_array_equal(layers[3]["router"], stacks["router"][1])
+    np.testing.assert_array_equal(layers[3]["q"], stacks["q"][3])
+    adapters = {"layers": {n: w for n, w in stacks.items() if n.endswith(("_lora_a", "_lora_b"))}}
+    names = sorted(peft_tensors(adapters, lora))
+    assert "base_model.model.model.layers.2.mlp.gate_proj.lora_A.weight" in names
+    assert not any(".layers.1.mlp" in n or ".layers.3.mlp" in n for n in names)
