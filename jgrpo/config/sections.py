@@ -45,10 +45,16 @@ class ModelConfig:
     # Attention implementation; auto = by the platform of the mesh's devices: custom on CPU, splash (the Pallas
     # kernel) on TPU, cudnn on NVIDIA GPUs (why: docs/configuration.md).
     attention: Literal["auto", "custom", "xla", "cudnn", "splash"] = "auto"
-    # Mixture-of-experts models (Qwen3-MoE): how the experts' matmuls run; auto = by the platform: sorted_tiles on
-    # CPU and TPU, ragged (jax.lax.ragged_dot) on GPU; dense (every expert on every token) is the test reference
-    # (why: docs/configuration.md). Dense models ignore it.
-    moe_impl: Literal["auto", "sorted_tiles", "ragged", "dense"] = "auto"
+    # Mixture-of-experts models (Qwen3-MoE): how the experts' matmuls run; auto = by the platform: megablox (the
+    # Pallas grouped matmul) on TPU, sorted_tiles on CPU, ragged (jax.lax.ragged_dot) on GPU; dense (every expert on
+    # every token) is the test reference (why: docs/configuration.md). Dense models ignore it.
+    moe_impl: Literal["auto", "sorted_tiles", "megablox", "ragged", "dense"] = "auto"
+    # Mixture-of-experts models with mesh.expert > 1: how tokens reach the devices of their experts (why:
+    # docs/configuration.md). all_gather: every device of an expert group gathers the group's tokens, runs its
+    # experts, and a reduce-scatter sums the outputs back (any platform); ragged_all_to_all: each (token, expert)
+    # assignment goes only to its expert's device and back (TPU; XLA:CPU lacks the op). auto: TPU ragged_all_to_all,
+    # else all_gather.
+    moe_dispatch: Literal["auto", "all_gather", "ragged_all_to_all"] = "auto"
     # Mixture-of-experts models: rollout = every trainer forward sends each token to the experts the sampler's
     # forward chose (routing replay, R3; docs/algorithm.md §16); none = the trainer's router decides. A dense
     # model with rollout is a config error.
@@ -76,6 +82,9 @@ class MeshConfig:
     # Mesh axis sizes; at most one may be -1 (= all remaining devices).
     data: int = 1
     fsdp: int = -1
+    # Expert parallelism (mixtures of experts): the experts are split over this axis, E / expert per device (FSDP
+    # within); everything else is data-parallel over it (jgrpo/models/expert_parallel.py). 1 = off.
+    expert: int = 1
     tensor: int = 1
     # Placement. 0 = the sampler and the trainer share every device. n > 0 = disaggregated: the first n devices
     # form the sampler's sub-mesh and the rest the trainer's, each with the axes above (the -1 axis absorbs its
@@ -84,7 +93,7 @@ class MeshConfig:
     rollout_devices: int = 0
 
     def __post_init__(self):
-        sizes = {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}
+        sizes = {"data": self.data, "fsdp": self.fsdp, "expert": self.expert, "tensor": self.tensor}
         for name, size in sizes.items():
             _check(size == -1 or size >= 1, f"mesh.{name}", size, "a positive integer or -1")
         _check(list(sizes.values()).count(-1) <= 1, "mesh", sizes, "at most one axis may be -1")

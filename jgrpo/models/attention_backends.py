@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from jgrpo.models.attention import attention as custom_attention
+from jgrpo.parallel.mesh import BATCH_AXES, dividing_axes
 from jgrpo.parallel.platform_defaults import resolve
 
 IMPLEMENTATIONS = ("custom", "xla", "cudnn", "splash")
@@ -39,15 +40,18 @@ def resolve_attention(choice: str, platform: str) -> str:
     return resolve("model.attention", choice, IMPLEMENTATIONS, AUTO, platform)
 
 
-def mesh_context(implementation: str, mesh):
-    """The context to trace (call or lower) programs of a model using `implementation` in: `jax.set_mesh(mesh)`
-    for the kernel that is placed per device with `shard_map` (splash), nothing otherwise."""
-    return mesh_context_factory(implementation, mesh)()
+def mesh_context(cfg, mesh):
+    """The context to trace (call or lower) programs of the model `cfg` (an `llm.LLMConfig`) in: `jax.set_mesh(mesh)`
+    where a part of it is placed per device with `shard_map` (the splash kernel, experts split over the expert
+    axis: models/expert_parallel.py), nothing otherwise."""
+    return mesh_context_factory(cfg, mesh)()
 
 
-def mesh_context_factory(implementation: str, mesh):
+def mesh_context_factory(cfg, mesh):
     """`mesh_context`'s choice made once: a callable that gives the context (for objects that trace every call)."""
-    if implementation == "splash" and mesh is not None:
+    experts_split = "expert" in getattr(mesh, "axis_names", ()) and mesh.shape["expert"] > 1
+    per_device = cfg.attention == "splash" or (cfg.num_experts and (experts_split or cfg.moe_impl == "megablox"))
+    if per_device and mesh is not None:
         return functools.partial(jax.set_mesh, mesh)
     return contextlib.nullcontext
 
@@ -110,8 +114,8 @@ def _splash(q, k, v, kv_valid):
         return jax.vmap(one_row)(q, k, v, q_segments, valid)
 
     if not mesh.empty:  # rows over the batch axes, kv heads over tensor (as the projections shard them)
-        rows = _dividing_axes(mesh, ("data", "fsdp"), B)
-        heads = _dividing_axes(mesh, ("tensor",), KVH)
+        rows = dividing_axes(mesh, BATCH_AXES, B)
+        heads = dividing_axes(mesh, ("tensor",), KVH)
         qkv, seg = PartitionSpec(rows, heads), PartitionSpec(rows)
         per_device = jax.shard_map(per_device, mesh=mesh, in_specs=(qkv, qkv, qkv, seg, seg), out_specs=qkv,
                                    check_vma=False)
@@ -128,21 +132,9 @@ def _splits_evenly(rows: int, kv_heads: int) -> bool:
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return True
-    wanted = [(("data", "fsdp"), rows), (("tensor",), kv_heads)]
-    return all(_dividing_axes(mesh, names, size) == (tuple(n for n in names if n in mesh.axis_names) or None)
+    wanted = [(BATCH_AXES, rows), (("tensor",), kv_heads)]
+    return all(dividing_axes(mesh, names, size) == (tuple(n for n in names if n in mesh.axis_names) or None)
                for names, size in wanted)
-
-
-def _dividing_axes(mesh, names: tuple[str, ...], size: int) -> tuple[str, ...] | None:
-    """The longest prefix of the mesh axes `names` whose product divides `size` (None: replicated)."""
-    chosen, product = [], 1
-    for name in names:
-        if name in mesh.axis_names and size % (product * mesh.shape[name]) == 0:
-            chosen.append(name)
-            product *= mesh.shape[name]
-        else:
-            break
-    return tuple(chosen) or None
 
 
 def _splash_kernel(group: int, q_len: int, kv_len: int, interpret: bool):

@@ -21,6 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from jgrpo.models.attention_backends import resolve_attention
 from jgrpo.models.builtin import ModelNotFound, resolve_model_dir
+from jgrpo.models.expert_parallel import resolve_moe_dispatch
 from jgrpo.models.hf_format import expert_names, export_hf, hf_config_from_llm, llm_config_from_hf, tensor_layouts
 from jgrpo.models.layer_stack import stacked_layers
 from jgrpo.models.llm import LOGICAL_AXES, LLMConfig, abstract_model, param_shapes_by_path, position_ids_from_mask
@@ -149,6 +150,7 @@ def load_model(
     remat: str = "none",
     attention: str = "custom",
     moe_impl: str = "sorted_tiles",
+    moe_dispatch: str = "all_gather",
     mesh=None,
     rules: Rules | None = None,
     lora: tuple[int, float, tuple[str, ...]] = (0, 16.0, ()),
@@ -164,7 +166,7 @@ def load_model(
         raise ModelNotFound(f"{model_dir} has no config.json: not a Hugging Face model directory")
     cfg = llm_config_from_hf(
         json.loads(config_file.read_text()), param_dtype=param_dtype, compute_dtype=compute_dtype, remat=remat,
-        attention=attention, moe_impl=moe_impl,
+        attention=attention, moe_impl=moe_impl, moe_dispatch=moe_dispatch,
     )
     cfg = with_lora(cfg, *lora)
     graphdef, _ = abstract_model(cfg)
@@ -179,7 +181,8 @@ def model_options(model, platform: str) -> dict:
     choices (`attention`, `moe_impl`: auto) resolved for `platform`."""
     return dict(param_dtype=model.param_dtype, compute_dtype=model.compute_dtype, remat=model.remat,
                 attention=resolve_attention(model.attention, platform),
-                moe_impl=resolve_moe_impl(model.moe_impl, platform))
+                moe_impl=resolve_moe_impl(model.moe_impl, platform),
+                moe_dispatch=resolve_moe_dispatch(model.moe_dispatch, platform))
 
 
 def new_adapters(cfg: LLMConfig, seed: int, *, mesh=None, rules: Rules | None = None) -> dict:

@@ -28,7 +28,7 @@ _HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3"
 
 def llm_config_from_hf(
     hf: dict[str, Any], *, param_dtype: str = "float32", compute_dtype: str = "float32", remat: str = "none",
-    attention: str = "custom", moe_impl: str = "sorted_tiles",
+    attention: str = "custom", moe_impl: str = "sorted_tiles", moe_dispatch: str = "all_gather",
 ) -> LLMConfig:
     """LLMConfig from a config.json dict, honouring every field that changes the computation."""
     arch = hf.get("model_type")
@@ -83,6 +83,7 @@ def llm_config_from_hf(
         attention=attention,
         architecture=arch,
         moe_impl=moe_impl,
+        moe_dispatch=moe_dispatch,
         **moe,
     )
 

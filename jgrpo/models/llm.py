@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec
 
 from jgrpo.models.attention_backends import IMPLEMENTATIONS as ATTENTION_IMPLEMENTATIONS
 from jgrpo.models.attention_backends import causal_attention, dense_attention, slot_mask
+from jgrpo.models.layer_stack import moe_layer_count, scan_layers, stack_length
 from jgrpo.models.lora import (
     LORA_LOGICAL_AXES,
     check_lora,
@@ -33,7 +34,6 @@ from jgrpo.models.lora import (
     low_rank,
 )
 from jgrpo.models.matmul import dense
-from jgrpo.models.layer_stack import moe_layer_count, scan_layers, stack_length
 from jgrpo.models.moe import IMPLEMENTATIONS as MOE_IMPLEMENTATIONS
 from jgrpo.models.moe import moe_mlp
 from jgrpo.models.rope import apply_rope, rope_cos_sin
@@ -111,6 +111,7 @@ class LLMConfig:
     # it; models/layer_stack.py). 1: every layer (Qwen3-30B-A3B).
     decoder_sparse_step: int = 1
     moe_impl: str = "sorted_tiles"  # how the experts' matmuls run (`model.moe_impl` resolved for the platform)
+    moe_dispatch: str = "all_gather"  # with experts split over the mesh (`model.moe_dispatch` resolved)
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads"):
@@ -301,7 +302,8 @@ def layer_output(cfg: LLMConfig, p: dict, x: jax.Array, attended: jax.Array, rou
         h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
         if "router" in p:  # this layer is a mixture of experts
             out, ids, stats = moe_mlp(h, p, k=cfg.experts_per_token, norm_topk_prob=cfg.norm_topk_prob,
-                                      impl=cfg.moe_impl, ids=routing, token_mask=token_mask)
+                                      impl=cfg.moe_impl, ids=routing, token_mask=token_mask,
+                                      dispatch=cfg.moe_dispatch)
             return x + out, ids, stats
         mlp = project(cfg, p, "down", jax.nn.silu(project(cfg, p, "gate", h)) * project(cfg, p, "up", h))
         return x + mlp, None, None

@@ -17,8 +17,12 @@ How the experts' matmuls run, `model.moe_impl` (the same values and gradients, t
 - `dense`: every expert on every token, the gates zero outside the top k. The reference the others are tested
   against; E/k times the routed flops.
 
-`auto` resolves by platform (`resolve_moe_impl`): CPU sorted_tiles, GPU ragged, TPU sorted_tiles (until a
-Pallas grouped matmul lands). benchmarks/moe.py measures the choices side by side.
+- `megablox`: the Pallas TPU grouped matmul over the sorted assignments, each row tile reading only its groups'
+  weights (interpret mode elsewhere, for tests).
+
+`auto` resolves by platform (`resolve_moe_impl`): CPU sorted_tiles, GPU ragged, TPU megablox (sorted_tiles' per-tile
+weight copies made Qwen3-30B-A3B's TPU decode step read ~100 GB per chip). benchmarks/moe.py measures the CPU
+choices side by side.
 """
 
 from __future__ import annotations
@@ -28,11 +32,12 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jgrpo.models.expert_parallel import run_experts
 from jgrpo.parallel.platform_defaults import resolve
 
-# What `model.moe_impl: auto` picks by platform: ragged on GPU (its grouped matmul is native there), sorted_tiles
-# elsewhere (XLA:CPU runs ragged_dot densely: benchmarks/moe.py; reasons in docs/configuration.md).
-MOE_AUTO = {"cpu": "sorted_tiles", "tpu": "sorted_tiles", "gpu": "ragged", "other": "sorted_tiles"}
+# What `model.moe_impl: auto` picks by platform: megablox on TPU, ragged on GPU (its grouped matmul is native there),
+# sorted_tiles elsewhere (XLA:CPU runs ragged_dot densely: benchmarks/moe.py; reasons in docs/configuration.md).
+MOE_AUTO = {"cpu": "sorted_tiles", "tpu": "megablox", "gpu": "ragged", "other": "sorted_tiles"}
 
 
 def resolve_moe_impl(choice: str, platform: str) -> str:
@@ -103,6 +108,30 @@ def _sorted_tiles(x, ids, gates, gate, up, down):
     return _combine(y, order, gates, M, k)
 
 
+def _megablox(x, ids, gates, gate, up, down):
+    """The sorted assignments through the Pallas TPU grouped matmul (`jax.experimental.pallas.ops.tpu.megablox`,
+    its own backward): each tile of rows multiplies only its groups' weights. Elsewhere it runs in Pallas
+    interpret mode (tests only: slow). On a mesh it runs per device (`expert_parallel.run_experts`)."""
+    from jax.experimental.pallas.ops.tpu.megablox import gmm
+
+    M, k = ids.shape
+    A = M * k
+    order, _, counts = _sorted(ids, gate.shape[0])
+    tm = min(128, -(-A // 8) * 8)  # a row tile: 128, or all rows rounded up to the sublane (8) for few tokens
+    padded = -(-A // tm) * tm
+    rows = jnp.pad(x[order // k], ((0, padded - A), (0, 0)))  # zero rows at the end, counted in the last group
+    counts = counts.at[-1].add(padded - A)
+    mesh = jax.sharding.get_abstract_mesh()
+    interpret = (jax.devices()[0].platform if mesh.empty else mesh.abstract_device.platform) != "tpu"
+
+    def grouped(lhs, rhs):  # [padded, K] x [E, K, N]: a whole dim where it is no multiple of the 128 lanes
+        tiles = (tm, *(128 if d % 128 == 0 else d for d in rhs.shape[1:]))
+        return gmm(lhs, rhs, counts, preferred_element_type=lhs.dtype, tiling=tiles, interpret=interpret)
+
+    h = jax.nn.silu(grouped(rows, gate)) * grouped(rows, up)
+    return _combine(grouped(h, down)[:A], order, gates, M, k)
+
+
 def _ragged(x, ids, gates, gate, up, down):
     M, k = ids.shape
     order, _, counts = _sorted(ids, gate.shape[0])
@@ -117,7 +146,9 @@ def _combine(y_sorted, order, gates, M: int, k: int):
     return jnp.einsum("mk,mkd->md", gates, y)
 
 
-IMPLEMENTATIONS = {"sorted_tiles": _sorted_tiles, "ragged": _ragged, "dense": _dense}
+IMPLEMENTATIONS = {"sorted_tiles": _sorted_tiles, "megablox": _megablox, "ragged": _ragged, "dense": _dense}
+# Implementations that are a kernel XLA cannot partition: on a mesh they run per device under shard_map.
+KERNELS = ("megablox",)
 
 
 class RouterStats(NamedTuple):
@@ -158,17 +189,19 @@ def router_losses(stats: RouterStats) -> tuple[jax.Array, jax.Array]:
 
 
 def moe_mlp(h: jax.Array, p: dict, *, k: int, norm_topk_prob: bool, impl: str, ids: jax.Array | None = None,
-            token_mask: jax.Array | None = None):
+            token_mask: jax.Array | None = None, dispatch: str = "all_gather"):
     """The MoE block on h [B, T, D] with a layer's weights `p` (router [D, E], experts_gate / experts_up
     [E, D, F], experts_down [E, F, D]): (output [B, T, D], the router's top-k experts [B, T, k], its
     `RouterStats` over the tokens of `token_mask` [B, T] (default all)). `ids` [B, T, k]: replay these experts
     instead of the router's top k (`route`); what is returned is still the router's own choice, so a caller can
-    count where replay overrode it."""
+    count where replay overrode it. On a context mesh with an expert axis the experts run split over it, tokens
+    moved by `dispatch` (models/expert_parallel.py)."""
     B, T, D = h.shape
     x = h.reshape(B * T, D)
     replay = None if ids is None else ids.reshape(B * T, k).astype(jnp.int32)
     used, gates, logits = route(x, p["router"], k, norm_topk_prob, replay)
-    y = IMPLEMENTATIONS[impl](x, used, gates, p["experts_gate"], p["experts_up"], p["experts_down"])
+    y = run_experts(IMPLEMENTATIONS[impl], x, used, gates, p["experts_gate"], p["experts_up"], p["experts_down"],
+                    dispatch, kernel=impl in KERNELS)
     chosen = used if replay is None else jax.lax.top_k(jax.nn.softmax(logits, axis=-1), k)[1]
     mask = jnp.ones(B * T, bool) if token_mask is None else token_mask.reshape(B * T)
     return y.reshape(B, T, D), chosen.reshape(B, T, k), router_stats(logits, used, mask)

@@ -87,7 +87,8 @@ def hf_shape_dict(name: str) -> dict[str, Any]:
 
 
 def model_shapes(name: str, *, param_dtype: str = "float32", compute_dtype: str = "float32",
-                 remat: str = "none", attention: str = "custom", moe_impl: str = "sorted_tiles") -> LLMConfig:
+                 remat: str = "none", attention: str = "custom", moe_impl: str = "sorted_tiles",
+                 moe_dispatch: str = "all_gather") -> LLMConfig:
     """The LLMConfig of `name` from its shape description alone (see `hf_shape_dict`)."""
     return llm_config_from_hf(hf_shape_dict(name), param_dtype=param_dtype, compute_dtype=compute_dtype, remat=remat,
-                              attention=attention, moe_impl=moe_impl)
+                              attention=attention, moe_impl=moe_impl, moe_dispatch=moe_dispatch)

@@ -2,7 +2,7 @@
 
 Every parameter and activation names its dimensions with *logical* axes ("embed", "mlp",
 "heads", "batch", ...). A rules table maps each logical axis to zero or more mesh axes of the
-one mesh `(data, fsdp, tensor)`. Training and sampling use different tables: training shards
+one mesh `(data, fsdp, expert, tensor)`. Training and sampling use different tables: training shards
 weights over fsdp (ZeRO-3 style) and tensor; sampling keeps weights whole along fsdp so the
 decode loop never all-gathers them at every token.
 """
@@ -18,13 +18,16 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jgrpo.config import ConfigError, MeshConfig
 
-MESH_AXES = ("data", "fsdp", "tensor")
+MESH_AXES = ("data", "fsdp", "expert", "tensor")
+# The axes rows (prompts, completions, tokens) are split over: data parallelism, FSDP and, outside the experts'
+# matmuls, the expert axis.
+BATCH_AXES = ("data", "fsdp", "expert")
 
 # logical axis -> mesh axis (or tuple of mesh axes, or None = replicated)
 Rules = Mapping[str, str | tuple[str, ...] | None]
 
 TRAIN_RULES: Rules = {
-    "batch": ("data", "fsdp"),
+    "batch": BATCH_AXES,
     "length": None,
     "vocab": "tensor",
     "embed": "fsdp",
@@ -35,7 +38,7 @@ TRAIN_RULES: Rules = {
     "layers": None,
     "norm": None,
     "lora_rank": None,  # LoRA adapters (models/lora.py): the rank axis is small, replicated
-    "experts": None,  # MoE experts (models/moe.py): whole on every device until expert parallelism lands
+    "experts": "expert",  # MoE experts (models/moe.py, models/expert_parallel.py): E / mesh.expert per device
     "expert_mlp": "tensor",  # an expert's hidden units, sharded as a dense MLP's
 }
 
@@ -45,9 +48,9 @@ SAMPLE_RULES: Rules = {
 }
 
 
-def mesh_shape(config: MeshConfig, num_devices: int) -> tuple[int, int, int]:
-    """Resolve the axis sizes (one may be -1) for `num_devices`, or fail naming the problem."""
-    sizes = [config.data, config.fsdp, config.tensor]
+def mesh_shape(config: MeshConfig, num_devices: int) -> tuple[int, ...]:
+    """Resolve the axis sizes (one may be -1), in MESH_AXES order, for `num_devices`, or fail naming the problem."""
+    sizes = [getattr(config, axis) for axis in MESH_AXES]
     named = " x ".join(f"mesh.{axis}={size}" for axis, size in zip(MESH_AXES, sizes, strict=True))
     fix = "set the axis sizes so they multiply to the device count, or one of them to -1 (all remaining devices)"
     known = math.prod(s for s in sizes if s != -1)
@@ -62,7 +65,7 @@ def mesh_shape(config: MeshConfig, num_devices: int) -> tuple[int, int, int]:
 
 
 def make_mesh(config: MeshConfig, devices: list | None = None) -> Mesh:
-    """A Mesh with axes (data, fsdp, tensor) over `devices` (default: all devices, all processes)."""
+    """A Mesh with axes (data, fsdp, expert, tensor) over `devices` (default: all devices, all processes)."""
     devices = list(jax.devices() if devices is None else devices)
     shape = mesh_shape(config, len(devices))
     try:  # topology-aware placement on TPU/GPU; falls back to plain order elsewhere
@@ -151,8 +154,21 @@ def place(tree, logical_tree, mesh: Mesh, rules: Rules):
     return jax.device_put(tree, shardings)
 
 
+def dividing_axes(mesh, names: tuple[str, ...], size: int) -> tuple[str, ...] | None:
+    """The longest prefix of the mesh axes `names` whose product divides `size` (None: replicated)."""
+    chosen, product = [], 1
+    for name in names:
+        if name in mesh.axis_names and size % (product * mesh.shape[name]) == 0:
+            chosen.append(name)
+            product *= mesh.shape[name]
+        else:
+            break
+    return tuple(chosen) or None
+
+
 def row_sharding(mesh: Mesh, rules: Rules, shape: tuple[int, ...], row_axis: int = 0) -> NamedSharding:
-    """Rows (axis `row_axis`) over the batch axes (data x fsdp) when they divide the row count; the rest replicated.
+    """Rows (axis `row_axis`) over the batch axes (data x fsdp x expert) when they divide the row count; the rest
+    replicated.
 
     The one place that says how a row-batched array (prompts, completions, rewards, chunks of rows) is laid out.
     """

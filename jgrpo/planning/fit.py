@@ -102,7 +102,7 @@ def _program_key(name: str, config: Config) -> tuple:
     rest = repr(dataclasses.replace(config, mesh=MeshConfig(),
                                     model=dataclasses.replace(m, remat="none", logprob_chunk=1),
                                     grpo=dataclasses.replace(g, micro_batches=1)))
-    mesh = (config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
+    mesh = (config.mesh.data, config.mesh.fsdp, config.mesh.expert, config.mesh.tensor)
     if name in ("sample", "eval", "behaviour"):
         return rest, name, mesh
     if name in ("assemble", "m2po_mask", "shuffle"):
@@ -167,18 +167,23 @@ class Candidate:
     plan: dict
 
 
-def _mesh_candidates(config: Config, chips: int) -> list[tuple[int, int, int]]:
-    """The config's mesh, all-FSDP, and FSDP x tensor=2 / data=2 splits where they divide the chips."""
+def _mesh_candidates(config: Config, chips: int) -> list[tuple[int, int, int, int]]:
+    """(data, fsdp, expert, tensor): the config's mesh, then all-FSDP, and FSDP x tensor=2 / data=2 splits where
+    they divide the chips, each with the config's expert axis."""
     from jgrpo.parallel.mesh import mesh_shape
 
-    meshes = [mesh_shape(config.mesh, chips), (1, chips, 1)]
-    if chips % 2 == 0 and chips > 2:
-        meshes += [(1, chips // 2, 2), (2, chips // 2, 1)]
+    expert = config.mesh.expert
+    meshes = [mesh_shape(config.mesh, chips)]
+    if chips % expert == 0:
+        rest = chips // expert
+        meshes.append((1, rest, expert, 1))
+        if rest % 2 == 0 and rest > 2:
+            meshes += [(1, rest // 2, expert, 2), (2, rest // 2, expert, 1)]
     return list(dict.fromkeys(meshes))
 
 
 def fit(path: str, overrides: list[str], devices: list, chip: Chip, hbm_gib: float, *,
-        meshes: list[tuple[int, int, int]] | None = None, cache: dict | None = None,
+        meshes: list[tuple[int, int, int, int]] | None = None, cache: dict | None = None,
         log=print) -> tuple[Candidate | None, list[Candidate]]:
     """The fastest plan (by roofline iteration time) that fits in `hbm_gib` per chip, over model.remat,
     grpo.micro_batches, model.logprob_chunk and the mesh; and every candidate tried. The config's own mesh
@@ -197,7 +202,7 @@ def fit(path: str, overrides: list[str], devices: list, chip: Chip, hbm_gib: flo
                     reverse=True)
     cache = {} if cache is None else cache
     tried: list[Candidate] = []
-    for data, fsdp, tensor in meshes or _mesh_candidates(base, len(devices)):
+    for data, fsdp, expert, tensor in meshes or _mesh_candidates(base, len(devices)):
         if any(c.fits for c in tried):
             break
         limit = len(micro_batches)
@@ -205,7 +210,7 @@ def fit(path: str, overrides: list[str], devices: list, chip: Chip, hbm_gib: flo
             for index, u in enumerate(micro_batches[:limit]):
                 candidate = None
                 for chunk in chunks:
-                    knobs = (f"mesh.data={data}", f"mesh.fsdp={fsdp}", f"mesh.tensor={tensor}",
+                    knobs = (f"mesh.data={data}", f"mesh.fsdp={fsdp}", f"mesh.expert={expert}", f"mesh.tensor={tensor}",
                              f"model.remat={remat}", f"grpo.micro_batches={u}", f"model.logprob_chunk={chunk}")
                     try:
                         config = load_config(path, [*overrides, *knobs])

@@ -105,7 +105,7 @@ def parse_hlo(text: str) -> tuple[dict[str, list[Instruction]], str]:
                 computations[current] = []
                 if line.startswith("ENTRY"):
                     entry = current
-        elif line.strip() == "}":
+        elif line.lstrip().startswith("}"):  # "}", or `}, execution_thread=...` (v5p: SparseCore offloads)
             current = None
         else:
             instruction = _parse_instruction(line)

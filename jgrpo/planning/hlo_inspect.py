@@ -13,7 +13,9 @@ import math
 
 from jgrpo.planning.hlo_cost import HloCost, Instruction, array_dims, called_computations, hbm_bytes, type_bytes
 
-COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
+# A ragged all-to-all (expert parallelism) counts its output buffer, the static worst case: an upper bound of what
+# it moves (the rows actually routed).
+COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "ragged-all-to-all", "collective-permute")
 
 
 @dataclasses.dataclass(frozen=True)

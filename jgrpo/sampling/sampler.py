@@ -154,9 +154,9 @@ class Sampler:
 
     def _context(self, cfg):
         """The context the prefill's attention kernel traces in (a mesh for splash), a new one per call."""
-        key = ("context", cfg.attention)
+        key = ("context", cfg.attention, cfg.num_experts)
         if key not in self._derived:
-            self._derived[key] = mesh_context_factory(cfg.attention, self.mesh)
+            self._derived[key] = mesh_context_factory(cfg, self.mesh)
         return self._derived[key]()
 
     def generate(self, params, prompts: Prompts, key: jax.Array, version: int = 0) -> SampleOutput:

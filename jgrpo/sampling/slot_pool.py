@@ -51,8 +51,8 @@ import jax
 import jax.numpy as jnp
 
 from jgrpo.models.decode import DecodeCache, decode_cache, decode_step_scanned, prompt_store
-from jgrpo.models.layer_stack import unstack_layers
 from jgrpo.models.decode import decode_step as model_decode_step
+from jgrpo.models.layer_stack import unstack_layers
 from jgrpo.models.llm import KVCache, init_cache, merge_model, position_ids_from_mask
 from jgrpo.sampling.pool import (
     Plan,

@@ -32,6 +32,12 @@ def step_functions(config: Config, *, graphdef, params, mesh, method, iterations
     steps = StepFunctions(graphdef=graphdef, params=params, frozen=frozen, mesh=mesh, rules=rules,
                           optimizer=make_optimizer(config.optim, total_updates), options=options)
     steps.check_rows(config.data.batch_size * g.num_generations)
+    n = config.mesh.expert
+    if n > 1 and (not steps.num_experts or steps.num_experts % n):
+        what = f"its {steps.num_experts} experts" if steps.num_experts else "no experts (a dense model)"
+        raise ConfigError(f"mesh.expert={n} splits a mixture of experts' experts over {n} devices, but {m.name} has "
+                          f"{what}; set mesh.expert to a divisor of the expert count, or 1 (use mesh.data or "
+                          "mesh.fsdp for data parallelism)")
     if not steps.num_experts:
         if m.routing_replay == "rollout":
             raise ConfigError(f"model.routing_replay=rollout replays a mixture of experts' routing, but {m.name} is "

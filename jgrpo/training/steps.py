@@ -167,7 +167,7 @@ class StepFunctions:
         # The reference of a LoRA run is the base alone: the same model without adapter leaves.
         self.base_graphdef = abstract_model(without_lora(cfg))[0] if cfg.lora_rank else None
         # Programs that run the model are traced in the mesh context where the attention kernel needs it.
-        context = mesh_context_factory(cfg.attention, mesh)
+        context = mesh_context_factory(cfg, mesh)
         self.init_opt_state = jax.jit(optimizer.init, out_shardings=self.opt_shardings)
         # A real copy (new buffers) even where layouts agree: the original is donated to the next update.
         self.copy_params = param_copier(self.param_shardings)

@@ -91,7 +91,7 @@ def test_splash_on_the_mesh_is_placed_per_device():
     rows = NamedSharding(mesh, PartitionSpec(("data", "fsdp")))
     placed = [jax.device_put(x, rows) for x in (tokens, mask, positions)]
     forward = jax.jit(lambda p, t, m, pos: merge_model(graphdef, p)(t, pos, m)[0])
-    with mesh_context("splash", mesh):
+    with mesh_context(merge_model(graphdef, params).cfg, mesh):
         lowered = forward.lower(params, *placed)
         got = forward(params, *placed)
     assert "shard_map" in lowered.as_text() or "sdy.manual_computation" in lowered.as_text()

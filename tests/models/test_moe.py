@@ -64,7 +64,7 @@ def test_implementations_agree_in_values_and_gradients(tokens):
 
 def test_tiles_track_the_even_load_and_auto_resolves_per_platform():
     assert tile_rows(16, 8) == 8 and tile_rows(600, 8) == 128 and tile_rows(200, 8) == 32
-    assert [resolve_moe_impl("auto", p) for p in ("cpu", "tpu", "gpu")] == ["sorted_tiles", "sorted_tiles", "ragged"]
+    assert [resolve_moe_impl("auto", p) for p in ("cpu", "tpu", "gpu")] == ["sorted_tiles", "megablox", "ragged"]
     assert resolve_moe_impl("dense", "gpu") == "dense"
 
 

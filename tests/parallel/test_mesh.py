@@ -11,18 +11,19 @@ from jgrpo.parallel.mesh import SAMPLE_RULES, TRAIN_RULES, logical_to_spec, make
 @pytest.mark.parametrize(
     "sizes, expected",
     [
-        ((2, 2, 2), (2, 2, 2)),
-        ((1, 8, 1), (1, 8, 1)),
-        ((-1, 2, 2), (2, 2, 2)),
-        ((1, -1, 1), (1, 8, 1)),
-        ((2, -1, 1), (2, 4, 1)),
+        ((2, 2, 1, 2), (2, 2, 1, 2)),
+        ((1, 8, 1, 1), (1, 8, 1, 1)),
+        ((-1, 2, 1, 2), (2, 2, 1, 2)),
+        ((1, -1, 1, 1), (1, 8, 1, 1)),
+        ((2, -1, 1, 1), (2, 4, 1, 1)),
+        ((1, -1, 4, 1), (1, 2, 4, 1)),  # experts over 4 devices, FSDP over 2 within
     ],
 )
 def test_mesh_shapes(sizes, expected):
     assert jax.device_count() == 8
-    mesh = make_mesh(MeshConfig(data=sizes[0], fsdp=sizes[1], tensor=sizes[2]))
+    mesh = make_mesh(MeshConfig(data=sizes[0], fsdp=sizes[1], expert=sizes[2], tensor=sizes[3]))
     assert tuple(mesh.shape.values()) == expected
-    assert mesh.axis_names == ("data", "fsdp", "tensor")
+    assert mesh.axis_names == ("data", "fsdp", "expert", "tensor")
     assert mesh.devices.size == 8
 
 
@@ -37,13 +38,15 @@ def test_impossible_mesh_fails_clearly(sizes, pattern):
 
 def test_mesh_on_one_device():
     mesh = make_mesh(MeshConfig(), devices=jax.devices()[:1])
-    assert tuple(mesh.shape.values()) == (1, 1, 1)
+    assert tuple(mesh.shape.values()) == (1, 1, 1, 1)
 
 
 def test_logical_to_spec():
     assert logical_to_spec(P("embed", "mlp"), TRAIN_RULES) == P("fsdp", "tensor")
     assert logical_to_spec(P("embed", "mlp"), SAMPLE_RULES) == P(None, "tensor")
-    assert logical_to_spec(P("batch", "length"), TRAIN_RULES) == P(("data", "fsdp"), None)
+    assert logical_to_spec(P("batch", "length"), TRAIN_RULES) == P(("data", "fsdp", "expert"), None)
+    assert logical_to_spec(P("layers", "experts", "embed", "expert_mlp"), TRAIN_RULES) == P(None, "expert", "fsdp",
+                                                                                            "tensor")
     assert logical_to_spec(P("layers", None, "heads"), TRAIN_RULES) == P(None, None, "tensor")
     with pytest.raises(KeyError, match="'nonsense' has no rule"):
         logical_to_spec(P("nonsense"), TRAIN_RULES)

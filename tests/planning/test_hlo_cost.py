@@ -40,6 +40,41 @@ def test_types_and_memory_spaces():
     assert hbm_bytes("(f32[8,128]{1,0:T(8,128)S(1)}, f32[8,128]{1,0:T(8,128)})") == 4096
 
 
+def test_a_computation_on_another_execution_thread_ends_where_its_brace_closes():
+    # v5p offloads some scatters to its SparseCore: their computations close with `}, execution_thread=...`;
+    # read as still open, the computations after it were lost (a KeyError planning a MoE on v5p).
+    from jgrpo.planning.hlo_cost import parse_hlo
+
+    text = """HloModule m
+%offloaded (p: s32[1]) -> s32[1] {
+  ROOT %p = s32[1]{0} parameter(0)
+}, execution_thread="sparsecore"
+
+%after (q: f32[2]) -> f32[2] {
+  ROOT %q = f32[2]{0} parameter(0)
+}
+
+ENTRY %main (x: f32[2]) -> f32[2] {
+  ROOT %x = f32[2]{0} parameter(0)
+}
+"""
+    computations, entry = parse_hlo(text)
+    assert entry == "main" and sorted(computations) == ["after", "main", "offloaded"]
+    assert [i.name for i in computations["after"]] == ["q"]
+
+
+def test_a_ragged_all_to_all_counts_as_a_collective_at_its_buffer_size():
+    from jgrpo.planning.hlo_inspect import collective_bytes
+
+    text = """HloModule m
+ENTRY %main (x: f32[4,2]) -> f32[8,2] {
+  %x = f32[4,2]{1,0} parameter(0)
+  ROOT %r = f32[8,2]{1,0} ragged-all-to-all(%x, %x, %x, %x, %x, %x), channel_id=1
+}
+"""
+    assert collective_bytes(text) == 8 * 2 * 4
+
+
 def test_a_scanned_matmul_counts_every_iteration(mesh):
     def layers(x, ws):
         return jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)[0]
@@ -148,3 +183,12 @@ def test_continuous_decode_loops_are_bounded_by_the_worst_case_and_copy_free():
     program = lower_iteration(window, devices, names=("sample",)).programs[0]
     assert program.runs == 1 / 2
     assert sorted(t for _, _, t in loops(HloCost(program.lowered.compile().as_text()))) == [1, L, 7, 7]
+
+
+def test_a_tiny_moe_with_its_experts_split_compiles_for_tpu_with_ragged_all_to_alls():
+    # mesh.expert=2 on a v5e-8: model.moe_dispatch auto is ragged_all_to_all on TPU (XLA:CPU lacks the op, so the
+    # CPU tests run its emulation); the update exchanges assignments with it, forward and backward.
+    devices, _ = topology_devices("v5e:2x4")
+    config = load_config("configs/tiny_moe.yaml", TINY + ["mesh.expert=2", "model.attention=xla"])
+    (update,) = lower_iteration(config, devices, names=("update",)).programs
+    assert update.lowered.compile().as_text().count("ragged-all-to-all(") >= 4  # 2 layers, there and back
