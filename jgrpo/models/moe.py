@@ -27,6 +27,7 @@ choices side by side.
 
 from __future__ import annotations
 
+import contextlib
 from typing import NamedTuple
 
 import jax
@@ -111,9 +112,16 @@ def _sorted_tiles(x, ids, gates, gate, up, down):
 def _megablox(x, ids, gates, gate, up, down):
     """The sorted assignments through the Pallas TPU grouped matmul (`jax.experimental.pallas.ops.tpu.megablox`,
     its own backward): each tile of rows multiplies only its groups' weights. Elsewhere it runs in Pallas
-    interpret mode (tests only: slow). On a mesh it runs per device (`expert_parallel.run_experts`)."""
+    interpret mode (tests only: slow). On a mesh it runs per device (`expert_parallel.run_experts`). On a TPU a
+    hidden or expert width that is no multiple of 128 (toy models) runs `sorted_tiles` instead."""
     from jax.experimental.pallas.ops.tpu.megablox import gmm
 
+    mesh = jax.sharding.get_abstract_mesh()
+    interpret = (jax.devices()[0].platform if mesh.empty else mesh.abstract_device.platform) != "tpu"
+    if not interpret and (x.shape[-1] % 128 or gate.shape[-1] % 128):
+        # Mosaic refuses a matmul whose operands are no multiple of the 128 lanes wide ("Bad lhs type", jax 0.10.2):
+        # toy widths (tiny test models) run sorted_tiles.
+        return _sorted_tiles(x, ids, gates, gate, up, down)
     M, k = ids.shape
     A = M * k
     order, _, counts = _sorted(ids, gate.shape[0])
@@ -121,12 +129,16 @@ def _megablox(x, ids, gates, gate, up, down):
     padded = -(-A // tm) * tm
     rows = jnp.pad(x[order // k], ((0, padded - A), (0, 0)))  # zero rows at the end, counted in the last group
     counts = counts.at[-1].add(padded - A)
-    mesh = jax.sharding.get_abstract_mesh()
-    interpret = (jax.devices()[0].platform if mesh.empty else mesh.abstract_device.platform) != "tpu"
 
-    def grouped(lhs, rhs):  # [padded, K] x [E, K, N]: a whole dim where it is no multiple of the 128 lanes
-        tiles = (tm, *(128 if d % 128 == 0 else d for d in rhs.shape[1:]))
-        return gmm(lhs, rhs, counts, preferred_element_type=lhs.dtype, tiling=tiles, interpret=interpret)
+    def tiles(m, k, n):  # per call (the backward's calls swap k and n): a whole dim where it is no multiple of 128
+        return (min(tm, m), *(128 if d % 128 == 0 else d for d in (k, n)))
+
+    def grouped(lhs, rhs):  # [padded, K] x [E, K, N]
+        # Mosaic rejects bf16 matmuls at "highest" precision (a global setting some users and our tests choose:
+        # "Bad lhs type"); for bf16 operands the MXU's products are exact at any precision.
+        exact = jax.default_matmul_precision("default") if lhs.dtype == jnp.bfloat16 else contextlib.nullcontext()
+        with exact:
+            return gmm(lhs, rhs, counts, preferred_element_type=lhs.dtype, tiling=tiles, interpret=interpret)
 
     h = jax.nn.silu(grouped(rows, gate)) * grouped(rows, up)
     return _combine(grouped(h, down)[:A], order, gates, M, k)

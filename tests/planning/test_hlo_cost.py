@@ -192,3 +192,28 @@ def test_a_tiny_moe_with_its_experts_split_compiles_for_tpu_with_ragged_all_to_a
     config = load_config("configs/tiny_moe.yaml", TINY + ["mesh.expert=2", "model.attention=xla"])
     (update,) = lower_iteration(config, devices, names=("update",)).programs
     assert update.lowered.compile().as_text().count("ragged-all-to-all(") >= 4  # 2 layers, there and back
+
+
+def test_the_megablox_moe_layer_compiles_for_tpu_forward_and_backward():
+    # The TPU default (model.moe_impl auto): the Pallas grouped matmul, per device over an 8-chip mesh. At the
+    # default matmul precision: under the tests' global "highest" Mosaic refuses the backward's bf16 matmuls (the
+    # layer resets the precision around its forward calls only; the custom VJP's backward is traced outside).
+    from jgrpo.models.moe import moe_mlp
+
+    devices, _ = topology_devices("v5e:2x4")
+    mesh = Mesh(np.array(devices).reshape(1, 8, 1, 1), ("data", "fsdp", "expert", "tensor"))
+    E, D, F = 8, 256, 128
+
+    def shaped(shape, spec):
+        return jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=NamedSharding(mesh, spec))
+
+    p = {"router": shaped((D, E), S()), "experts_gate": shaped((E, D, F), S()), "experts_up": shaped((E, D, F), S()),
+         "experts_down": shaped((E, F, D), S())}
+
+    def loss(h, p):
+        y, _, _ = moe_mlp(h, p, k=2, norm_topk_prob=True, impl="megablox")
+        return jnp.sum(y.astype(jnp.float32) ** 2)
+
+    with jax.set_mesh(mesh), jax.default_matmul_precision("default"):
+        hlo = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(shaped((8, 32, D), S("fsdp")), p).compile().as_text()
+    assert hlo.count("tpu_custom_call") >= 3  # the forward's three grouped matmuls, and their backward's
