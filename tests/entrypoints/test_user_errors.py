@@ -40,7 +40,7 @@ CASES = [
     ("missing_config", "train", ["configs/no_such.yaml"], r"config file not found: configs/no_such\.yaml"),
     ("override_without_equals", "train", ["configs/tiny.yaml", "grpo.beta"], r"override 'grpo\.beta' has no '='"),
     ("mesh_too_big", "train", ["configs/tiny.yaml", "mesh.data=3", "mesh.fsdp=5", NO_MODEL],
-     r"mesh\.data=3 x mesh\.fsdp=5 x mesh\.tensor=1 needs 15 devices but 8 are available"),
+     r"mesh\.data=3 x mesh\.fsdp=5 x mesh\.expert=1 x mesh\.tensor=1 needs 15 devices but 8 are available"),
     ("output_dir_is_a_file", "train", ["configs/tiny.yaml", "run.output_dir={tmp}/a_file", NO_MODEL],
      r"run\.output_dir='.*a_file' is a file, not a directory"),
     ("output_dir_not_writable", "train", ["configs/tiny.yaml", "run.output_dir=/proc/jgrpo-run", NO_MODEL],
