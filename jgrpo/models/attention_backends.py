@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from jgrpo.models.attention import attention as custom_attention
-from jgrpo.parallel.mesh import BATCH_AXES, dividing_axes
+from jgrpo.parallel.mesh import BATCH_AXES, context_platform, dividing_axes
 from jgrpo.parallel.platform_defaults import resolve
 
 IMPLEMENTATIONS = ("custom", "xla", "cudnn", "splash")
@@ -101,8 +101,7 @@ def _splash(q, k, v, kv_valid):
     q = q.reshape(B, T + pad_q, KVH, H // KVH, Dh).transpose(0, 2, 3, 1, 4)
     k, v = (x.transpose(0, 2, 1, 3) for x in (k, v))
     mesh = jax.sharding.get_abstract_mesh()
-    platform = jax.devices()[0].platform if mesh.empty else mesh.abstract_device.platform
-    interpret = platform != "tpu"  # Pallas TPU kernels run elsewhere only in the (slow) interpreter
+    interpret = context_platform() != "tpu"  # Pallas TPU kernels run elsewhere only in the (slow) interpreter
     kernel = _splash_kernel(H // KVH, T + pad_q, S + pad_kv, interpret)
 
     def per_device(q, k, v, q_segments, valid):

@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from jgrpo.models.expert_parallel import run_experts
+from jgrpo.parallel.mesh import context_platform
 from jgrpo.parallel.platform_defaults import resolve
 
 # What `model.moe_impl: auto` picks by platform: megablox on TPU, ragged on GPU (its grouped matmul is native there),
@@ -116,8 +117,7 @@ def _megablox(x, ids, gates, gate, up, down):
     hidden or expert width that is no multiple of 128 (toy models) runs `sorted_tiles` instead."""
     from jax.experimental.pallas.ops.tpu.megablox import gmm
 
-    mesh = jax.sharding.get_abstract_mesh()
-    interpret = (jax.devices()[0].platform if mesh.empty else mesh.abstract_device.platform) != "tpu"
+    interpret = context_platform() != "tpu"
     if not interpret and (x.shape[-1] % 128 or gate.shape[-1] % 128):
         # Mosaic refuses a matmul whose operands are no multiple of the 128 lanes wide ("Bad lhs type", jax 0.10.2):
         # toy widths (tiny test models) run sorted_tiles.

@@ -154,6 +154,13 @@ def place(tree, logical_tree, mesh: Mesh, rules: Rules):
     return jax.device_put(tree, shardings)
 
 
+def context_platform() -> str:
+    """The platform of the context mesh's devices while tracing (`jax.set_mesh`; a deviceless TPU topology is
+    "tpu"), or of the default device without one: whether a Pallas TPU kernel compiles or runs interpreted."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return jax.devices()[0].platform if mesh.empty else mesh.abstract_device.platform
+
+
 def dividing_axes(mesh, names: tuple[str, ...], size: int) -> tuple[str, ...] | None:
     """The longest prefix of the mesh axes `names` whose product divides `size` (None: replicated)."""
     chosen, product = [], 1
