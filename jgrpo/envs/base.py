@@ -7,7 +7,8 @@ answers with more messages (rendered with the chat template and appended after t
 token ids (appended as they are), a reward (None: none for this turn) and whether the episode is over.
 
 Rewards of the turns add up. When the last step gives None, the run's `reward.functions` score the last turn's
-text (a final answer graded like any single-turn completion). `info` counts what the metrics show
+text outside its tool calls (a final answer graded like any single-turn completion; a number written as a call's
+argument, or in a call the budget cut off, is not an answer). `info` counts what the metrics show
 (`tool_calls`, `tool_call_errors/<kind>`, ...).
 
 `ToolEnvironment` is the base of environments whose turns call tools (`env.tools`): a turn with calls gets the

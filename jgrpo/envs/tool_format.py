@@ -8,7 +8,8 @@
 - `auto`: `template` when the template renders `tools` (its output changes when tools are passed), else `hermes`.
 
 `parse_tool_calls(text)` returns the calls of one assistant turn, or the reason they cannot be read (the
-environment tells the model, `env/tool_call_errors/bad_json`).
+environment tells the model, `env/tool_call_errors/bad_json`); `outside_tool_calls(text)` the rest of it (what
+the reward functions score on an episode's last turn).
 """
 
 from __future__ import annotations
@@ -69,6 +70,12 @@ class ToolCall(dict):
     @property
     def arguments(self):
         return self["arguments"]
+
+
+def outside_tool_calls(text: str) -> str:
+    """`text` without its tool calls (a call the turn's end cut off included): the part of a turn that can be an
+    answer. A number in a call's arguments is the model's question to the tool, not its reply."""
+    return _CALL.sub("", text)
 
 
 def parse_tool_calls(text: str) -> tuple[list[ToolCall], str | None]:

@@ -31,7 +31,7 @@ import numpy as np
 
 from jgrpo.envs.base import Turn, row_of
 from jgrpo.envs.rendering import Renderer
-from jgrpo.envs.tool_format import parse_tool_calls
+from jgrpo.envs.tool_format import outside_tool_calls, parse_tool_calls
 from jgrpo.envs.workers import EnvironmentWorkers
 from jgrpo.sampling.sampler import Prompts, SampleOutput, Sampler
 from jgrpo.sampling.turns import DECODING, DONE, EMPTY, PAUSED
@@ -77,7 +77,7 @@ class Episode:
     turns: int = 0
     reward: float = 0.0  # the sum of the environment's per-turn rewards
     final_reward: bool = False  # the last step gave a reward (else reward.functions score the last turn)
-    last_text: str = ""
+    last_text: str = ""  # the last turn's text outside its tool calls
     truncated: bool = False  # ended by env.max_turns, the token budget or a cut reply, not by the environment
     failed: str | None = None  # why the environment failed (the episode follows env.on_failure)
     pauses: int = 0  # turns that waited for the environment and resumed
@@ -237,7 +237,7 @@ class EpisodeRunner:
         turn = Turn(ep.turns, tuple(int(i) for i in ids), text, tuple(calls), error, not stopped)
         ep.transcript.append({"role": "assistant", "content": text})
         ep.turns += 1
-        ep.last_text = text
+        ep.last_text = outside_tool_calls(text)  # what reward.functions score when the episode ends here
         ep.stop_id = int(ids[-1]) if stopped else None
         if ep.failed is None:
             self.workers.submit(ep.id, "step", turn)

@@ -52,3 +52,8 @@ class BadReturn(Scripted):
 class DoesNotBuild(Environment):
     def __init__(self, config):
         raise ImportError("the simulator is not installed")
+
+
+def pays_for_any_text(prompt, completion, reference):
+    """A reward function (`reward.functions`): 1 for a non-empty scored text, 0 for an empty one."""
+    return float(bool(completion.strip()))

@@ -7,7 +7,7 @@ import pytest
 from jgrpo.config import Config, EnvConfig
 from jgrpo.envs.base import ToolEnvironment, Turn
 from jgrpo.envs.sandbox import PythonTool
-from jgrpo.envs.tool_format import parse_tool_calls
+from jgrpo.envs.tool_format import outside_tool_calls, parse_tool_calls
 from jgrpo.envs.tools import ToolError
 
 
@@ -22,6 +22,13 @@ def test_parse_tool_calls():
     calls, error = parse_tool_calls('<tool_call>{"name": "calculator", "arguments": {"expression": "2+')
     assert calls == [] and error.startswith("the tool call is not valid JSON")
     assert parse_tool_calls('<tool_call>[1, 2]</tool_call>')[1].startswith("a tool call must be a JSON object")
+
+
+def test_outside_tool_calls():
+    assert outside_tool_calls("The answer is 4.") == "The answer is 4."
+    assert outside_tool_calls('So <tool_call>{"name": "c", "arguments": {"expression": "2*2"}}</tool_call> is 4') \
+        == "So  is 4"
+    assert outside_tool_calls('4 <tool_call>{"name": "calculator", "arguments": {"expression": "2288*') == "4 "
 
 
 def turn_with(text):

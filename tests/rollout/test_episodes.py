@@ -150,6 +150,25 @@ def test_recomputed_logprobs_equal_lp_alpha_on_sampled_tokens(scripted):
     np.testing.assert_allclose(lp[s.loss_mask], s.logprobs[s.loss_mask], atol=1e-4)
 
 
+def test_reward_functions_score_the_last_turn_outside_its_tool_calls(tmp_path):
+    # tiny_tools' turn prefix opens a calculator call in every turn, so every episode ends by env.max_turns or
+    # the token budget with a call in its last turn. The call is not an answer: a number in its arguments (or in
+    # one the budget cut off) must not be paid as one, so the reward functions see the text outside the calls.
+    config = tools_config(tmp_path, "reward.functions=[tests.envs.scripted_envs:pays_for_any_text]", "env.max_turns=1")
+    trainer = Trainer(config)
+    try:
+        rollout = play(trainer, next(trainer.data))
+        specials = trainer.tokenizer.all_special_tokens
+    finally:
+        trainer.close()
+    for completion, reward in zip(rollout.completions, rollout.rewards[:, 0], strict=True):
+        after_calls = completion.rsplit("</tool_call>", 1)[1] if "</tool_call>" in completion else ""
+        for special in specials:
+            after_calls = after_calls.replace(special, "")
+        assert reward == float(bool(after_calls.strip())), completion
+    assert not rollout.rewards[:, 0].all()  # the calls' text alone is paid nothing
+
+
 @pytest.mark.parametrize("name, on_failure, iterations", [("Raises", "mask", 2), ("Exits", "zero_reward", 1)])
 def test_failing_environments_are_contained_and_the_run_goes_on(tmp_path, name, on_failure, iterations):
     status, records, trainer = run_to_end(tools_config(
