@@ -1,6 +1,6 @@
 """GRPO on the tiny random Qwen3-MoE (configs/tiny_moe.yaml): the router learns under routing replay, sampler and
-trainer agree in float32, a replayed run resumes bit for bit, and LoRA adapts attention only (experts and router bit
-for bit unchanged)."""
+trainer agree in float32 with the experts split over 2 devices (mesh.expert), a replayed run resumes bit for bit, and
+LoRA adapts attention only (experts and router bit for bit unchanged)."""
 
 import json
 
@@ -25,10 +25,12 @@ def _host(tree):
 
 def _train(run_dir, iterations, *overrides):
     trainer = Trainer(_config(run_dir, "model.routing_replay=rollout", "grpo.behaviour_refresh=2",
-                              "grpo.num_minibatches=2", "model.router_aux_loss_coef=0.01",
+                              "grpo.num_minibatches=2", "model.router_aux_loss_coef=0.01", "mesh.expert=2",
                               "model.router_z_loss_coef=0.001", f"run.iterations={iterations}", "checkpoint.every=1",
                               *overrides))
     try:
+        assert dict(trainer.mesh.shape)["expert"] == 2
+        assert trainer.state.params["layers"]["experts_up"].sharding.spec[1] == "expert"
         assert trainer.run() == "done"
         return _host((trainer.state.params, trainer.state.opt_state, trainer.state.behaviour))
     finally:
@@ -36,14 +38,16 @@ def _train(run_dir, iterations, *overrides):
 
 
 def test_replayed_training_moves_the_router_matches_the_sampler_and_resumes_bit_for_bit(tmp_path):
-    # v = 2: iteration 2 samples with the behaviour copy saved at iteration 1 and replays its routing.
+    # v = 2: iteration 2 samples with the behaviour copy saved at iteration 1 and replays its routing. The 8 experts
+    # are split over 2 devices (mesh.expert, data-parallel over them elsewhere): the sampler's decode and prefill,
+    # the trainer's forwards and the update all run split.
     straight = _train(tmp_path / "straight", 2)
     _, initial, _ = load_model("tiny-random-qwen3-moe")
     for name in ("router", "experts_gate", "experts_up", "experts_down", "q"):  # the router learns through the gates
         assert not np.array_equal(np.asarray(initial["layers"][name]), straight[0]["layers"][name]), name
     first = [json.loads(line) for line in (tmp_path / "straight" / "metrics.jsonl").open()][0]
     assert first["loss/grad_norm"] > 0
-    # Float32: replayed, the trainer's forward gives the sampler's log-probs; its router agrees everywhere.
+    # Float32: replayed, the trainer's (split) forward gives the sampler's log-probs; its router agrees everywhere.
     assert first["moe/lp_mismatch"] <= 1e-5 and first["mismatch/logprob_max"] < 1e-5
     assert first["moe/routing_mismatch"] == 0 and first["moe/routing_count"] > 0 and first["moe/expert_load_max"] >= 1
     assert 1.5 < first["moe/aux_loss"] < 4 and first["moe/z_loss"] > 0  # k = 2 at an even load
