@@ -3,7 +3,7 @@ iterations at v=1 and v=4, written to OUT/accelerator.json after every figure (a
 
     bash benchmarks/accelerator.sh OUT              # on the GPU/TPU machine: installs carried wheels, then runs this
     python benchmarks/accelerator.py --out OUT [--budget-s 240] [--only train sampler iteration]
-    python benchmarks/accelerator.py --out OUT --dry-run    # CPU smoke run with tiny shapes (CI): measures nothing
+    python benchmarks/accelerator.py --dry-run    # CPU smoke run, tiny shapes (CI), to runs/accelerator: no figures
 
 Parts, most valuable first, each skipped once the time budget is spent:
 1. hardware: the device, its published bf16 peak and HBM bandwidth, and the measured ones (a large bf16 matmul,
@@ -170,7 +170,8 @@ def iteration(refresh: int, dry: bool) -> dict:
 @exits_on_user_error
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, help="directory for accelerator.json (written as figures arrive)")
+    parser.add_argument("--out", default="runs/accelerator",
+                        help="directory for accelerator.json, written as figures arrive (default: runs/accelerator)")
     parser.add_argument("--budget-s", type=float, default=240.0, help="skip the parts not started by then")
     parser.add_argument("--only", nargs="+", choices=("train", "sampler", "iteration"))
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes on whatever devices there are (CI)")

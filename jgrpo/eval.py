@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("target", help="a run directory (evaluates its checkpoint) or a config file")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. run.eval_samples=8")
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # overrides before, between or after the flags
     setup_logging()
     enable_compilation_cache()
     distributed.initialize()

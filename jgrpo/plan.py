@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fit", action="store_true",
                         help="search model.remat, grpo.micro_batches, model.logprob_chunk and the mesh for the "
                              "fastest plan that fits (compiles several candidates: minutes per candidate for 1B+)")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # overrides before, between or after the flags
     config = load_config(args.config, args.overrides)
     records = []
     for topology in args.topology:

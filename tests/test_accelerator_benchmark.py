@@ -11,9 +11,9 @@ SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "accelerator.py
 
 def test_dry_run_writes_every_figure(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device, as on one accelerator
-    subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path), "--dry-run"], check=True, env=env,
+    subprocess.run([sys.executable, str(SCRIPT), "--dry-run"], check=True, env=env, cwd=tmp_path,
                    capture_output=True, text=True, timeout=900)
-    results = json.loads((tmp_path / "accelerator.json").read_text())
+    results = json.loads((tmp_path / "runs" / "accelerator" / "accelerator.json").read_text())  # the default --out
     assert results["dry_run"] and not results["skipped"]
     assert results["hardware"]["platform"] == "cpu" and results["hardware"]["measured_hbm_bytes_per_s"] > 0
     figures = {**results["train"], **results["sampler"], **results["iteration"]}

@@ -131,8 +131,9 @@ def test_fit_finds_the_fastest_plan_that_fits(capsys):
     # as shipped does not fit; 4 micro-batches or remat "dots" do (2 micro-batches is worse than 1: XLA keeps
     # more of the accumulation alive), and a costlier remat is only tried with fewer micro-batches than a
     # cheaper one needed.
-    args = ["configs/tiny.yaml", *TINY, "sampler.max_new_tokens=64", "grpo.num_generations=8", "grpo.beta=0",
-            "--topology", "v5e:2x4", "--hbm-gib", f"{25 / 1024}", "--fit"]
+    # Overrides anywhere among the flags (before, between, after), as `jgrpo.train` takes them.
+    args = ["configs/tiny.yaml", *TINY, "sampler.max_new_tokens=64", "--topology", "v5e:2x4", "grpo.num_generations=8",
+            "--hbm-gib", f"{25 / 1024}", "--fit", "grpo.beta=0"]
     assert main(args) == 0
     out = capsys.readouterr().out.strip().splitlines()
     assert any("DOES NOT FIT in 0.0244141 GiB" in line for line in out)
