@@ -1,12 +1,17 @@
 """Evaluate on the test split: `python -m jgrpo.eval CONFIG_OR_RUN_DIR [section.field=value ...] [--step N]`.
 
-Two numbers per run, over every test prompt (data.split is ignored; the "test" split is used):
+Over every test prompt (data.split is ignored; the "test" split is used):
   greedy_accuracy   fraction of prompts whose greedy completion the first reward function scores >= 1
-  pass_at_1         mean over prompts of the fraction of k = run.eval_samples sampled completions (with the
-                    sampler settings) that are correct; pass_at_k (any correct) and the mean reward are reported too
+  pass_at_k         over n = run.eval_samples sampled completions per prompt (with the sampler settings), c of them
+                    correct: the unbiased 1 - C(n-c, k) / C(n, k), averaged over prompts, for each k of run.eval_k
+                    (default 1 and n); pass_at_1 is the mean share of correct samples
+  maj_at_k          the majority answer of the first k samples is correct (ties: the answer seen first; no answer:
+                    wrong); answers are the first reward function's (`fn.answer`: gsm8k, exact_numeric, math_verify)
+  *_length, *_truncated   mean completion tokens and the share cut by the token budget, greedy and sampled
+  reward_mean       the sampled completions' mean reward
 With an environment (env.name) a completion is an episode, correct when its reward (the environment's and the
 reward functions' on its last turn) is >= 1; the greedy episodes' mean turns and tool-call validity (well-formed
-calls / all calls) are reported too; with env.tools=[] the same questions without tools.
+calls / all calls) are reported too, and no maj_at_k; with env.tools=[] the same questions without tools.
 A run directory evaluates its latest complete checkpoint (or --step); a config file evaluates the model it
 names, untrained. Prints a table and, last, one JSON line.
 """

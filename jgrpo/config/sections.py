@@ -300,7 +300,9 @@ class RunConfig:
     # Evaluate the untrained model before the first iteration (logged as iteration 0), so the run ends with a
     # before / after comparison on the held-out split.
     eval_before: bool = False
-    eval_samples: int = 4  # k for pass@1 over k samples (0: greedy accuracy only, about 3x cheaper)
+    eval_samples: int = 4  # n samples per test prompt for pass@k and maj@k (0: greedy accuracy only, ~3x cheaper)
+    # The k of pass@k and maj@k, each 1..eval_samples (empty: 1 and eval_samples).
+    eval_k: tuple[int, ...] = ()
     # Test prompts per sampler call (0 = data.batch_size): evaluation has no update, so it can batch wider.
     eval_batch_size: int = 0
     # Optimiser steps in a row with a NaN/inf loss or gradient (each skipped) before the run stops.
@@ -311,6 +313,8 @@ class RunConfig:
         _check(self.max_nonfinite_steps >= 1, "run.max_nonfinite_steps", self.max_nonfinite_steps, ">= 1")
         _check(self.eval_every >= 0, "run.eval_every", self.eval_every, ">= 0")
         _check(self.eval_samples >= 0, "run.eval_samples", self.eval_samples, ">= 0")
+        _check(all(1 <= k <= self.eval_samples for k in self.eval_k), "run.eval_k", list(self.eval_k),
+               f"values in 1..run.eval_samples={self.eval_samples} (k samples out of the n drawn per prompt)")
         _check(self.eval_batch_size >= 0, "run.eval_batch_size", self.eval_batch_size, ">= 0")
 
 

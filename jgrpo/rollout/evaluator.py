@@ -1,8 +1,12 @@
-"""Held-out evaluation of any params: greedy accuracy and pass@1 over k samples on the test split (with an
-environment: of episodes, with their turns and tool-call validity).
+"""Held-out evaluation of any params on the test split: greedy accuracy, and over n = `run.eval_samples` samples
+per prompt pass@k (the unbiased estimator) and maj@k (majority vote of the first k samples' answers) for each k
+of `run.eval_k` (default 1 and n); the mean completion length and the share of completions cut by the token
+budget, greedy and sampled. With an environment, of episodes, with their turns and tool-call validity (no maj@k:
+an episode's answer is its last turn).
 
 Used by the trainer (`run.eval_every`, and before the first iteration with `run.eval_before`) and by
-`python -m jgrpo.eval`. Metric names are legal TensorBoard tags: `pass_at_1`, `pass_at_k` (any of k correct).
+`python -m jgrpo.eval`. Metric names are legal TensorBoard tags: `greedy_accuracy`, `pass_at_4`, `maj_at_4`,
+`greedy_length`, `sampled_truncated`, ...
 """
 
 from __future__ import annotations
@@ -15,17 +19,18 @@ import numpy as np
 
 from jgrpo.config import Config
 from jgrpo.data import bucketed_length, build_prompt_iterator
-from jgrpo.parallel.host_arrays import global_max, global_sum
+from jgrpo.parallel.host_arrays import global_max, global_sum, local_rows
 from jgrpo.parallel.mesh import replicated_key
-from jgrpo.rewards import RewardScorer
+from jgrpo.rewards import RewardScorer, get_reward
 from jgrpo.rollout.collect import Scoring, prompt_arrays, sample_and_score
 from jgrpo.rollout.episodes import EpisodeRunner
+from jgrpo.rollout.estimators import summed_over_prompts
 from jgrpo.sampling.methods import SamplingMethod
 from jgrpo.sampling.sampler import Sampler
 
 
 class Evaluator:
-    """Greedy accuracy and pass@1 over k samples on the test split, for any params of the model.
+    """Greedy accuracy, pass@k and maj@k on the test split, for any params of the model.
 
     `sampler` is the run's (its model, stop and pad ids, mesh, `sampler.*` options and sampling method): greedy
     evaluation runs it at temperature 0 with one sample per prompt, pass@k with `run.eval_samples` samples."""
@@ -49,6 +54,10 @@ class Evaluator:
         self.modes = {"greedy": sampler.replace(method=SamplingMethod(temperature=0.0), num_samples=1)}
         if config.run.eval_samples:
             self.modes["sampled"] = sampler.replace(num_samples=config.run.eval_samples)
+        self.ks = sorted(set(config.run.eval_k or (1, config.run.eval_samples)))
+        # maj@k votes with the first reward function's answers (`fn.answer`, rewards/answers.py); single-turn only
+        # (an episode's answer is its last turn, which the record does not keep apart).
+        self.answer = None if episodes else getattr(get_reward(config.reward.functions[0]), "answer", None)
         # Multi-turn (env.name): each mode's episodes, on the run's environment workers.
         self.episodes = {mode: episodes.using(s) for mode, s in self.modes.items()} if episodes else None
 
@@ -61,27 +70,36 @@ class Evaluator:
             self.scorer.close()
 
     def evaluate(self, params) -> dict[str, float]:
-        totals, self.env_counts = {}, collections.Counter()
+        self.env_counts = collections.Counter()
+        metrics: dict = {}
         for mode, sampler in self.modes.items():
-            correct, reward_sum, any_correct, prompts = self._run(params, sampler, mode)
-            totals[mode] = global_sum(np.asarray([correct, reward_sum, any_correct, prompts], np.float64))
-        g_correct, _, _, prompts = totals["greedy"]
-        metrics = {"greedy_accuracy": float(g_correct / prompts), "prompts": int(prompts)}
+            tally = self._run(params, sampler, mode)
+            names = sorted(tally)
+            sums = dict(zip(names, global_sum(np.asarray([tally[n] for n in names], np.float64)), strict=True))
+            prompts = sums.pop("prompts")
+            rows = prompts * sampler.num_samples
+            if mode == "greedy":
+                metrics.update({"greedy_accuracy": float(sums["correct"] / prompts), "prompts": int(prompts)})
+            else:
+                metrics.update({k: float(v / prompts) for k, v in sums.items()
+                                if k.startswith(("pass_at_", "maj_at_"))})
+                metrics["reward_mean"] = float(sums["reward"] / rows)
+            metrics.update({f"{mode}_length": float(sums["length"] / rows),
+                            f"{mode}_truncated": float(sums["truncated"] / rows)})
         if self.episodes is not None:  # greedy episodes: turns, and how many tool calls were well-formed
             counts = self.env_counts
             calls = counts["tool_calls"]
             errors = sum(v for k, v in counts.items() if k.startswith("tool_call_errors/"))
             metrics.update({"turns": counts["turns"] / counts["episodes"],
                             "tool_call_validity": calls / (calls + errors) if calls + errors else 0.0})
-        if "sampled" in totals:
-            s_correct, s_reward, s_any, _ = totals["sampled"]
-            k = self.modes["sampled"].num_samples
-            metrics.update({"pass_at_1": float(s_correct / (prompts * k)), f"pass_at_{k}": float(s_any / prompts),
-                            "reward_mean": float(s_reward / (prompts * k))})
         return metrics
 
-    def _run(self, params, sampler: Sampler, mode: str):
-        correct = reward_sum = any_correct = prompts = 0.0
+    def _run(self, params, sampler: Sampler, mode: str) -> dict[str, float]:
+        """This process's sums over its test prompts: prompts, correct samples, rewards, tokens, truncated rows,
+        and (sampled) each k's pass@k and maj@k."""
+        n = sampler.num_samples
+        ks = self.ks if mode == "sampled" else ()
+        tally = collections.Counter({"prompts": 0.0, "correct": 0.0, "reward": 0.0, "length": 0.0, "truncated": 0.0})
         key = replicated_key(self.config.run.seed + 1, self.mesh)
         local_size = self.batch_size // jax.process_count()
         for index, batch in enumerate(self.data):
@@ -89,19 +107,24 @@ class Evaluator:
             key_i = jax.random.fold_in(key, index)
             if self.episodes is not None:
                 rollout = self._episodes(params, self.episodes[mode], batch, local_size, key_i, mode == "greedy")
-                first = rollout.scores.total[:real * sampler.num_samples]  # the environment's and the functions'
+                first = rollout.scores.total[:real * n]  # the environment's and the functions'
             else:
                 ids = list(batch.token_ids) + [batch.token_ids[-1]] * (local_size - real)  # pad a short last batch
                 padded = prompt_arrays(ids, width=self.width, pad_id=self.pad_id, mesh=self.mesh,
                                        global_prompts=self.batch_size)
                 rollout = sample_and_score(sampler, params, padded, batch, key_i, self.scoring)
                 first = rollout.scores.per_function[self.config.reward.functions[0]]
-            first = first.reshape(real, sampler.num_samples) >= 1.0
-            correct += first.sum()
-            any_correct += first.any(axis=1).sum()
-            reward_sum += rollout.scores.total[:real * sampler.num_samples].sum()
-            prompts += real
-        return correct, reward_sum, any_correct, prompts
+            correct = first[:real * n].reshape(real, n) >= 1.0
+            tally["prompts"] += real
+            tally["correct"] += correct.sum()
+            tally["reward"] += rollout.scores.total[:real * n].sum()
+            tally["length"] += local_rows(rollout.samples.lengths)[:real * n].sum()
+            tally["truncated"] += local_rows(rollout.samples.truncated)[:real * n].sum()
+            if ks:
+                answers = (None if self.answer is None else
+                           [self.answer(text) for text in rollout.completions[:real * n]])
+                tally.update(summed_over_prompts(correct, answers, ks))
+        return tally
 
     def _episodes(self, params, runner: EpisodeRunner, batch, local_size: int, key, count: bool):
         """A test batch's episodes (a short last batch padded with its last prompt, those rows not counted)."""

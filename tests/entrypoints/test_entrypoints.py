@@ -51,15 +51,17 @@ def test_sigterm_saves_and_resume_is_exact(tmp_path, env, straight_run):
 
 def test_eval_prints_accuracy_and_pass_at_1(straight_run, env):
     proc = subprocess.run([sys.executable, "-m", "jgrpo.eval", str(straight_run), "run.eval_samples=2",
-                           "reward.functions=[exact_numeric]"],
+                           "reward.functions=[exact_numeric]", "run.eval_k=[1,2]"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["source"].endswith("at iteration 6")
     assert result["prompts"] == 8  # data.num_test_examples of the tiny config
-    for key in ("greedy_accuracy", "pass_at_1", "pass_at_2"):
+    for key in ("greedy_accuracy", "pass_at_1", "pass_at_2", "maj_at_1", "maj_at_2", "greedy_truncated",
+                "sampled_truncated"):
         assert 0.0 <= result[key] <= 1.0
     assert result["pass_at_1"] <= result["pass_at_2"]
+    assert 1 <= result["greedy_length"] <= 8 and 1 <= result["sampled_length"] <= 8  # sampler.max_new_tokens
 
 
 def test_export_loads_in_transformers_with_the_same_logits(straight_run, tmp_path, monkeypatch):
