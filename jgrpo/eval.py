@@ -1,6 +1,14 @@
-"""Evaluate on the test split: `python -m jgrpo.eval CONFIG_OR_RUN_DIR [section.field=value ...] [--step N]`.
+"""Evaluate a model: `python -m jgrpo.eval RUN_DIR|CONFIG|MODEL_DIR [k=v ...] [--data FILE ...] [--reward NAME]
+[--samples N] [--k 1,4,8] [--step N] [--report FILE]`.
 
-Over every test prompt (data.split is ignored; the "test" split is used):
+A run directory evaluates its latest complete checkpoint (or --step) with its config, data and reward; a config
+file the model it names, untrained; a model directory (an exported HF directory or a local hub snapshot) needs
+--data and --reward. Precedence: flags over `k=v` overrides over the run's (or config file's) values over the
+defaults. Each --data (a local JSONL / Parquet file or saved dataset, GSM8K or MATH format as `data.format`
+reads them; several allowed) is evaluated whole, one table row each; without it, the test split of the run's
+`data.source`.
+
+Over every prompt of the evaluated data:
   greedy_accuracy   fraction of prompts whose greedy completion the first reward function scores >= 1
   pass_at_k         over n = run.eval_samples sampled completions per prompt (with the sampler settings), c of them
                     correct: the unbiased 1 - C(n-c, k) / C(n, k), averaged over prompts, for each k of run.eval_k
@@ -12,13 +20,14 @@ Over every test prompt (data.split is ignored; the "test" split is used):
 With an environment (env.name) a completion is an episode, correct when its reward (the environment's and the
 reward functions' on its last turn) is >= 1; the greedy episodes' mean turns and tool-call validity (well-formed
 calls / all calls) are reported too, and no maj_at_k; with env.tools=[] the same questions without tools.
-A run directory evaluates its latest complete checkpoint (or --step); a config file evaluates the model it
-names, untrained. Prints a table and, last, one JSON line.
+Prints a table and one JSON line per dataset (the last line: the last dataset), and writes the report
+({"source", "datasets": {data: metrics}}) to --report (default: RUN_DIR/eval.json for a run directory).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
@@ -26,11 +35,12 @@ import sys
 import jax
 from etils import epath
 
-from jgrpo.config.errors import PathError, exits_on_user_error
+from jgrpo.config.errors import ConfigError, PathError, exits_on_user_error
 from jgrpo.data.prompts import pad_id_for
 from jgrpo.parallel import distributed
 from jgrpo.parallel.mesh import mesh_platform
 from jgrpo.parallel.startup import enable_compilation_cache, setup_logging
+from jgrpo.rewards import RewardScorer
 from jgrpo.rollout.episodes import EpisodeRunner
 from jgrpo.rollout.evaluator import Evaluator
 from jgrpo.sampling.sampler import Sampler, stop_ids_for
@@ -39,7 +49,8 @@ log = logging.getLogger(__name__)
 
 
 def load_for_eval(target: str, overrides: list[str], step: int | None = None):
-    """(config, graphdef, params, tokenizer, mesh, source description) for a run directory or a config file."""
+    """(config, graphdef, params, tokenizer, mesh, source description) for a run directory, a config file or a
+    model directory (HF files: config.json and weights)."""
     from jgrpo.config.loading import load_config
     from jgrpo.models.hf import load_model, load_tokenizer, model_options
     from jgrpo.models.lora import join_adapters, split_adapters
@@ -48,11 +59,16 @@ def load_for_eval(target: str, overrides: list[str], step: int | None = None):
     from jgrpo.training.fingerprint import fingerprint
 
     path = epath.Path(target)  # a local run directory or a bucket (gs://...), as train writes it
-    run_dir = path if path.is_dir() else None
+    model_dir = path.is_dir() and (path / "config.json").is_file() and not (path / "config.yaml").is_file()
+    run_dir = path if path.is_dir() and not model_dir else None
     if run_dir is not None and not (run_dir / "config.yaml").is_file():
-        raise PathError(f"{run_dir} is not a run directory (no config.yaml): give a run directory of "
-                        "python -m jgrpo.train or a config file")
-    config = load_config(run_dir / "config.yaml" if run_dir else path, overrides)
+        raise PathError(f"{run_dir} is neither a run directory (no config.yaml) nor a model directory (no "
+                        "config.json): give a run directory of python -m jgrpo.train, a config file or an HF model "
+                        "directory")
+    if model_dir:
+        config = load_config(None, [f"model.name={path}", *overrides])
+    else:
+        config = load_config(run_dir / "config.yaml" if run_dir else path, overrides)
     mesh = make_mesh(config.mesh)
     m = config.model
     graphdef, params, _ = load_model(m.name, **model_options(m, mesh_platform(mesh)), mesh=mesh, rules=TRAIN_RULES,
@@ -73,36 +89,92 @@ def load_for_eval(target: str, overrides: list[str], step: int | None = None):
     return config, graphdef, params, load_tokenizer(m.name), mesh, source
 
 
+def _flag_overrides(args) -> list[str]:
+    """The flags as dotted overrides (they come after the `k=v` ones: flags win)."""
+    out = []
+    if args.reward:
+        out.append(f"reward.functions=[{args.reward}]")
+        out.append(f"reward.weights=[{','.join('1.0' for _ in args.reward.split(','))}]")
+    if args.samples is not None:
+        out.append(f"run.eval_samples={args.samples}")
+    if args.k:
+        out.append(f"run.eval_k=[{args.k}]")
+    return out
+
+
+def _whole_split(source: str) -> str:
+    """The split that reads all of --data `source`: a `{split}` path or a saved DatasetDict its test split, a single
+    file or dataset its one (train) split."""
+    path = epath.Path(source)
+    return "test" if "{split}" in source or (path / "dataset_dict.json").exists() else "train"
+
+
 @exits_on_user_error
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m jgrpo.eval", description=__doc__.split("\n\n")[0])
-    parser.add_argument("target", help="a run directory (evaluates its checkpoint) or a config file")
-    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. run.eval_samples=8")
+    parser = argparse.ArgumentParser(prog="python -m jgrpo.eval", description=__doc__.split("\n\n")[0],
+                                     epilog="Precedence: flags > k=v overrides > the run's config > defaults.")
+    parser.add_argument("target", help="a run directory (its checkpoint), a config file (its model, untrained) or "
+                                       "a model directory (HF files; needs --data and --reward)")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. sampler.temperature=0.6")
+    parser.add_argument("--data", action="append", default=None,
+                        help="a local JSONL / Parquet file or saved dataset, evaluated whole (several allowed); "
+                             "default: the test split of the run's data.source")
+    parser.add_argument("--reward", default=None, help="reward function(s), comma-separated (reward.functions); "
+                                                       "the first decides correctness")
+    parser.add_argument("--samples", type=int, default=None, help="samples per prompt, n (run.eval_samples)")
+    parser.add_argument("--k", default=None, help="comma-separated k of pass@k and maj@k (run.eval_k), each <= n")
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
+    parser.add_argument("--report", default=None, help="the JSON report's path (default: RUN_DIR/eval.json for a "
+                                                       "run directory, else none)")
     args = parser.parse_intermixed_args(argv)  # overrides before, between or after the flags
+    target = epath.Path(args.target)
+    if target.is_dir() and (target / "config.json").is_file() and not (target / "config.yaml").is_file() \
+            and not (args.data and args.reward):
+        raise ConfigError(f"{args.target} is a model directory: it brings no data and no reward; give --data FILE "
+                          "and --reward NAME (e.g. --data data/gsm8k_test.jsonl --reward gsm8k)")
     setup_logging()
     enable_compilation_cache()
     distributed.initialize()
-    config, graphdef, params, tokenizer, mesh, source = load_for_eval(args.target, args.overrides, args.step)
+    config, graphdef, params, tokenizer, mesh, source = load_for_eval(
+        args.target, [*args.overrides, *_flag_overrides(args)], args.step)
     sampler = Sampler.from_config(config.sampler, graphdef=graphdef, num_samples=1, mesh=mesh,
                                   stop_ids=stop_ids_for(tokenizer, config.sampler.stop_token_ids),
                                   pad_id=pad_id_for(tokenizer))
     # Multi-turn runs (env.name) evaluate episodes with their environment.
     episodes = EpisodeRunner.from_config(config, sampler=sampler, tokenizer=tokenizer) if config.env.on else None
-    evaluator = Evaluator(config, sampler, tokenizer, episodes=episodes)
+    datasets = {name: (dataclasses.replace(config, data=dataclasses.replace(config.data, source=name)),
+                       _whole_split(name)) for name in args.data} if args.data else {
+        f"{config.data.source} (test)": (config, "test")}
+    scorer = RewardScorer(config.reward)
+    results = {}
     try:
-        metrics = evaluator.evaluate(params)
+        for name, (data_config, split) in datasets.items():
+            evaluator = Evaluator(data_config, sampler, tokenizer, scorer=scorer, episodes=episodes, split=split)
+            results[name] = evaluator.evaluate(params)
     finally:
-        evaluator.close()
+        scorer.close()
         if episodes is not None:
             episodes.close()
     if jax.process_index() == 0:
-        print(f"evaluation of {source} on the test split of {config.data.source}")
-        for key, value in metrics.items():
-            print(f"  {key:<16} {value:.4f}" if isinstance(value, float) else f"  {key:<16} {value}")
-        print(json.dumps({"source": source, **metrics}))
+        print(f"evaluation of {source}")
+        print(metrics_table(results))
+        for name, metrics in results.items():
+            print(json.dumps({"source": source, "data": name, **metrics}))
+        run_dir = args.target if epath.Path(args.target, "config.yaml").is_file() else None
+        report = args.report or (run_dir and str(epath.Path(run_dir) / "eval.json"))
+        if report:
+            epath.Path(report).write_text(json.dumps({"source": source, "datasets": results}, indent=1))
     return 0
 
+
+def metrics_table(results: dict[str, dict]) -> str:
+    """A markdown table: one row per dataset, one column per metric (in the first dataset's order)."""
+    columns = list(next(iter(results.values())))
+    lines = ["| data | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
+    for name, metrics in results.items():
+        cells = [f"{metrics[c]:.4f}" if isinstance(metrics.get(c), float) else str(metrics.get(c, "")) for c in columns]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -36,12 +36,12 @@ class Evaluator:
     evaluation runs it at temperature 0 with one sample per prompt, pass@k with `run.eval_samples` samples."""
 
     def __init__(self, config: Config, sampler: Sampler, tokenizer, scorer: RewardScorer | None = None,
-                 episodes: EpisodeRunner | None = None):
+                 episodes: EpisodeRunner | None = None, split: str = "test"):
         if config.run.eval_batch_size:
             config = dataclasses.replace(config, data=dataclasses.replace(config.data,
                                                                           batch_size=config.run.eval_batch_size))
         self.config, self.tokenizer, self.mesh = config, tokenizer, sampler.mesh
-        self.data = list(build_prompt_iterator(config, tokenizer, split="test", shuffle=False, epochs=1,
+        self.data = list(build_prompt_iterator(config, tokenizer, split=split, shuffle=False, epochs=1,
                                                drop_remainder=False))
         self.batch_size = config.data.batch_size
         longest = max(len(ids) for batch in self.data for ids in batch.token_ids)

@@ -49,19 +49,42 @@ def test_sigterm_saves_and_resume_is_exact(tmp_path, env, straight_run):
     assert metrics(stopped) == metrics(straight_run)
 
 
-def test_eval_prints_accuracy_and_pass_at_1(straight_run, env):
-    proc = subprocess.run([sys.executable, "-m", "jgrpo.eval", str(straight_run), "run.eval_samples=2",
-                           "reward.functions=[exact_numeric]", "run.eval_k=[1,2]"],
+def test_eval_prints_accuracy_pass_at_k_and_maj_at_k(straight_run, env, tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "jgrpo.eval", str(straight_run), "run.eval_samples=3",
+                           "--report", str(tmp_path / "report.json"), "--samples", "2", "--reward", "exact_numeric",
+                           "--k", "1,2"],  # the flags win over the overrides: 2 samples
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert json.loads((tmp_path / "report.json").read_text())["datasets"][result["data"]] == {
+        k: v for k, v in result.items() if k not in ("source", "data")}
+    assert "| data | greedy_accuracy |" in proc.stdout
     assert result["source"].endswith("at iteration 6")
     assert result["prompts"] == 8  # data.num_test_examples of the tiny config
+    assert "pass_at_3" not in result
     for key in ("greedy_accuracy", "pass_at_1", "pass_at_2", "maj_at_1", "maj_at_2", "greedy_truncated",
                 "sampled_truncated"):
         assert 0.0 <= result[key] <= 1.0
     assert result["pass_at_1"] <= result["pass_at_2"]
     assert 1 <= result["greedy_length"] <= 8 and 1 <= result["sampled_length"] <= 8  # sampler.max_new_tokens
+
+
+def test_eval_on_given_files_in_the_gsm8k_and_math_formats(straight_run, env, tmp_path):
+    gsm8k, math = tmp_path / "gsm8k.jsonl", tmp_path / "math.jsonl"
+    gsm8k.write_text("".join(json.dumps({"question": f"What is {a} + {a}?", "answer": f"{a} + {a} = {2 * a}\n"
+                                                                                       f"#### {2 * a}"}) + "\n"
+                             for a in (1, 2, 3)))
+    math.write_text("".join(json.dumps({"problem": f"Compute $\\frac{{{2 * a}}}{{2}}$.", "answer": str(a)}) + "\n"
+                            for a in (4, 5)))
+    proc = subprocess.run([sys.executable, "-m", "jgrpo.eval", str(straight_run), "--data", str(gsm8k), "--data",
+                           str(math), "--reward", "math_verify", "--samples", "2"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    lines = [json.loads(line) for line in proc.stdout.strip().splitlines() if line.startswith("{")]
+    assert [(r["data"], r["prompts"]) for r in lines] == [(str(gsm8k), 3), (str(math), 2)]
+    assert all("maj_at_2" in r and "pass_at_2" in r for r in lines)
+    report = json.loads((straight_run / "eval.json").read_text())  # a run directory's default report
+    assert list(report["datasets"]) == [str(gsm8k), str(math)]
 
 
 def test_export_loads_in_transformers_with_the_same_logits(straight_run, tmp_path, monkeypatch):

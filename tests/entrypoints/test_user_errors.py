@@ -23,6 +23,8 @@ def _files(tmp: Path) -> dict:
     (tmp / "syntax.yaml").write_text("model:\n  name: [tiny\nsampler:\n  temperature: 1.0\n")
     (tmp / "list.yaml").write_text("- model\n- sampler\n")
     (tmp / "a_file").write_text("not a directory\n")
+    (tmp / "hf_model").mkdir()
+    (tmp / "hf_model" / "config.json").write_text("{}\n")
     (tmp / "latin1.jsonl").write_bytes(b'{"question": "What is 1 + 1?", "answer": "2"}\n'
                                        b'{"question": "Qu\xe9 es 2 + 2?", "answer": "4"}\n')
     return {"tmp": tmp}
@@ -58,7 +60,9 @@ CASES = [
     ("bad_utf8_row", "train", ["configs/tiny.yaml", "data.source={tmp}/latin1.jsonl", "data.format=custom",
                                "run.output_dir={tmp}/run"],
      r"latin1\.jsonl: line 2: not valid UTF-8 at byte 16 of the line \(set data\.skip_bad_rows=true"),
-    ("eval_not_a_run", "eval", ["{tmp}"], r"is not a run directory \(no config\.yaml\)"),
+    ("eval_not_a_run", "eval", ["{tmp}"], r"is neither a run directory \(no config\.yaml\) nor a model directory"),
+    ("eval_model_without_data", "eval", ["{tmp}/hf_model", "--reward", "gsm8k"],
+     r"hf_model is a model directory: it brings no data and no reward; give --data FILE and --reward NAME"),
     ("export_not_a_run", "export", ["{tmp}", "{tmp}/out"], r"is not a run directory \(no config\.yaml\)"),
     ("plot_no_metrics", "plot", ["{tmp}", "-o", "{tmp}/curves.png"], r"metrics\.jsonl: no metrics"),
     ("sample_no_such_model", "sample", ["/nonexistent/model", "--prompt", "hi"],
