@@ -286,6 +286,10 @@ class LoggingConfig:
     tensorboard: bool = True
     progress_bar: bool = True
     samples_every: int = 10  # iterations between dumps of prompts/completions (0 = never)
+    # A Weights & Biases project to log to as well (empty: none); needs the wandb extra (pip install 'jgrpo[wandb]').
+    wandb_project: str = ""
+    # online (login and network), offline (RUN_DIR/wandb, `wandb sync` later) or disabled.
+    wandb_mode: Literal["online", "offline", "disabled"] = "online"
 
     def __post_init__(self):
         _check(self.samples_every >= 0, "logging.samples_every", self.samples_every, ">= 0")

@@ -1,4 +1,5 @@
-"""Per-iteration metrics to JSONL and TensorBoard, a console progress bar, and sample dumps.
+"""Per-iteration metrics to JSONL, TensorBoard and (optionally) Weights & Biases, a console progress bar, and
+sample dumps.
 
 Only process 0 writes; every other process gets a logger whose methods do nothing, so the trainer
 calls it unconditionally. Files in the run directory:
@@ -6,6 +7,7 @@ calls it unconditionally. Files in the run directory:
     metrics.jsonl   one JSON object per iteration: {"iteration": k, "reward/mean": ..., ...}
     samples.jsonl   every `logging.samples_every` iterations: prompts, completions, rewards
     tensorboard/    the same scalars as the JSONL, for `tensorboard --logdir RUN_DIR`
+    wandb/          with `logging.wandb_project`: the W&B run (config, scalars, sample tables; wandb_sink.py)
 
 On resume from iteration k, lines for iterations > k (written after the checkpoint the run resumes
 from) are dropped, so the files describe exactly one history. The run directory may be a bucket
@@ -103,11 +105,13 @@ class MetricsLogger:
         total_iterations: int,
         start_iteration: int = 0,
         enabled: bool | None = None,
+        run_config: Mapping[str, Any] | None = None,
     ):
         self.config = config
         self.run_dir = epath.Path(run_dir)
         self.enabled = jax.process_index() == 0 if enabled is None else enabled
         self._tb = None
+        self._wandb = None
         self._bar = None
         self._metrics_file = None
         self._samples_file = None
@@ -124,6 +128,10 @@ class MetricsLogger:
 
             # purge_step hides events of iterations the resumed run is about to redo.
             self._tb = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=start_iteration + 1)
+        if config.wandb_project and config.wandb_mode != "disabled":
+            from jgrpo.training.wandb_sink import WandbSink
+
+            self._wandb = WandbSink(self.run_dir, config, run_config or {})
         if config.progress_bar:
             from tqdm import tqdm
 
@@ -143,6 +151,8 @@ class MetricsLogger:
                         and math.isfinite(value)):
                     self._tb.add_scalar(tensorboard_tag(key), value, iteration)
             self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(iteration, record)
         if self._bar is not None:
             self._bar.set_postfix_str(progress_summary(record), refresh=False)
             self._bar.update(iteration - self._bar.n)
@@ -156,8 +166,10 @@ class MetricsLogger:
         """Append prompts / completions / rewards of `iteration` to samples.jsonl."""
         if not self.enabled:
             return
-        self._samples_file.write([{"iteration": int(iteration), **{k: _plain(v) for k, v in sample.items()}}
-                                  for sample in samples])
+        rows = [{k: _plain(v) for k, v in sample.items()} for sample in samples]
+        self._samples_file.write([{"iteration": int(iteration), **row} for row in rows])
+        if self._wandb is not None:
+            self._wandb.log_samples(iteration, rows)
 
     def write(self, message: str) -> None:
         """A console line that does not break the progress bar."""
@@ -175,6 +187,8 @@ class MetricsLogger:
             f.close()
         if self._tb is not None:
             self._tb.close()
+        if self._wandb is not None:
+            self._wandb.close()
         if self._bar is not None:
             self._bar.close()
 

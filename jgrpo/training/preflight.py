@@ -18,6 +18,7 @@ from jgrpo.data.pipeline import BUILTIN_TASKS
 from jgrpo.data.sources import locate
 from jgrpo.parallel.mesh import make_meshes
 from jgrpo.rewards.registry import get_reward, reward_path
+from jgrpo.training.wandb_sink import require_wandb
 
 
 def check_output_dir(output_dir: str) -> None:
@@ -71,4 +72,5 @@ def check_before_loading(config: Config) -> None:
     make_meshes(config.mesh)  # the axis sizes against the devices jax sees
     check_data_source(config)
     check_rewards(config)
+    require_wandb(config.logging)
 

@@ -167,7 +167,7 @@ class Trainer:
         status = "done"
         self.preemption.install()
         logger = MetricsLogger(self.run_dir, self.config.logging, self.total_iterations,
-                               start_iteration=self.state.iteration)
+                               start_iteration=self.state.iteration, run_config=to_dict(self.config))
         try:
             while self.state.iteration < self.total_iterations:
                 if self.preemption.requested():

@@ -144,3 +144,34 @@ def test_tensorboard_tags_are_legal_without_warnings(tmp_path, caplog):
     tags = {tag for tag, _, _ in _tb_scalars(tmp_path)}
     assert tags == {"eval/pass_at_1", "reward/my_rewards_digits"}
     assert read_metrics(tmp_path)[0]["reward/my_rewards:digits"] == 1.0  # the JSONL keeps the exact name
+
+
+def test_wandb_sink_logs_config_scalars_and_samples_offline_and_resumes_the_same_run(tmp_path):
+    pytest.importorskip("wandb", reason="the wandb extra (part of the test extra)")
+    config = LoggingConfig(tensorboard=False, progress_bar=False, wandb_project="jgrpo-test", wandb_mode="offline")
+    with MetricsLogger(tmp_path, config, total_iterations=3, run_config={"grpo": {"beta": 0.04}}) as logger:
+        # As the trainer does: an iteration's samples, then its scalars (which complete the iteration's row).
+        logger.log_samples(1, [{"prompt": "1+1?", "completion": "2", "reward": 1.0, "rewards": [1.0, 0.0]}])
+        logger.log(1, {"reward/mean": 0.25, "kl/mean": float("nan")})
+        run = logger._wandb.run
+        assert run.summary["reward/mean"] == 0.25 and "kl/mean" not in run.summary.keys()  # NaN stays in the JSONL
+        assert run.summary["samples"]["_type"] == "table-file"
+        logger.log(2, {"reward/mean": 0.5})
+        assert run.summary["reward/mean"] == 0.5 and run.step == 3
+        assert run.config["grpo"] == {"beta": 0.04} and run.offline
+    run_id = (tmp_path / "wandb_run_id").read_text().strip()
+    assert list((tmp_path / "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb"))
+    with MetricsLogger(tmp_path, config, total_iterations=3, start_iteration=2) as logger:  # a resumed run
+        assert logger._wandb.run.id == run_id
+
+
+def test_wandb_without_the_package_is_a_config_error(monkeypatch):
+    import sys
+
+    from jgrpo.config import ConfigError
+    from jgrpo.training.wandb_sink import require_wandb
+
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb raises ImportError
+    with pytest.raises(ConfigError, match=r"logging.wandb_project='p' needs the wandb package.*jgrpo\[wandb\]"):
+        require_wandb(LoggingConfig(wandb_project="p"))
+    require_wandb(LoggingConfig(wandb_project="p", wandb_mode="disabled"))  # nothing asked of the package
