@@ -41,7 +41,8 @@ RUNS = {
     "v10_mis": ["grpo.masked_is=token"],
     "v10_seqmask": ["grpo.sequence_mask_delta=0.1"],
     "v10_cispo": ["grpo.policy_loss=cispo"],
-    "v10_m2po": ["grpo.m2po_tau=0.04"],
+    "v10_m2po": ["grpo.m2po_tau=0.04", "grpo.m2po_form=clipped"],  # as run in the study's table (mask + clip)
+    "v10_m2po_paper": ["grpo.m2po_tau=0.04"],  # the paper's form: the mask instead of the clip
     "adaptive": ["grpo.behaviour_refresh=adaptive", "grpo.refresh_tv=0.2", "grpo.refresh_max_iterations=10"],
 }
 ITERATIONS = 60

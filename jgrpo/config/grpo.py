@@ -66,6 +66,9 @@ class GRPOConfig:
     # M2PO (arXiv 2510.01161): before the updates, mask the batch's tokens with the largest (log pi_k/alpha)^2
     # until the mean (log pi_k/alpha)^2 of the rest is <= tau (0.04 in the paper). None = off.
     m2po_tau: float | None = None
+    # M2PO's objective: "paper" (the mask replaces the clip: the unclipped ratio x A on the tokens kept, as in the
+    # paper) or "clipped" (the mask and PPO's clip together). Applies to policy_loss clip only.
+    m2po_form: Literal["paper", "clipped"] = "paper"
     # The policy-gradient term: PPO's clipped surrogate, or CISPO (MiniMax-M1, arXiv 2506.13585):
     # sg(min(r, 1 + cispo_eps_high)) * A * log pi_theta, r the ratio of off_policy_ratio, every token keeps a
     # gradient; cispo_eps_low (None = no lower bound, as in the paper) bounds the weight below at 1 - eps_low.

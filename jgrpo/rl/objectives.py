@@ -223,6 +223,8 @@ def grpo_loss(
         dual_clipped = jnp.zeros_like(clipped_low)
     else:
         ratio, low, high = policy_ratio(lp, lp_alpha, lp_k, valid, config)
+        if config.m2po_tau is not None and config.m2po_form == "paper":  # M2PO: its mask replaces the clip
+            low, high = jnp.zeros_like(ratio), jnp.full_like(ratio, jnp.inf)
         surrogate, clipped_low, clipped_high, dual_clipped = clipped_surrogate(
             ratio, advantages, low, high, config.dual_clip
         )

@@ -454,9 +454,16 @@ def test_m2po_drops_the_largest_second_moments_until_the_mean_is_below_tau():
 
 
 def test_m2po_mask_leaves_the_surrogate_only():
-    # Dropping token (0, 1) (the clipped 1.2): objective (1.1 - 0.8 - 1.3) / 4 = -0.25 -> loss 0.25.
+    # The clipped form (mask and clip), dropping token (0, 1) (the clipped 1.2): objective (1.1 - 0.8 - 1.3) / 4
+    # = -0.25 -> loss 0.25; the clipped 0.5 (A < 0) keeps no gradient.
     drop = jnp.array([[False, True], [False, False]])
-    loss, grad, m = _loss_and_grad(_cfg(), m2po_drop=drop)
+    loss, grad, m = _loss_and_grad(_cfg(m2po_tau=0.04, m2po_form="clipped"), m2po_drop=drop)
     np.testing.assert_allclose(loss, 0.25, rtol=1e-5)
     np.testing.assert_allclose(grad, [[-1.1 / 4, 0.0], [0.0, 1.3 / 4]], rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(m["m2po_drop_frac"], 0.25)
+    # The paper's form (the default): the mask replaces the clip, every kept token is r x A with its gradient:
+    # (1.1 - 0.5 - 1.3) / 4 = -0.175 -> loss 0.175.
+    loss, grad, m = _loss_and_grad(_cfg(m2po_tau=0.04), m2po_drop=drop)
+    np.testing.assert_allclose(loss, 0.175, rtol=1e-5)
+    np.testing.assert_allclose(grad, [[-1.1 / 4, 0.0], [0.5 / 4, 1.3 / 4]], rtol=1e-5, atol=1e-7)
+    assert m["clip_frac_low"] == 0 and m["clip_frac_high"] == 0
