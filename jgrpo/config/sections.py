@@ -201,7 +201,8 @@ class OptimConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DataConfig:
-    # A built-in task (arithmetic, countdown) or a local JSONL / Parquet / save_to_disk path, or a hub id.
+    # A built-in task (arithmetic, countdown, word_problems) or a local JSONL / Parquet / save_to_disk path, or a
+    # hub id.
     source: str = "arithmetic"
     split: str = "train"
     format: Literal["auto", "gsm8k", "math", "custom"] = "auto"

@@ -23,10 +23,11 @@ from jgrpo.data.formats import Example, rows_to_examples
 from jgrpo.data.prompts import PromptEncoder
 from jgrpo.data.sources import read_rows
 from jgrpo.data.tasks import arithmetic_examples, countdown_examples
+from jgrpo.data.word_problems import word_problem_examples
 
 log = logging.getLogger("jgrpo.data")
 
-BUILTIN_TASKS = ("arithmetic", "countdown")
+BUILTIN_TASKS = ("arithmetic", "countdown", "word_problems")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,6 +122,8 @@ def load_examples(data: DataConfig, split: str | None = None) -> tuple[list[Exam
         if data.source == "arithmetic":
             return arithmetic_examples(digits=data.arithmetic_digits, operators=data.arithmetic_operators,
                                        split=split, count=count, seed=data.task_seed), 0
+        if data.source == "word_problems":
+            return word_problem_examples(split=split, count=count, seed=data.task_seed), 0
         return countdown_examples(num_numbers=data.countdown_numbers, split=split, count=count,
                                   seed=data.task_seed), 0
     return rows_to_examples(read_rows(data.source, split), data)
