@@ -112,6 +112,7 @@ class MetricsLogger:
         self.enabled = jax.process_index() == 0 if enabled is None else enabled
         self._tb = None
         self._wandb = None
+        self._held_out = None  # the latest held-out greedy accuracy, shown in the bar until the next evaluation
         self._bar = None
         self._metrics_file = None
         self._samples_file = None
@@ -153,8 +154,11 @@ class MetricsLogger:
             self._tb.flush()
         if self._wandb is not None:
             self._wandb.log(iteration, record)
+        if isinstance(record.get("eval/greedy_accuracy"), (int, float)):
+            self._held_out = record["eval/greedy_accuracy"]
         if self._bar is not None:
-            self._bar.set_postfix_str(progress_summary(record), refresh=False)
+            held_out = "" if self._held_out is None else f" held-out={self._held_out:.2f}"
+            self._bar.set_postfix_str(progress_summary(record) + held_out, refresh=False)
             self._bar.update(iteration - self._bar.n)
         return record
 

@@ -31,7 +31,7 @@ def test_records_go_to_jsonl_tensorboard_and_the_bar(tmp_path, capsys):
     with MetricsLogger(tmp_path, config, total_iterations=3, enabled=True) as logger:
         for it in (1, 2, 3):
             logger.log(it, {"reward/mean": np.float32(0.25 * it), "accuracy": 0.5, "time/iteration": 1.5,
-                            "nonfinite": False})
+                            "nonfinite": False, **({"eval/greedy_accuracy": 0.4} if it == 2 else {})})
         assert [logger.should_dump_samples(i) for i in (1, 2, 3, 4)] == [True, True, False, True]
         logger.log_samples(2, [{"prompt": "1+1=", "completion": "2", "reward": np.float64(1.0)}])
         assert logger._bar.n == 3
@@ -44,7 +44,9 @@ def test_records_go_to_jsonl_tensorboard_and_the_bar(tmp_path, capsys):
     scalars = _tb_scalars(tmp_path)
     assert ("reward/mean", 3, pytest.approx(0.75)) in scalars
     assert not any(tag == "nonfinite" for tag, _, _ in scalars)  # booleans stay out of TensorBoard
-    assert "reward=0.750" in capsys.readouterr().err
+    bar = capsys.readouterr().err
+    assert "reward=0.750" in bar
+    assert "held-out=0.40" in bar.rsplit("reward=0.750", 1)[1]  # the latest evaluation stays in the bar
 
 
 def test_other_processes_write_nothing(tmp_path):
