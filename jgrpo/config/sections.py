@@ -310,6 +310,9 @@ class RunConfig:
     eval_k: tuple[int, ...] = ()
     # Test prompts per sampler call (0 = data.batch_size): evaluation has no update, so it can batch wider.
     eval_batch_size: int = 0
+    # The evaluations every run.eval_every iterations use the test split's first N prompts (rounded up to whole
+    # eval batches; 0 = all): a cheap curve while training. Before the first and after the last: always all.
+    eval_prompts: int = 0
     # Optimiser steps in a row with a NaN/inf loss or gradient (each skipped) before the run stops.
     max_nonfinite_steps: int = 3
 
@@ -321,6 +324,7 @@ class RunConfig:
         _check(all(1 <= k <= self.eval_samples for k in self.eval_k), "run.eval_k", list(self.eval_k),
                f"values in 1..run.eval_samples={self.eval_samples} (k samples out of the n drawn per prompt)")
         _check(self.eval_batch_size >= 0, "run.eval_batch_size", self.eval_batch_size, ">= 0")
+        _check(self.eval_prompts >= 0, "run.eval_prompts", self.eval_prompts, ">= 0")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -69,11 +69,14 @@ class Evaluator:
         if self._own_scorer:
             self.scorer.close()
 
-    def evaluate(self, params) -> dict[str, float]:
+    def evaluate(self, params, prompts: int = 0) -> dict[str, float]:
+        """The metrics over the whole test split, or over its first `prompts` prompts (rounded up to whole
+        evaluation batches of `run.eval_batch_size`, the same in every process; 0: all)."""
         self.env_counts = collections.Counter()
         metrics: dict = {}
+        batches = -(-prompts // self.batch_size) if prompts else len(self.data)
         for mode, sampler in self.modes.items():
-            tally = self._run(params, sampler, mode)
+            tally = self._run(params, sampler, mode, batches)
             names = sorted(tally)
             sums = dict(zip(names, global_sum(np.asarray([tally[n] for n in names], np.float64)), strict=True))
             prompts = sums.pop("prompts")
@@ -94,7 +97,7 @@ class Evaluator:
                             "tool_call_validity": calls / (calls + errors) if calls + errors else 0.0})
         return metrics
 
-    def _run(self, params, sampler: Sampler, mode: str) -> dict[str, float]:
+    def _run(self, params, sampler: Sampler, mode: str, batches: int) -> dict[str, float]:
         """This process's sums over its test prompts: prompts, correct samples, rewards, tokens, truncated rows,
         and (sampled) each k's pass@k and maj@k."""
         n = sampler.num_samples
@@ -102,7 +105,7 @@ class Evaluator:
         tally = collections.Counter({"prompts": 0.0, "correct": 0.0, "reward": 0.0, "length": 0.0, "truncated": 0.0})
         key = replicated_key(self.config.run.seed + 1, self.mesh)
         local_size = self.batch_size // jax.process_count()
-        for index, batch in enumerate(self.data):
+        for index, batch in enumerate(self.data[:batches]):
             real = len(batch)
             key_i = jax.random.fold_in(key, index)
             if self.episodes is not None:

@@ -323,10 +323,11 @@ class Trainer:
         every, it = self.config.run.eval_every, self.state.iteration
         if self.evaluator is None or (it != self.total_iterations and (not every or it % every)):
             return {}  # evaluates every `eval_every` iterations and after the last one
-        return self._evaluate(timings)
+        # In between, on the first run.eval_prompts test prompts; after the last iteration, on all of them.
+        return self._evaluate(timings, prompts=0 if it == self.total_iterations else self.config.run.eval_prompts)
 
-    def _evaluate(self, timings: dict) -> dict:
+    def _evaluate(self, timings: dict, prompts: int = 0) -> dict:
         t = time.perf_counter()
-        metrics = self.evaluator.evaluate(self.frozen.join(self.state.params))
+        metrics = self.evaluator.evaluate(self.frozen.join(self.state.params), prompts=prompts)
         timings["eval"] = time.perf_counter() - t
         return {f"eval/{k}": v for k, v in metrics.items()}

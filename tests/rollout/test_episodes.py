@@ -121,6 +121,8 @@ def test_evaluation_plays_greedy_episodes(scripted):
     assert metrics["prompts"] == config.data.num_test_examples
     assert metrics["greedy_accuracy"] == 1.0
     assert metrics["turns"] == 3.0 and metrics["tool_call_validity"] == 0.0  # no tools, no calls
+    # The evaluations during training may look at the first prompts only (whole evaluation batches).
+    assert evaluator.evaluate(trainer.state.params, prompts=1)["prompts"] == config.data.batch_size
 
 
 def test_episode_record(scripted):
