@@ -102,7 +102,10 @@ class Evaluator:
         and (sampled) each k's pass@k and maj@k."""
         n = sampler.num_samples
         ks = self.ks if mode == "sampled" else ()
-        tally = collections.Counter({"prompts": 0.0, "correct": 0.0, "reward": 0.0, "length": 0.0, "truncated": 0.0})
+        # Every key from the start: the processes sum the same names, whatever their batches hold.
+        names = ["prompts", "correct", "reward", "length", "truncated", *(f"pass_at_{k}" for k in ks),
+                 *(f"maj_at_{k}" for k in ks if self.answer is not None)]
+        tally = collections.Counter(dict.fromkeys(names, 0.0))
         key = replicated_key(self.config.run.seed + 1, self.mesh)
         local_size = self.batch_size // jax.process_count()
         for index, batch in enumerate(self.data[:batches]):
