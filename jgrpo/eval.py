@@ -36,6 +36,7 @@ import jax
 from etils import epath
 
 from jgrpo.config.errors import ConfigError, PathError, exits_on_user_error
+from jgrpo.data.pipeline import BUILTIN_TASKS
 from jgrpo.data.prompts import pad_id_for
 from jgrpo.parallel import distributed
 from jgrpo.parallel.mesh import mesh_platform
@@ -103,10 +104,11 @@ def _flag_overrides(args) -> list[str]:
 
 
 def _whole_split(source: str) -> str:
-    """The split that reads all of --data `source`: a `{split}` path or a saved DatasetDict its test split, a single
-    file or dataset its one (train) split."""
+    """The split that reads --data `source`: a built-in task's, a `{split}` path's or a saved DatasetDict's test
+    split; a single file's or dataset's one (train) split, all of it."""
     path = epath.Path(source)
-    return "test" if "{split}" in source or (path / "dataset_dict.json").exists() else "train"
+    test = source in BUILTIN_TASKS or "{split}" in source or (path / "dataset_dict.json").exists()
+    return "test" if test else "train"
 
 
 @exits_on_user_error
@@ -142,7 +144,10 @@ def main(argv: list[str] | None = None) -> int:
                                   pad_id=pad_id_for(tokenizer))
     # Multi-turn runs (env.name) evaluate episodes with their environment.
     episodes = EpisodeRunner.from_config(config, sampler=sampler, tokenizer=tokenizer) if config.env.on else None
-    datasets = {name: (dataclasses.replace(config, data=dataclasses.replace(config.data, source=name)),
+    # A --data file is read in its own format (auto-detected) unless data.format is given on the command line.
+    data_format = config.data.format if any(o.startswith("data.format=") for o in args.overrides) else "auto"
+    datasets = {name: (dataclasses.replace(config, data=dataclasses.replace(config.data, source=name,
+                                                                            format=data_format)),
                        _whole_split(name)) for name in args.data} if args.data else {
         f"{config.data.source} (test)": (config, "test")}
     scorer = RewardScorer(config.reward)
