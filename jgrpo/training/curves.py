@@ -2,7 +2,8 @@
 
 `plot_runs` draws it for `python -m jgrpo.plot` and at the end of every training run (RUN_DIR/curves.png).
 One line per run (labelled by the directory name); a quantity a run did not log is simply absent from its
-panel. The held-out panels (greedy accuracy, pass@1) show the iterations where `run.eval_every` evaluated.
+panel, and a quantity no run logged gets no panel (nor does `accuracy` where it equals the mean reward at every
+iteration: one 0/1 reward function). The held-out panels (greedy accuracy, pass@1) mark each evaluation's point.
 `x_axis="wallclock"` puts cumulative training time on the x axis (the sum of time/iteration minus the time spent
 evaluating, so runs that evaluate at different rates stay comparable).
 """
@@ -59,6 +60,15 @@ def _smooth(values: np.ndarray, window: int) -> np.ndarray:
     return out
 
 
+def panels_with_data(runs: list[tuple[str, list[dict]]]) -> list[tuple[str, str]]:
+    """The PANELS some run logged, without `accuracy` when it repeats `reward/mean` in every record."""
+    def logged(key):
+        return any(isinstance(r.get(key), (int, float)) for _, records in runs for r in records)
+
+    repeats = all(r.get("accuracy") == r.get("reward/mean") for _, records in runs for r in records)
+    return [(key, title) for key, title in PANELS if logged(key) and not (key == "accuracy" and repeats)]
+
+
 def plot_runs(run_dirs: list[str | Path], out_file: str | Path, smooth: int = 1,
               x_axis: str = "iteration") -> epath.Path:
     """Draw the panels for `run_dirs` into `out_file` (PNG, or any format matplotlib knows by extension)."""
@@ -76,12 +86,16 @@ def plot_runs(run_dirs: list[str | Path], out_file: str | Path, smooth: int = 1,
             raise PathError(f"{epath.Path(run_dir) / METRICS_FILE}: no metrics (is it a jgrpo run directory?)")
         runs.append((epath.Path(run_dir).name or str(run_dir), [with_training_time(r) for r in records]))
 
-    columns = 3
-    rows = -(-len(PANELS) // columns)
+    panels = panels_with_data(runs)
+    if not panels:
+        raise PathError(f"{', '.join(map(str, run_dirs))}: the metrics hold none of the plotted quantities "
+                        f"({', '.join(key for key, _ in PANELS)})")
+    columns = min(3, len(panels))
+    rows = -(-len(panels) // columns)
     fig, axes = plt.subplots(rows, columns, figsize=(4.8 * columns, 3.6 * rows), squeeze=False)
-    for ax in axes.flat[len(PANELS):]:
+    for ax in axes.flat[len(panels):]:
         ax.set_visible(False)
-    for ax, (key, title) in zip(axes.flat, PANELS, strict=False):
+    for ax, (key, title) in zip(axes.flat, panels, strict=False):
         drawn = False
         for label, records in runs:
             xs = _x_values(records, x_axis)
@@ -98,8 +112,6 @@ def plot_runs(run_dirs: list[str | Path], out_file: str | Path, smooth: int = 1,
         ax.grid(alpha=0.3)
         if drawn:
             ax.legend(fontsize="small")
-        else:
-            ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes, color="gray")
     fig.tight_layout()
     out_file = epath.Path(out_file)  # a local path or a bucket (gs://...), like the run directories
     out_file.parent.mkdir(parents=True, exist_ok=True)

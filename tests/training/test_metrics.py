@@ -90,10 +90,22 @@ def test_plot_writes_a_png_of_several_runs(tmp_path, capsys):
     data = out.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
     width, height = struct.unpack(">II", data[16:24])
-    assert width > 1.5 * height  # six panels, three per row
+    assert width > 1.5 * height  # three panels in a row: reward, KL, time (nothing else was logged)
     assert plot_main([str(tmp_path / "on_policy"), "-o", str(out), "--x", "wallclock"]) == 0
     assert plot_main([str(tmp_path / "missing"), "-o", str(out)]) == 2
     assert "no metrics" in capsys.readouterr().err
+
+
+def test_only_panels_with_data_are_drawn():
+    from jgrpo.training.curves import panels_with_data, with_training_time
+
+    train = [{"iteration": i, "reward/mean": 0.1 * i, "accuracy": 0.1 * i, "time/iteration": 2.0} for i in (1, 2)]
+    evaluated = [{"iteration": 0, "eval/greedy_accuracy": 0.12}, *train, {"iteration": 2, "eval/greedy_accuracy": 0.5}]
+    # accuracy repeats the mean reward (one 0/1 reward): no panel of its own; no KL, no pass@1 logged: none either.
+    keys = [k for k, _ in panels_with_data([("a", [with_training_time(r) for r in evaluated])])]
+    assert keys == ["reward/mean", "eval/greedy_accuracy", "time/training"]
+    two_rewards = [r | {"accuracy": 0.0} for r in train]  # accuracy of the first of two reward functions differs
+    assert "accuracy" in [k for k, _ in panels_with_data([("a", train), ("b", two_rewards)])]
 
 
 def test_plot_wallclock_axis_sums_iteration_time_without_evaluation():
