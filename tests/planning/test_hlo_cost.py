@@ -69,7 +69,7 @@ def test_an_instruction_over_several_lines_keeps_the_rest_of_its_computation():
     text = """HloModule m
 %body (p: f32[8,16]) -> f32[8,16] {
   %p = f32[8,16]{1,0} parameter(0)
-  %k = f32[8,16]{1,0} custom-call(%p), custom_call_target="tpu_custom_call", frontend_attributes={kernel_metadata={"cfg":"{\\"block_q\\": 128,
+  %k = f32[8,16]{1,0} custom-call(%p), frontend_attributes={kernel_metadata={"cfg":"{\\"block_q\\": 128,
 \"xprof\": 1}"
 }}, metadata={op_name="splash"}
   %w = f32[16,16]{1,0} constant({...})
