@@ -99,12 +99,47 @@ def _parse_instruction(line: str) -> Instruction | None:
     return Instruction(name, type_, opcode, operands, rest[close:])
 
 
+def _bracket_state(text: str, state: tuple[int, bool, bool]) -> tuple[int, bool, bool]:
+    """(open brackets, inside a string, after a backslash) once `text` is read from `state`: brackets inside
+    double-quoted strings do not count."""
+    depth, quoted, escaped = state
+    for ch in text:
+        if quoted:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                quoted = False
+        elif ch == '"':
+            quoted = True
+        elif ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+    return depth, quoted, escaped
+
+
 def parse_hlo(text: str) -> tuple[dict[str, list[Instruction]], str]:
-    """HLO module text -> ({computation name: instructions}, entry computation name)."""
+    """HLO module text -> ({computation name: instructions}, entry computation name).
+
+    An instruction may span several lines: a Pallas kernel's backend config (splash attention's) holds newlines,
+    and its continuation lines can start with "}". Lines join until the instruction's brackets close; read as a
+    computation's end, the rest of a layer loop's body was lost (its matmuls and the experts' kernels with it).
+    """
     computations: dict[str, list[Instruction]] = {}
     entry, current = None, None
+    pending, state = None, (0, False, False)  # an instruction whose brackets are still open, and their state
     for line in text.splitlines():
-        if current is None:
+        if pending is not None:
+            pending += " " + line
+            state = _bracket_state(line, state)
+            if state[0] <= 0 and not state[1]:
+                instruction = _parse_instruction(pending)
+                if instruction is not None:
+                    computations[current].append(instruction)
+                pending = None
+        elif current is None:
             header = _HEADER.match(line)
             if header and not line.startswith("HloModule"):
                 current = header.group(1)
@@ -114,6 +149,10 @@ def parse_hlo(text: str) -> tuple[dict[str, list[Instruction]], str]:
         elif line.lstrip().startswith("}"):  # "}", or `}, execution_thread=...` (v5p: SparseCore offloads)
             current = None
         else:
+            state = _bracket_state(line, (0, False, False))
+            if state[0] > 0 or state[1]:
+                pending = line
+                continue
             instruction = _parse_instruction(line)
             if instruction is not None:
                 computations[current].append(instruction)
