@@ -21,8 +21,11 @@ group: each runs its experts on all of them and a sum over the group adds the ou
 equal the unsplit layer's up to float summation order (tested against `mesh.expert` = 1).
 
 Every assignment stays in the per-device static buffer of the chosen `moe_impl` (dropless, nothing recompiles):
-with all_gather that buffer holds the whole group's assignments, so the grouped matmul's static work per device
-is the group's, not 1/n of it (the price of fixed shapes without a capacity factor).
+with all_gather that buffer holds the whole group's assignments, and with ragged_all_to_all the receive buffer
+has room for the whole group's (any device's experts may get them all). `sorted_tiles` and `ragged` compute the
+whole static buffer (the price of fixed shapes without a capacity factor: n times the routed work); `megablox`
+skips the rows that are not this device's (their expert id is one past its experts) and computes only the
+routed rows. A planner's count of its FLOPs is the kernel's static estimate, the whole buffer: an upper bound.
 """
 
 from __future__ import annotations
@@ -80,9 +83,13 @@ def run_experts(experts, x, ids, gates, gate, up, down, dispatch: str = "all_gat
 
     emulate = mesh.abstract_device.platform == "cpu"  # XLA:CPU has no ragged all-to-all
 
+    # Assignments of another device's experts (or a static buffer's padding): a kernel skips id `local` (one past
+    # its experts) at no cost; the other implementations take expert 0 with gate 0 (computed, adding nothing).
+    skip = local if kernel else 0
+
     def per_device(x, ids, gates, gate, up, down):
         if gathered and dispatch == "ragged_all_to_all":
-            return _exchange_assignments(experts, x, ids, gates, gate, up, down, n, emulate)
+            return _exchange_assignments(experts, x, ids, gates, gate, up, down, n, emulate, skip)
         if gathered:  # the group's tokens, in the group's order
             x, ids, gates = (jax.lax.all_gather(a, "expert", axis=0, tiled=True) for a in (x, ids, gates))
         else:  # the same rows on every device, each of which uses them differently: their gradients add up.
@@ -91,7 +98,7 @@ def run_experts(experts, x, ids, gates, gate, up, down, dispatch: str = "all_gat
             x, ids, gates = (jax.lax.pcast(a, "expert", to="varying") for a in (x, ids, gates))
         mine = ids - jax.lax.axis_index("expert") * local  # this device's experts are 0 .. local - 1
         here = (mine >= 0) & (mine < local)
-        y = experts(x, jnp.where(here, mine, 0), jnp.where(here, gates, 0), gate, up, down)
+        y = experts(x, jnp.where(here, mine, skip), jnp.where(here, gates, 0), gate, up, down)
         if gathered:
             return jax.lax.psum_scatter(y, "expert", scatter_dimension=0, tiled=True)
         return jax.lax.psum(y, "expert")
@@ -102,7 +109,7 @@ def run_experts(experts, x, ids, gates, gate, up, down, dispatch: str = "all_gat
                          out_specs=tokens, check_vma=not kernel)(x, ids, gates, gate, up, down)
 
 
-def _exchange_assignments(experts, x, ids, gates, gate, up, down, n: int, emulate: bool):
+def _exchange_assignments(experts, x, ids, gates, gate, up, down, n: int, emulate: bool, skip: int):
     """The ragged_all_to_all dispatch on one device: its m tokens' m*k assignments sorted by expert (so by the
     device that holds it), each sent there, run by its expert, sent back, then weighted by the gates here."""
     m, k = ids.shape
@@ -126,7 +133,7 @@ def _exchange_assignments(experts, x, ids, gates, gate, up, down, n: int, emulat
     received, expert = (_ragged_all_to_all(a, capacity, sent_before, send, lands_at, recv, emulate) for a in there)
     real = jnp.arange(capacity) < jnp.sum(recv)
     one = jnp.where(real, 1, 0).astype(x.dtype)[:, None]
-    y = experts(received, jnp.where(real[:, None], expert, 0), one, gate, up, down)  # [capacity, D], ungated
+    y = experts(received, jnp.where(real[:, None], expert, skip), one, gate, up, down)  # [capacity, D], ungated
     back = _ragged_all_to_all(y, assignments, recv_before, recv, came_from, send, emulate)  # [A, D] in `order`
     y = jnp.zeros_like(back).at[order].set(back).reshape(m, k, -1)
     return jnp.einsum("mk,mkd->md", gates, y)

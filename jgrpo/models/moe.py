@@ -112,9 +112,11 @@ def _sorted_tiles(x, ids, gates, gate, up, down):
 
 def _megablox(x, ids, gates, gate, up, down):
     """The sorted assignments through the Pallas TPU grouped matmul (`jax.experimental.pallas.ops.tpu.megablox`,
-    its own backward): each tile of rows multiplies only its groups' weights. Elsewhere it runs in Pallas
-    interpret mode (tests only: slow). On a mesh it runs per device (`expert_parallel.run_experts`). On a TPU a
-    hidden or expert width that is no multiple of 128 (toy models) runs `sorted_tiles` instead."""
+    its own backward): each tile of rows multiplies only its groups' weights, and tiles past the last group's rows
+    are not visited, so an assignment with expert id E (one past the last: padding, e.g. expert parallelism's
+    static receive buffer) costs nothing and gives a zero row. Elsewhere it runs in Pallas interpret mode (tests
+    only: slow). On a mesh it runs per device (`expert_parallel.run_experts`). On a TPU a hidden or expert width
+    that is no multiple of 128 (toy models) runs `sorted_tiles` instead."""
     from jax.experimental.pallas.ops.tpu.megablox import gmm
 
     interpret = context_platform() != "tpu"
@@ -124,11 +126,13 @@ def _megablox(x, ids, gates, gate, up, down):
         return _sorted_tiles(x, ids, gates, gate, up, down)
     M, k = ids.shape
     A = M * k
-    order, _, counts = _sorted(ids, gate.shape[0])
+    order, _, counts = _sorted(ids, gate.shape[0])  # padding (id E) sorts last and is in no group
     tm = min(128, -(-A // 8) * 8)  # a row tile: 128, or all rows rounded up to the sublane (8) for few tokens
     padded = -(-A // tm) * tm
-    rows = jnp.pad(x[order // k], ((0, padded - A), (0, 0)))  # zero rows at the end, counted in the last group
-    counts = counts.at[-1].add(padded - A)
+    # The kernel leaves rows past the groups' total unwritten (garbage, NaN in interpret mode): zero them, going in
+    # (so their gradient is zero too) and coming out.
+    real = (jnp.arange(padded) < jnp.sum(counts))[:, None]
+    rows = jnp.where(real, jnp.pad(x[order // k], ((0, padded - A), (0, 0))), 0)
 
     def tiles(m, k, n):  # per call (the backward's calls swap k and n): a whole dim where it is no multiple of 128
         return (min(tm, m), *(128 if d % 128 == 0 else d for d in (k, n)))
@@ -138,7 +142,8 @@ def _megablox(x, ids, gates, gate, up, down):
         # "Bad lhs type"); for bf16 operands the MXU's products are exact at any precision.
         exact = jax.default_matmul_precision("default") if lhs.dtype == jnp.bfloat16 else contextlib.nullcontext()
         with exact:
-            return gmm(lhs, rhs, counts, preferred_element_type=lhs.dtype, tiling=tiles, interpret=interpret)
+            out = gmm(lhs, rhs, counts, preferred_element_type=lhs.dtype, tiling=tiles, interpret=interpret)
+        return jnp.where(real, out, 0)
 
     h = jax.nn.silu(grouped(rows, gate)) * grouped(rows, up)
     return _combine(grouped(h, down)[:A], order, gates, M, k)

@@ -62,6 +62,32 @@ def test_implementations_agree_in_values_and_gradients(tokens):
         assert float(jnp.abs(impl_grads[1]["experts_gate"][7]).max()) == 0  # the idle expert learns nothing
 
 
+def test_megablox_skips_padding_assignments_and_gives_them_zero_rows():
+    # Expert id E (one past the last) marks padding, e.g. expert parallelism's static receive buffer: the kernel
+    # leaves those rows unvisited (uninitialised: NaN in interpret mode before they are zeroed), so they cost
+    # nothing. Values and gradients equal the dense reference without those assignments.
+    p = _weights()
+    x = jnp.abs(jax.random.normal(jax.random.key(2), (24, 16)))
+    ids = jax.random.randint(jax.random.key(3), (24, 1), 0, 7).at[15:].set(8)  # 9 padding rows at the end
+    gates = jnp.ones((24, 1))
+    weights = (p["experts_gate"], p["experts_up"], p["experts_down"])
+
+    def loss(impl, x, weights, ids):
+        y = IMPLEMENTATIONS[impl](x, ids, gates, *weights)
+        return jnp.sum(y * jnp.cos(y)), y
+
+    got, got_grads = jax.value_and_grad(functools.partial(loss, "megablox"), argnums=(0, 1), has_aux=True)(
+        x, weights, ids)
+    kept = ids < 8
+    want, want_grads = jax.value_and_grad(functools.partial(loss, "dense"), argnums=(0, 1), has_aux=True)(
+        jnp.where(kept, x, 0), weights, jnp.where(kept, ids, 0))
+    np.testing.assert_array_equal(got[1][15:], 0)
+    np.testing.assert_allclose(got[1], want[1], atol=1e-5, rtol=1e-5)
+    np.testing.assert_array_equal(got_grads[0][15:], 0)
+    for a, b in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4)
+
+
 def test_tiles_track_the_even_load_and_auto_resolves_per_platform():
     assert tile_rows(16, 8) == 8 and tile_rows(600, 8) == 128 and tile_rows(200, 8) == 32
     assert [resolve_moe_impl("auto", p) for p in ("cpu", "tpu", "gpu")] == ["sorted_tiles", "megablox", "ragged"]
