@@ -63,7 +63,7 @@ LOGICAL_AXES: dict[tuple[str, ...], tuple[str, ...]] = {
     ("layers", "gate"): ("layers", "embed", "mlp"),
     ("layers", "up"): ("layers", "embed", "mlp"),
     ("layers", "down"): ("layers", "mlp", "embed"),
-    ("layers", "router"): ("layers", "embed", "experts"),
+    ("layers", "router"): ("layers", "embed", "router_logits"),
     ("layers", "experts_gate"): ("layers", "experts", "embed", "expert_mlp"),
     ("layers", "experts_up"): ("layers", "experts", "embed", "expert_mlp"),
     ("layers", "experts_down"): ("layers", "experts", "expert_mlp", "embed"),

@@ -40,6 +40,10 @@ TRAIN_RULES: Rules = {
     "lora_rank": None,  # LoRA adapters (models/lora.py): the rank axis is small, replicated
     "experts": "expert",  # MoE experts (models/moe.py, models/expert_parallel.py): E / mesh.expert per device
     "expert_mlp": "tensor",  # an expert's hidden units, sharded as a dense MLP's
+    # The router's E outputs stay whole on every device: the top-k reads all E logits of a token, and split over
+    # the expert axis the router was all-gathered in every layer of every decode step (13 GB per v5p chip over a
+    # 30B-A3B sampling iteration) for a [D, E] matrix of ~0.5 MB.
+    "router_logits": None,
 }
 
 SAMPLE_RULES: Rules = {
