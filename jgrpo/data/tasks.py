@@ -34,17 +34,17 @@ def _is_test_index(index: np.ndarray) -> np.ndarray:
     return z % np.uint64(TEST_EVERY) == 0
 
 
-def _is_test_key(key: str) -> bool:
+def is_test_key(key: str) -> bool:
     return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little") % TEST_EVERY == 0
 
 
-def _check_split(split: str) -> bool:
+def check_split(split: str) -> bool:
     if split not in ("train", "test"):
         raise ValueError(f"data.split={split!r}: built-in tasks have the splits 'train' and 'test'")
     return split == "test"
 
 
-def _warn_short(task: str, split: str, got: int, wanted: int) -> None:
+def warn_short(task: str, split: str, got: int, wanted: int) -> None:
     if got == 0:
         raise ValueError(f"the {task} settings allow no {split} problems at all; use more digits or operators")
     if got < wanted:
@@ -54,7 +54,7 @@ def _warn_short(task: str, split: str, got: int, wanted: int) -> None:
 
 def arithmetic_examples(*, digits: int, operators: str, split: str, count: int, seed: int) -> list[Example]:
     """`count` problems "What is a <op> b?" with `digits`-digit operands; reference answer is the exact result."""
-    want_test = _check_split(split)
+    want_test = check_split(split)
     low, high = (0 if digits == 1 else 10 ** (digits - 1)), 10**digits - 1
     span = high - low + 1
     size = len(operators) * span * span  # index = (op * span + a) * span + b
@@ -71,7 +71,7 @@ def arithmetic_examples(*, digits: int, operators: str, split: str, count: int, 
                     seen.add(idx)
                     chosen_list.append(idx)
         chosen = np.asarray(chosen_list, np.int64)
-    _warn_short("arithmetic", split, len(chosen), count)
+    warn_short("arithmetic", split, len(chosen), count)
     examples = []
     for idx in chosen.tolist():
         op_index, rest = divmod(idx, span * span)
@@ -107,7 +107,7 @@ def countdown_examples(*, num_numbers: int, split: str, count: int, seed: int) -
 
     Every problem is generated together with one solution (reference `solution`), so each is solvable.
     """
-    want_test = _check_split(split)
+    want_test = check_split(split)
     rng = np.random.default_rng([seed, 2])
     examples, seen = [], set()
     attempts, max_attempts = 0, 200 * count * TEST_EVERY + 1000
@@ -121,7 +121,7 @@ def countdown_examples(*, num_numbers: int, split: str, count: int, seed: int) -
         if not COUNTDOWN_TARGET_RANGE[0] <= target <= COUNTDOWN_TARGET_RANGE[1] or target in numbers:
             continue
         key = f"{sorted(numbers)}->{target}"
-        if key in seen or _is_test_key(key) != want_test:
+        if key in seen or is_test_key(key) != want_test:
             continue
         seen.add(key)
         assert check_countdown(solution, numbers, target), (solution, numbers, target)  # generator invariant
@@ -131,5 +131,5 @@ def countdown_examples(*, num_numbers: int, split: str, count: int, seed: int) -
         reference = {"answer": solution, "numbers": numbers, "target": target, "use_all": True,
                      "solution": solution}
         examples.append(Example(question, reference))
-    _warn_short("countdown", split, len(examples), count)
+    warn_short("countdown", split, len(examples), count)
     return examples

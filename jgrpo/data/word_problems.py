@@ -21,7 +21,7 @@ from collections.abc import Callable
 import numpy as np
 
 from jgrpo.data.formats import Example
-from jgrpo.data.tasks import _check_split, _is_test_key, _warn_short
+from jgrpo.data.tasks import check_split, is_test_key, warn_short
 
 NAMES = ("Ava", "Ben", "Chloe", "Diego", "Emma", "Farah", "Gus", "Hana", "Ivan", "Jia", "Kofi", "Lena", "Mateo",
          "Nora", "Omar", "Priya", "Quinn", "Rosa", "Sam", "Tariq", "Uma", "Victor", "Wen", "Yara", "Zane")
@@ -156,7 +156,7 @@ HELD_OUT = frozenset({"ages", "recipe", "pages", "change", "shopping"})
 def word_problem_examples(*, split: str, count: int, seed: int) -> list[Example]:
     """`count` problems of `split`: training draws the seen templates in turn; the test split alternates a
     held-out template's problem with a seen template's (new numbers)."""
-    want_test = _check_split(split)
+    want_test = check_split(split)
     seen_templates = [t for t in TEMPLATES if t.name not in HELD_OUT]
     held_out = [t for t in TEMPLATES if t.name in HELD_OUT]
     rng = np.random.default_rng([seed, 3])
@@ -170,10 +170,10 @@ def word_problem_examples(*, split: str, count: int, seed: int) -> list[Example]
         question, answer, numbers = template.draw(rng)
         if question in questions:
             continue
-        if not unseen and _is_test_key(f"{template.name}:{numbers}") != want_test:
+        if not unseen and is_test_key(f"{template.name}:{numbers}") != want_test:
             continue  # a seen template's problem belongs to the other split
         questions.add(question)
         examples.append(Example(question, {"answer": answer, "template": template.name, "held_out": unseen,
                                            "numbers": list(numbers), "steps": template.steps}))
-    _warn_short("word_problems", split, len(examples), count)
+    warn_short("word_problems", split, len(examples), count)
     return examples
