@@ -3,7 +3,9 @@
 The golden file holds what commit e0d0fa3 (the last commit before jgrpo/ was grouped into rooms) did in six
 rollout modes: the completion token ids of every update, every per-iteration metric but wall-clock ones, and the
 final params' per-leaf L1 / L2 norms. It was recorded by
-`python scripts/compare_with_commit.py e0d0fa3 --write-golden tests/testdata/golden_run.json`. This checkout is
+`python scripts/compare_with_commit.py e0d0fa3 --write-golden tests/testdata/golden_run.json`, except its
+`sync_v4_recentred_m2po` mode, re-recorded on 2026-12-05 (`--modes sync_v4_recentred_m2po` at the commit that
+made `grpo.m2po_form: paper` the default: M2PO's mask instead of the clip, an intended change). This checkout is
 run the same way, in a fresh process on 2 emulated devices, and must sample the same token ids, and land within
 RTOL of every metric and norm.
 
