@@ -49,6 +49,11 @@ from jgrpo.sampling.sampler import Sampler, stop_ids_for
 log = logging.getLogger(__name__)
 
 
+def is_model_dir(path: epath.Path) -> bool:
+    """An HF model directory (config.json, no run's config.yaml): it brings no data and no reward."""
+    return path.is_dir() and (path / "config.json").is_file() and not (path / "config.yaml").is_file()
+
+
 def load_for_eval(target: str, overrides: list[str], step: int | None = None):
     """(config, graphdef, params, tokenizer, mesh, source description) for a run directory, a config file or a
     model directory (HF files: config.json and weights)."""
@@ -60,7 +65,7 @@ def load_for_eval(target: str, overrides: list[str], step: int | None = None):
     from jgrpo.training.fingerprint import fingerprint
 
     path = epath.Path(target)  # a local run directory or a bucket (gs://...), as train writes it
-    model_dir = path.is_dir() and (path / "config.json").is_file() and not (path / "config.yaml").is_file()
+    model_dir = is_model_dir(path)
     run_dir = path if path.is_dir() and not model_dir else None
     if run_dir is not None and not (run_dir / "config.yaml").is_file():
         raise PathError(f"{run_dir} is neither a run directory (no config.yaml) nor a model directory (no "
@@ -129,9 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--report", default=None, help="the JSON report's path (default: RUN_DIR/eval.json for a "
                                                        "run directory, else none)")
     args = parser.parse_intermixed_args(argv)  # overrides before, between or after the flags
-    target = epath.Path(args.target)
-    if target.is_dir() and (target / "config.json").is_file() and not (target / "config.yaml").is_file() \
-            and not (args.data and args.reward):
+    if is_model_dir(epath.Path(args.target)) and not (args.data and args.reward):
         raise ConfigError(f"{args.target} is a model directory: it brings no data and no reward; give --data FILE "
                           "and --reward NAME (e.g. --data data/gsm8k_test.jsonl --reward gsm8k)")
     setup_logging()
