@@ -106,13 +106,13 @@ def _tiny_random(config: Callable):
 
     def build(out: Path) -> None:
         from flax import nnx
-        from transformers import AutoTokenizer
 
+        from jgrpo.models.gguf import gguf_tokenizer
         from jgrpo.models.hf_format import export_hf
         from jgrpo.models.llm import LLM, split_model
 
         gguf = smollm2_gguf_path()
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        tokenizer = gguf_tokenizer(gguf)
         _, params = split_model(LLM(config(), rngs=nnx.Rngs(params=0)))
         export_hf(params, config(), tokenizer, out)
 

@@ -2,7 +2,8 @@
 
 Tensors are dequantized to float32 with the `gguf` package. llama.cpp's converter permutes the
 rows of every q/k projection into its interleaved rotary layout; we undo that so the result is the
-HF (rotate-halves) layout the rest of jgrpo and transformers use.
+HF (rotate-halves) layout the rest of jgrpo and transformers use. The tokenizer is built from the file's
+metadata without torch (transformers' own GGUF path imports torch), so the quickstart's runtime install needs none.
 """
 
 from __future__ import annotations
@@ -116,11 +117,54 @@ def gguf_tensors(reader, config: dict) -> dict[str, np.ndarray]:
     return tensors
 
 
+# llama.cpp's metadata keys -> the names transformers' GGUF tokenizer builders read (its GGUF_TOKENIZER_MAPPING).
+_TOKENIZER_KEYS = {
+    "model": "tokenizer_type", "pre": "pre_tokenizer_type", "tokens": "tokens", "scores": "scores",
+    "token_type": "token_type", "merges": "merges", "precompiled_charsmap": "precompiled_charsmap",
+    "bos_token_id": "bos_token_id", "eos_token_id": "eos_token_id", "unknown_token_id": "unk_token_id",
+    "padding_token_id": "pad_token_id", "add_space_prefix": "add_prefix_space",
+}
+_TOKENIZER_CONFIG_KEYS = {"chat_template": "chat_template", "ggml.add_bos_token": "add_bos_token",
+                          "ggml.add_eos_token": "add_eos_token"}
+_SPECIAL_TOKENS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", "unk_token": "unknown_token_id",
+                   "pad_token": "padding_token_id"}
+
+
+def gguf_tokenizer(gguf_path: str | Path):
+    """The GGUF file's tokenizer as a transformers fast tokenizer, read with the `gguf` package (no torch).
+
+    The same tokenizer `AutoTokenizer.from_pretrained(dir, gguf_file=name)` builds (tokenizer.json byte for byte
+    for SmolLM2), whose metadata reader imports torch. Transformers versions without the torch-free builder
+    module fall back to that path."""
+    import gguf
+
+    try:
+        from transformers import PreTrainedTokenizerFast
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
+    except ImportError:  # another transformers layout: its own (torch-needing) GGUF path
+        from transformers import AutoTokenizer
+
+        path = Path(gguf_path)
+        return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    reader = gguf.GGUFReader(gguf_path)
+    fields = {key: field.contents() for key, field in reader.fields.items() if key.startswith("tokenizer.")}
+    tokenizer = {name: fields[f"tokenizer.ggml.{key}"] for key, name in _TOKENIZER_KEYS.items()
+                 if f"tokenizer.ggml.{key}" in fields}
+    config = {name: fields[f"tokenizer.{key}"] for key, name in _TOKENIZER_CONFIG_KEYS.items()
+              if f"tokenizer.{key}" in fields}
+    if tokenizer.get("tokenizer_type") == "llama":  # llama.cpp adds BOS to sentencepiece vocabularies by default
+        config.setdefault("add_bos_token", True)
+    for name, key in _SPECIAL_TOKENS.items():
+        token_id = fields.get(f"tokenizer.ggml.{key}")
+        config[name] = tokenizer["tokens"][token_id] if token_id is not None else None
+    backend, extra = convert_gguf_tokenizer(_field(reader, "general.architecture"), tokenizer)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, **config, **extra)
+
+
 def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
     """Write config.json, model.safetensors and the tokenizer (with chat template, if the file has one)."""
     import gguf
     from safetensors.numpy import save_file
-    from transformers import AutoTokenizer
 
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     reader = gguf.GGUFReader(gguf_path)
@@ -128,6 +172,6 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(gguf_tensors(reader, config), str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     if "tokenizer.ggml.model" in reader.fields:  # weights-only GGUF files carry no tokenizer
-        AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name).save_pretrained(out_dir)
+        gguf_tokenizer(gguf_path).save_pretrained(out_dir)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     return out_dir

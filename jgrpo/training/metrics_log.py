@@ -17,6 +17,7 @@ rewritten whole at each write (one short line per iteration).
 
 from __future__ import annotations
 
+import collections
 import json
 import math
 import re
@@ -34,6 +35,7 @@ METRICS_FILE = "metrics.jsonl"
 SAMPLES_FILE = "samples.jsonl"
 
 # Shown in the progress bar, in this order, when present: (metric key, label, format).
+REWARD_WINDOW = 5  # iterations in the bar's running mean reward (avg5)
 PROGRESS_KEYS = (
     ("reward/mean", "reward", "{:.3f}"),
     ("accuracy", "acc", "{:.2f}"),
@@ -113,6 +115,9 @@ class MetricsLogger:
         self._tb = None
         self._wandb = None
         self._held_out = None  # the latest held-out greedy accuracy, shown in the bar until the next evaluation
+        # The last few iterations' mean rewards: one iteration's mean over a few prompts is often 0.000 early on,
+        # their running mean shows the trend (the bar's avg5).
+        self._recent_rewards: collections.deque = collections.deque(maxlen=REWARD_WINDOW)
         self._bar = None
         self._metrics_file = None
         self._samples_file = None
@@ -156,11 +161,22 @@ class MetricsLogger:
             self._wandb.log(iteration, record)
         if isinstance(record.get("eval/greedy_accuracy"), (int, float)):
             self._held_out = record["eval/greedy_accuracy"]
+        if isinstance(record.get("reward/mean"), (int, float)) and math.isfinite(record["reward/mean"]):
+            self._recent_rewards.append(record["reward/mean"])
         if self._bar is not None:
-            held_out = "" if self._held_out is None else f" held-out={self._held_out:.2f}"
-            self._bar.set_postfix_str(progress_summary(record) + held_out, refresh=False)
+            self._bar.set_postfix_str(self._bar_text(record), refresh=False)
             self._bar.update(iteration - self._bar.n)
         return record
+
+    def _bar_text(self, record: Mapping[str, Any]) -> str:
+        """progress_summary(record) with the running mean reward after the iteration's and the latest held-out
+        accuracy at the end, e.g. 'reward=0.000 avg5=0.183 acc=0.00 ... held-out=0.44'."""
+        text = progress_summary(record)
+        if self._recent_rewards and "reward/mean" in record:
+            reward = text.split(" ", 1)[0]
+            mean = sum(self._recent_rewards) / len(self._recent_rewards)
+            text = text.replace(reward, f"{reward} avg{REWARD_WINDOW}={mean:.3f}", 1)
+        return text + ("" if self._held_out is None else f" held-out={self._held_out:.2f}")
 
     def should_dump_samples(self, iteration: int) -> bool:
         every = self.config.samples_every

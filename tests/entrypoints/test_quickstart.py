@@ -21,7 +21,8 @@ def test_quickstart_evaluates_before_and_after_two_iterations_of_real_smollm2(tm
                            f"run.output_dir={tmp_path}", "run.iterations=2", "data.num_test_examples=25"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "GRPO" in proc.stderr and "reward=" in proc.stderr  # the progress bar with its key numbers
+    assert "GRPO" in proc.stderr and "reward=" in proc.stderr and "avg5=" in proc.stderr  # the bar: key numbers
+    assert "held-out=" in proc.stderr  # the latest held-out accuracy (iteration 0's until the next evaluation)
     records = read_metrics(tmp_path)
     assert [r["iteration"] for r in records] == [0, 1, 2]  # 0: the held-out evaluation before training
     assert [r["iteration"] for r in records if "eval/greedy_accuracy" in r] == [0, 2]  # before and after

@@ -89,6 +89,33 @@ def test_gguf_file_loads_with_transformers_logits(tmp_path, monkeypatch):
     assert len(list((tmp_path / "cache" / "gguf").iterdir())) == 1  # converted once, cached
 
 
+_WITHOUT_TORCH = """
+import importlib.abc, importlib.util, sys
+class HideTorch(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "torch":
+            raise ModuleNotFoundError("No module named 'torch' (hidden by the test)", name=name)
+find_spec = importlib.util.find_spec
+importlib.util.find_spec = lambda name, *a: None if name.split(".")[0] == "torch" else find_spec(name, *a)
+sys.meta_path.insert(0, HideTorch())
+from jgrpo.models.gguf import gguf_tokenizer
+gguf_tokenizer(sys.argv[1]).save_pretrained(sys.argv[2])
+"""
+
+
+def test_gguf_tokenizer_needs_no_torch(tmp_path):
+    # The quickstart's install has no torch; transformers' own GGUF tokenizer path imports it. The tokenizer we
+    # build without torch is the one transformers builds with it, byte for byte.
+    import subprocess
+    import sys
+
+    gguf = builtin.smollm2_gguf_path()
+    subprocess.run([sys.executable, "-c", _WITHOUT_TORCH, str(gguf), str(tmp_path / "ours")], check=True)
+    transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp_path / "hf")
+    for name in ("tokenizer.json", "chat_template.jinja"):
+        assert (tmp_path / "ours" / name).read_bytes() == (tmp_path / "hf" / name).read_bytes(), name
+
+
 def test_materialise_is_atomic(tmp_path):
     def broken(out):
         (out / "config.json").write_text("{}")

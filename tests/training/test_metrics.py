@@ -45,7 +45,8 @@ def test_records_go_to_jsonl_tensorboard_and_the_bar(tmp_path, capsys):
     assert ("reward/mean", 3, pytest.approx(0.75)) in scalars
     assert not any(tag == "nonfinite" for tag, _, _ in scalars)  # booleans stay out of TensorBoard
     bar = capsys.readouterr().err
-    assert "reward=0.750" in bar
+    # The iteration's mean reward, then the mean over the last (up to) 5 iterations: (0.25 + 0.5 + 0.75) / 3.
+    assert "reward=0.750 avg5=0.500" in bar
     assert "held-out=0.40" in bar.rsplit("reward=0.750", 1)[1]  # the latest evaluation stays in the bar
 
 
