@@ -105,6 +105,8 @@ def _flag_overrides(args) -> list[str]:
         out.append(f"run.eval_samples={args.samples}")
     if args.k:
         out.append(f"run.eval_k=[{args.k}]")
+    if args.group_by is not None:
+        out.append(f"run.eval_group_by={args.group_by}")
     return out
 
 
@@ -130,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
                                                        "the first decides correctness")
     parser.add_argument("--samples", type=int, default=None, help="samples per prompt, n (run.eval_samples)")
     parser.add_argument("--k", default=None, help="comma-separated k of pass@k and maj@k (run.eval_k), each <= n")
+    parser.add_argument("--group-by", default=None, help="a field of the data rows (e.g. held_out, type): the scores "
+                                                         "also per value of it (run.eval_group_by)")
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
     parser.add_argument("--report", default=None, help="the JSON report's path (default: RUN_DIR/eval.json for a "
                                                        "run directory, else none)")
@@ -176,12 +180,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def metrics_table(results: dict[str, dict]) -> str:
-    """A markdown table: one row per dataset, one column per metric (in the first dataset's order)."""
-    columns = list(next(iter(results.values())))
+    """A markdown table: one row per dataset, then one per group of `run.eval_group_by` ("held_out/True":
+    the metric names' prefix), one column per metric (in the first dataset's order)."""
+    columns = [c for c in next(iter(results.values())) if "/" not in c]
     lines = ["| data | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
     for name, metrics in results.items():
-        cells = [f"{metrics[c]:.4f}" if isinstance(metrics.get(c), float) else str(metrics.get(c, "")) for c in columns]
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        groups = sorted({c.rsplit("/", 1)[0] for c in metrics if "/" in c})
+        for label, prefix in ((name, ""), *((f"{name} [{g.replace('/', '=')}]", g + "/") for g in groups)):
+            cells = [f"{metrics[prefix + c]:.4f}" if isinstance(metrics.get(prefix + c), float)
+                     else str(metrics.get(prefix + c, "")) for c in columns]
+            lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 if __name__ == "__main__":

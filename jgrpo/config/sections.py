@@ -313,6 +313,9 @@ class RunConfig:
     # The evaluations every run.eval_every iterations use the test split's first N prompts (rounded up to whole
     # eval batches; 0 = all): a cheap curve while training. Before the first and after the last: always all.
     eval_prompts: int = 0
+    # A field of the test rows' references (e.g. the word problems' held_out, a MATH file's type): greedy accuracy,
+    # pass@k and maj@k are also reported per value of it ("held_out/True/greedy_accuracy"). "" = not grouped.
+    eval_group_by: str = ""
     # Optimiser steps in a row with a NaN/inf loss or gradient (each skipped) before the run stops.
     max_nonfinite_steps: int = 3
 

@@ -63,3 +63,19 @@ def summed_over_prompts(correct: np.ndarray, answers: Sequence[str | None] | Non
         sums.update({f"maj_at_{k}": sum(maj_at_k(answers[i * n:(i + 1) * n], correct[i], k) for i in range(prompts))
                      for k in ks})
     return sums
+
+
+def summed_by_label(correct: np.ndarray, answers: Sequence[str | None] | None, ks: Sequence[int],
+                    labels: Sequence[str]) -> dict:
+    """summed_over_prompts per label, plus each label's prompts and correct samples: {"LABEL/prompts": ...,
+    "LABEL/correct": ..., "LABEL/pass_at_k": ..., "LABEL/maj_at_k": ...} for each label of `labels` (one per
+    prompt, e.g. "held_out/True"). Sums, like summed_over_prompts."""
+    n = correct.shape[1]
+    sums = {}
+    for label in sorted(set(labels)):
+        rows = [i for i, other in enumerate(labels) if other == label]
+        picked = None if answers is None else [answers[i * n + j] for i in rows for j in range(n)]
+        part = {"prompts": len(rows), "correct": int(correct[rows].sum()),
+                **(summed_over_prompts(correct[rows], picked, ks) if ks else {})}
+        sums.update({f"{label}/{name}": value for name, value in part.items()})
+    return sums

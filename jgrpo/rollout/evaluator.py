@@ -4,6 +4,9 @@ of `run.eval_k` (default 1 and n); the mean completion length and the share of c
 budget, greedy and sampled. With an environment, of episodes, with their turns and tool-call validity (no maj@k:
 an episode's answer is its last turn).
 
+With `run.eval_group_by` (a field of the test rows' references, e.g. the word problems' `held_out`) greedy
+accuracy, pass@k and maj@k are also reported per value of that field: `held_out/True/greedy_accuracy`, ...
+
 Used by the trainer (`run.eval_every`, and before the first iteration with `run.eval_before`) and by
 `python -m jgrpo.eval`. Metric names are legal TensorBoard tags: `greedy_accuracy`, `pass_at_4`, `maj_at_4`,
 `greedy_length`, `sampled_truncated`, ...
@@ -13,18 +16,21 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import re
+import zlib
 
 import jax
 import numpy as np
 
 from jgrpo.config import Config
+from jgrpo.config.errors import ConfigError
 from jgrpo.data import bucketed_length, build_prompt_iterator
 from jgrpo.parallel.host_arrays import global_max, global_sum, local_rows
 from jgrpo.parallel.mesh import replicated_key
 from jgrpo.rewards import RewardScorer, get_reward
 from jgrpo.rollout.collect import Scoring, prompt_arrays, sample_and_score
 from jgrpo.rollout.episodes import EpisodeRunner
-from jgrpo.rollout.estimators import summed_over_prompts
+from jgrpo.rollout.estimators import summed_by_label, summed_over_prompts
 from jgrpo.sampling.methods import SamplingMethod
 from jgrpo.sampling.sampler import Sampler
 
@@ -60,6 +66,27 @@ class Evaluator:
         self.answer = None if episodes else getattr(get_reward(config.reward.functions[0]), "answer", None)
         # Multi-turn (env.name): each mode's episodes, on the run's environment workers.
         self.episodes = {mode: episodes.using(s) for mode, s in self.modes.items()} if episodes else None
+        self.group_names: list[str] = []  # "held_out/True", ...: run.eval_group_by's prefixes, in every process
+        self.groups = self._group_labels(config.run.eval_group_by)
+
+    def _group_labels(self, field: str) -> list[list[str]]:
+        """Per test batch, each prompt's metric prefix for `run.eval_group_by` ("held_out/True", ...); [] if off."""
+        if not field:
+            return []
+        labels = []
+        for batch in self.data:
+            for reference, question in zip(batch.references, batch.questions, strict=True):
+                if field not in reference:
+                    raise ConfigError(f"run.eval_group_by={field!r}: the test row {question[:60]!r} has no field "
+                                      f"{field!r} (its fields: {', '.join(sorted(reference))})")
+            labels.append([f"{field}/{re.sub(r'[^A-Za-z0-9_.-]', '_', str(r[field]))}" for r in batch.references])
+        # Every process sums the same metric names: each must see the same values (e.g. True / False).
+        self.group_names = sorted({label for batch in labels for label in batch})
+        fingerprint = np.asarray([len(self.group_names), zlib.crc32("|".join(self.group_names).encode())], np.int64)
+        if np.any(global_sum(fingerprint) != fingerprint * jax.process_count()):
+            raise ConfigError(f"run.eval_group_by={field!r}: the processes' test rows hold different values of "
+                              f"{field!r}; group by a field whose few values every process sees")
+        return labels
 
     def prompt_count(self) -> int:
         """Test prompts over all processes."""
@@ -79,13 +106,19 @@ class Evaluator:
             tally = self._run(params, sampler, mode, batches)
             names = sorted(tally)
             sums = dict(zip(names, global_sum(np.asarray([tally[n] for n in names], np.float64)), strict=True))
+            grouped = {g: {n.removeprefix(g + "/"): sums.pop(n) for n in list(sums) if n.startswith(g + "/")}
+                       for g in self.group_names}
             prompts = sums.pop("prompts")
             rows = prompts * sampler.num_samples
-            if mode == "greedy":
-                metrics.update({"greedy_accuracy": float(sums["correct"] / prompts), "prompts": int(prompts)})
-            else:
-                metrics.update({k: float(v / prompts) for k, v in sums.items()
-                                if k.startswith(("pass_at_", "maj_at_"))})
+            for prefix, part in (("", sums), *((g + "/", part) for g, part in grouped.items() if part["prompts"])):
+                count = part["prompts"] if prefix else prompts
+                if mode == "greedy":
+                    metrics.update({f"{prefix}greedy_accuracy": float(part["correct"] / count),
+                                    f"{prefix}prompts": int(count)})
+                else:
+                    metrics.update({f"{prefix}{k}": float(v / count) for k, v in part.items()
+                                    if k.startswith(("pass_at_", "maj_at_"))})
+            if mode != "greedy":
                 metrics["reward_mean"] = float(sums["reward"] / rows)
             metrics.update({f"{mode}_length": float(sums["length"] / rows),
                             f"{mode}_truncated": float(sums["truncated"] / rows)})
@@ -103,8 +136,10 @@ class Evaluator:
         n = sampler.num_samples
         ks = self.ks if mode == "sampled" else ()
         # Every key from the start: the processes sum the same names, whatever their batches hold.
-        names = ["prompts", "correct", "reward", "length", "truncated", *(f"pass_at_{k}" for k in ks),
-                 *(f"maj_at_{k}" for k in ks if self.answer is not None)]
+        scored = ["prompts", "correct", *(f"pass_at_{k}" for k in ks),
+                  *(f"maj_at_{k}" for k in ks if self.answer is not None)]  # also per group
+        names = [*scored, "reward", "length", "truncated",
+                 *(f"{g}/{n}" for g in self.group_names for n in scored)]
         tally = collections.Counter(dict.fromkeys(names, 0.0))
         key = replicated_key(self.config.run.seed + 1, self.mesh)
         local_size = self.batch_size // jax.process_count()
@@ -126,10 +161,12 @@ class Evaluator:
             tally["reward"] += rollout.scores.total[:real * n].sum()
             tally["length"] += local_rows(rollout.samples.lengths)[:real * n].sum()
             tally["truncated"] += local_rows(rollout.samples.truncated)[:real * n].sum()
+            answers = (None if self.answer is None or not ks else
+                       [self.answer(text) for text in rollout.completions[:real * n]])
             if ks:
-                answers = (None if self.answer is None else
-                           [self.answer(text) for text in rollout.completions[:real * n]])
                 tally.update(summed_over_prompts(correct, answers, ks))
+            if self.groups:
+                tally.update(summed_by_label(correct, answers, ks, self.groups[index][:real]))
         return tally
 
     def _episodes(self, params, runner: EpisodeRunner, batch, local_size: int, key, count: bool):

@@ -72,17 +72,25 @@ def test_eval_prints_accuracy_pass_at_k_and_maj_at_k(straight_run, env, tmp_path
 def test_eval_on_given_files_in_the_gsm8k_and_math_formats(straight_run, env, tmp_path):
     gsm8k, math = tmp_path / "gsm8k.jsonl", tmp_path / "math.jsonl"
     gsm8k.write_text("".join(json.dumps({"question": f"What is {a} + {a}?", "answer": f"{a} + {a} = {2 * a}\n"
-                                                                                       f"#### {2 * a}"}) + "\n"
-                             for a in (1, 2, 3)))
-    math.write_text("".join(json.dumps({"problem": f"Compute $\\frac{{{2 * a}}}{{2}}$.", "answer": str(a)}) + "\n"
-                            for a in (4, 5)))
+                                                                                       f"#### {2 * a}", "type": t})
+                             + "\n" for a, t in ((1, "sum"), (2, "sum"), (3, "double sum"))))
+    math.write_text("".join(json.dumps({"problem": f"Compute $\\frac{{{2 * a}}}{{2}}$.", "answer": str(a),
+                                        "type": "sum"}) + "\n" for a in (4, 5)))
     proc = subprocess.run([sys.executable, "-m", "jgrpo.eval", str(straight_run), "--data", str(gsm8k), "--data",
-                           str(math), "--reward", "math_verify", "--samples", "2"],
+                           str(math), "--reward", "math_verify", "--samples", "2", "--group-by", "type"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     lines = [json.loads(line) for line in proc.stdout.strip().splitlines() if line.startswith("{")]
     assert [(r["data"], r["prompts"]) for r in lines] == [(str(gsm8k), 3), (str(math), 2)]
     assert all("maj_at_2" in r and "pass_at_2" in r for r in lines)
+    # --group-by type: each value's scores too (a legal tag: "double sum" -> double_sum); they add up to the whole.
+    by_type = lines[0]
+    assert (by_type["type/sum/prompts"], by_type["type/double_sum/prompts"]) == (2, 1)
+    for metric in ("greedy_accuracy", "pass_at_1", "pass_at_2", "maj_at_2"):
+        parts = 2 * by_type[f"type/sum/{metric}"] + by_type[f"type/double_sum/{metric}"]
+        assert parts == pytest.approx(3 * by_type[metric]), metric
+    assert lines[1]["type/sum/prompts"] == 2 and "type/double_sum/prompts" not in lines[1]
+    assert f"| {gsm8k} [type=double_sum] |" in proc.stdout  # a table row per group
     report = json.loads((straight_run / "eval.json").read_text())  # a run directory's default report
     assert list(report["datasets"]) == [str(gsm8k), str(math)]
 

@@ -6,7 +6,7 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-from jgrpo.rollout.estimators import maj_at_k, majority_index, pass_at_k, summed_over_prompts
+from jgrpo.rollout.estimators import maj_at_k, majority_index, pass_at_k, summed_by_label, summed_over_prompts
 
 
 def test_pass_at_k_by_hand():
@@ -60,3 +60,21 @@ def test_sums_over_prompts_by_hand():
     # Prompt 0 votes "9" (wrong) at every k: alone, then in a 1-1 and a 2-2 tie it came first to; prompt 1 "4".
     assert (sums["maj_at_1"], sums["maj_at_2"], sums["maj_at_4"]) == (1.0, 1.0, 1.0)
     assert summed_over_prompts(correct, None, (1,)) == {"pass_at_1": pytest.approx(1.0)}
+
+
+def test_sums_by_label_by_hand():
+    # The same two prompts plus a third (2 of 4 correct, no answers extracted), labelled seen / held-out / seen.
+    correct = np.asarray([[False, True, False, False], [True, True, False, True], [True, False, True, False]])
+    answers = ["9", "7", "9", "7", "4", "4", "5", "4", None, None, None, None]
+    labels = ["held_out/False", "held_out/True", "held_out/False"]
+    sums = summed_by_label(correct, answers, (1, 4), labels)
+    assert sums["held_out/False/prompts"] == 2 and sums["held_out/True/prompts"] == 1
+    assert (sums["held_out/False/correct"], sums["held_out/True/correct"]) == (3, 3)
+    assert sums["held_out/False/pass_at_1"] == pytest.approx(1 / 4 + 2 / 4)
+    assert sums["held_out/True/pass_at_1"] == pytest.approx(3 / 4)
+    assert (sums["held_out/False/pass_at_4"], sums["held_out/True/pass_at_4"]) == (2.0, 1.0)
+    # Prompt 0 votes "9" (wrong), prompt 2 has no answer (wrong); prompt 1 votes "4" (right).
+    assert (sums["held_out/False/maj_at_4"], sums["held_out/True/maj_at_4"]) == (0.0, 1.0)
+    assert summed_by_label(correct, None, (), labels) == {
+        "held_out/False/prompts": 2, "held_out/False/correct": 3, "held_out/True/prompts": 1,
+        "held_out/True/correct": 3}
