@@ -6,7 +6,8 @@ imported: on a machine with libtpu installed (the
 `tpu` extra, which `jgrpo.plan` uses to compile for TPUs deviceless) but no TPU attached, jax would try the TPU
 first and print initialisation errors before falling back to the CPU. There, unless the user chose with
 JAX_PLATFORMS, jgrpo runs on the CPU quietly. A TPU VM (a Google PCI device) or a CUDA plugin leaves jax to
-choose as usual.
+choose as usual. Without torch installed (the quickstart's install), it also keeps transformers from advising
+that "models won't be available": jgrpo uses transformers for tokenizers only.
 """
 
 import glob
@@ -38,6 +39,8 @@ def _quiet_cpu_when_libtpu_has_no_tpu() -> None:
 
 
 _quiet_cpu_when_libtpu_has_no_tpu()
+if importlib.util.find_spec("torch") is None:
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 from jgrpo import _moved  # noqa: E402 - after the platform is settled; it imports nothing else of jgrpo
 
