@@ -176,7 +176,8 @@ class MetricsLogger:
             reward = text.split(" ", 1)[0]
             mean = sum(self._recent_rewards) / len(self._recent_rewards)
             text = text.replace(reward, f"{reward} avg{REWARD_WINDOW}={mean:.3f}", 1)
-        return text + ("" if self._held_out is None else f" held-out={self._held_out:.2f}")
+        held_out = "" if self._held_out is None else f"held-out={self._held_out:.2f}"
+        return " ".join(part for part in (text, held_out) if part)
 
     def should_dump_samples(self, iteration: int) -> bool:
         every = self.config.samples_every
