@@ -79,7 +79,8 @@ def load_for_eval(target: str, overrides: list[str], step: int | None = None):
     m = config.model
     graphdef, params, _ = load_model(m.name, **model_options(m, mesh_platform(mesh)), mesh=mesh, rules=TRAIN_RULES,
                                      lora=(m.lora.rank, m.lora.alpha, m.lora.targets))
-    source = f"untrained {m.name}"
+    # A config names a base model (untrained); a model directory holds whatever weights were written there.
+    source = f"model directory {m.name}" if model_dir else f"untrained {m.name}"
     if run_dir is not None and (run_dir / "checkpoints").is_dir():
         # A LoRA run's checkpoint holds adapters: restored for this base only, then joined with it.
         trained, base = split_adapters(params) if m.lora.rank else (params, None)

@@ -49,6 +49,14 @@ def test_merged_export_loads_in_transformers_with_the_adapted_logits(lora_run, t
     assert export_main([str(run_dir), str(tmp_path / "merged")]) == 0
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", torch_dtype=torch.float32)
     np.testing.assert_allclose(_hf_logits(merged), ours, rtol=1e-4, atol=1e-4)
+    # jgrpo.eval of the exported directory evaluates those weights and says where they came from (not "untrained").
+    from jgrpo.eval import load_for_eval
+
+    _, graphdef, params, _, _, source = load_for_eval(str(tmp_path / "merged"), [])
+    assert source == f"model directory {tmp_path / 'merged'}"
+    mask = np.ones_like(TOKENS, bool)
+    hidden, _ = forward(graphdef, params, TOKENS, position_ids_from_mask(mask), mask)
+    np.testing.assert_allclose(np.asarray(merge_model(graphdef, params).logits(hidden)), ours, rtol=1e-4, atol=1e-4)
 
 
 def test_adapters_only_export_loads_in_peft_on_the_transformers_base(lora_run, tmp_path):
