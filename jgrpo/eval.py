@@ -4,7 +4,7 @@
 A run directory evaluates its latest complete checkpoint (or --step) with its config, data and reward; a config
 file the model it names, untrained; a model directory (an exported HF directory or a local hub snapshot) needs
 --data and --reward. Precedence: flags over `k=v` overrides over the run's (or config file's) values over the
-defaults. Each --data (a local JSONL / Parquet file or saved dataset, GSM8K or MATH format as `data.format`
+defaults. Each --data (a local JSONL / Parquet file or saved dataset, GSM8K, MATH or AIME format as `data.format`
 reads them; several allowed) is evaluated whole, one table row each; without it, the test split of the run's
 `data.source`.
 

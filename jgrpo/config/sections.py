@@ -205,7 +205,7 @@ class DataConfig:
     # hub id.
     source: str = "arithmetic"
     split: str = "train"
-    format: Literal["auto", "gsm8k", "math", "custom"] = "auto"
+    format: Literal["auto", "gsm8k", "math", "aime", "custom"] = "auto"
     question_field: str = "question"
     answer_field: str = "answer"
     batch_size: int = 4  # B prompts per iteration (each expanded to G samples)

@@ -2,10 +2,12 @@
 
 Formats and the columns they read:
   gsm8k   question <- `question`, answer <- the text after `####` in `answer` (full text kept as `solution`)
-  math    question <- `problem`,  answer <- `answer` as written (LaTeX allowed; MATH, DeepScaleR)
+  math    question <- `problem`,  answer <- `answer` as written (LaTeX allowed; MATH, DeepScaleR, AIME in
+          lower case)
+  aime    question <- `Problem`,  answer <- `Answer` (AIME releases' capitalised columns; integers as strings)
   custom  question <- data.question_field, answer <- data.answer_field, as written
   auto    gsm8k if the first row has `question` and an `answer` containing `####`; math if it has `problem`
-          and `answer`; custom otherwise.
+          and `answer`; aime if it has `Problem` and `Answer`; custom otherwise.
 A data.question_field / data.answer_field set to something other than its default overrides the format's
 column. Every other column of the row is passed along in the reference (e.g. `numbers`, `target`).
 """
@@ -21,7 +23,7 @@ from jgrpo.data.sources import DataSourceError, Malformed, RawRow
 log = logging.getLogger("jgrpo.data")
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(DataConfig)}
-_FORMAT_COLUMNS = {"gsm8k": ("question", "answer"), "math": ("problem", "answer")}
+_FORMAT_COLUMNS = {"gsm8k": ("question", "answer"), "math": ("problem", "answer"), "aime": ("Problem", "Answer")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +42,8 @@ def detect_format(first_row: object) -> str:
         return "gsm8k"
     if "problem" in first_row and "answer" in first_row:
         return "math"
+    if "Problem" in first_row and "Answer" in first_row:
+        return "aime"
     return "custom"
 
 

@@ -83,6 +83,15 @@ def test_format_detection_and_field_mapping(tmp_path):
     (example,), _ = load_examples(DataConfig(source=str(path)))
     assert example.question.startswith("Compute") and example.reference == {"answer": "\\frac{3}{4}", "level": 2}
 
+    # AIME releases spell the columns with capitals (ID, Problem, Solution, Answer) and the answer is an integer.
+    aime = {"ID": "2024-I-1", "Problem": "Find the remainder when $2^{10}$ is divided by $1000$.", "Answer": 24,
+            "Solution": "..."}
+    assert detect_format(aime) == "aime"
+    (path := tmp_path / "aime.jsonl").write_text(json.dumps(aime) + "\n")
+    (example,), _ = load_examples(DataConfig(source=str(path)))
+    assert example.question.startswith("Find") and example.reference["answer"] == "24"
+    assert example.reference["ID"] == "2024-I-1"
+
     custom = tmp_path / "custom.parquet"
     pq.write_table(pa.Table.from_pylist([{"prompt": "2+2?", "target": 4}]), custom)
     (example,), _ = load_examples(DataConfig(source=str(custom), question_field="prompt", answer_field="target"))
