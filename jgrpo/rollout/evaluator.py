@@ -66,8 +66,10 @@ class Evaluator:
         self.answer = None if episodes else getattr(get_reward(config.reward.functions[0]), "answer", None)
         # Multi-turn (env.name): each mode's episodes, on the run's environment workers.
         self.episodes = {mode: episodes.using(s) for mode, s in self.modes.items()} if episodes else None
-        self.group_names: list[str] = []  # "held_out/True", ...: run.eval_group_by's prefixes, in every process
         self.groups = self._group_labels(config.run.eval_group_by)
+        # "held_out/True", ...: run.eval_group_by's metric prefixes, the same in every process (checked)
+        self.group_names = sorted({label for batch in self.groups for label in batch})
+        self._check_same_groups(config.run.eval_group_by)
 
     def _group_labels(self, field: str) -> list[list[str]]:
         """Per test batch, each prompt's metric prefix for `run.eval_group_by` ("held_out/True", ...); [] if off."""
@@ -80,13 +82,16 @@ class Evaluator:
                     raise ConfigError(f"run.eval_group_by={field!r}: the test row {question[:60]!r} has no field "
                                       f"{field!r} (its fields: {', '.join(sorted(reference))})")
             labels.append([f"{field}/{re.sub(r'[^A-Za-z0-9_.-]', '_', str(r[field]))}" for r in batch.references])
-        # Every process sums the same metric names: each must see the same values (e.g. True / False).
-        self.group_names = sorted({label for batch in labels for label in batch})
+        return labels
+
+    def _check_same_groups(self, field: str) -> None:
+        """Every process sums the same metric names: each must see the same values (e.g. True / False)."""
+        if not field:
+            return
         fingerprint = np.asarray([len(self.group_names), zlib.crc32("|".join(self.group_names).encode())], np.int64)
         if np.any(global_sum(fingerprint) != fingerprint * jax.process_count()):
             raise ConfigError(f"run.eval_group_by={field!r}: the processes' test rows hold different values of "
                               f"{field!r}; group by a field whose few values every process sees")
-        return labels
 
     def prompt_count(self) -> int:
         """Test prompts over all processes."""

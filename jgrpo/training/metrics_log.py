@@ -171,13 +171,9 @@ class MetricsLogger:
     def _bar_text(self, record: Mapping[str, Any]) -> str:
         """progress_summary(record) with the running mean reward after the iteration's and the latest held-out
         accuracy at the end, e.g. 'reward=0.000 avg5=0.183 acc=0.00 ... held-out=0.44'."""
-        text = progress_summary(record)
-        if self._recent_rewards and "reward/mean" in record:
-            reward = text.split(" ", 1)[0]
-            mean = sum(self._recent_rewards) / len(self._recent_rewards)
-            text = text.replace(reward, f"{reward} avg{REWARD_WINDOW}={mean:.3f}", 1)
+        recent = sum(self._recent_rewards) / len(self._recent_rewards) if self._recent_rewards else None
         held_out = "" if self._held_out is None else f"held-out={self._held_out:.2f}"
-        return " ".join(part for part in (text, held_out) if part)
+        return " ".join(part for part in (progress_summary(record, recent), held_out) if part)
 
     def should_dump_samples(self, iteration: int) -> bool:
         every = self.config.samples_every
@@ -226,13 +222,16 @@ def tensorboard_tag(key: str) -> str:
     return re.sub(r"[^-/\w.]", "_", key)
 
 
-def progress_summary(record: Mapping[str, Any]) -> str:
-    """The key numbers of one record as a short line, e.g. 'reward=0.412 acc=0.38 kl=1.2e-03 len=31'."""
+def progress_summary(record: Mapping[str, Any], recent_reward: float | None = None) -> str:
+    """The key numbers of one record as a short line, e.g. 'reward=0.412 acc=0.38 kl=1.2e-03 len=31'; with
+    `recent_reward` (the mean over the last REWARD_WINDOW iterations) 'avg5=...' after the reward."""
     parts = []
     for key, label, fmt in PROGRESS_KEYS:
         value = record.get(key)
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             parts.append(f"{label}=" + (fmt.format(value) if math.isfinite(value) else str(value)))
+            if key == "reward/mean" and recent_reward is not None:
+                parts.append(f"avg{REWARD_WINDOW}={recent_reward:.3f}")
     return " ".join(parts)
 
 
