@@ -25,11 +25,11 @@ def _loss(h, p, impl, dispatch="all_gather"):
 
 @pytest.mark.parametrize("expert,rows,impl,dispatch", [
     (2, 8, "sorted_tiles", "all_gather"), (4, 8, "sorted_tiles", "all_gather"), (4, 3, "sorted_tiles", "all_gather"),
-    (4, 8, "ragged", "all_gather"), (2, 8, "sorted_tiles", "ragged_all_to_all"),
-    (4, 8, "sorted_tiles", "ragged_all_to_all"), (4, 3, "sorted_tiles", "ragged_all_to_all"),
-    (4, 8, "megablox", "ragged_all_to_all"), (4, 8, "megablox", "all_gather"), (4, 3, "megablox", "all_gather"),
+    (4, 8, "ragged", "all_gather"), (4, 8, "sorted_tiles", "ragged_all_to_all"),
+    (4, 3, "sorted_tiles", "ragged_all_to_all"), (4, 8, "megablox", "ragged_all_to_all"),
+    (4, 8, "megablox", "all_gather"),
     (1, 8, "megablox", "all_gather"),  # a Pallas kernel on a mesh without expert parallelism: per device
-])
+])  # (each layout once: the implementations agree with each other without a mesh, tests/models/test_moe.py)
 def test_split_experts_give_the_unsplit_layers_values_and_gradients(expert, rows, impl, dispatch):
     # rows = 8 split over data x fsdp x expert (all_gather + reduce-scatter, or each assignment to its expert's
     # device and back: on CPU the op's pure-JAX emulation); 3 rows split over nothing (each device runs its experts

@@ -40,7 +40,7 @@ def _weights(E=8, D=16, F=12, seed=0):
             "experts_down": jax.random.normal(keys[3], (E, F, D)) * 0.3}
 
 
-@pytest.mark.parametrize("tokens", [3, 40, 300], ids=["decode", "prefill", "train"])
+@pytest.mark.parametrize("tokens", [3, 300], ids=["decode", "train"])  # one tile per expert; many
 def test_implementations_agree_in_values_and_gradients(tokens):
     p = _weights()
     h = jnp.abs(jax.random.normal(jax.random.key(1), (1, tokens, 16)))
@@ -76,11 +76,10 @@ def test_megablox_skips_padding_assignments_and_gives_them_zero_rows():
         y = IMPLEMENTATIONS[impl](x, ids, gates, *weights)
         return jnp.sum(y * jnp.cos(y)), y
 
-    got, got_grads = jax.value_and_grad(functools.partial(loss, "megablox"), argnums=(0, 1), has_aux=True)(
-        x, weights, ids)
+    step = jax.jit(jax.value_and_grad(loss, argnums=(1, 2), has_aux=True), static_argnums=0)
+    got, got_grads = step("megablox", x, weights, ids)
     kept = ids < 8
-    want, want_grads = jax.value_and_grad(functools.partial(loss, "dense"), argnums=(0, 1), has_aux=True)(
-        jnp.where(kept, x, 0), weights, jnp.where(kept, ids, 0))
+    want, want_grads = step("dense", jnp.where(kept, x, 0), weights, jnp.where(kept, ids, 0))
     np.testing.assert_array_equal(got[1][15:], 0)
     np.testing.assert_allclose(got[1], want[1], atol=1e-5, rtol=1e-5)
     np.testing.assert_array_equal(got_grads[0][15:], 0)
@@ -112,7 +111,7 @@ def _router_margin(hf_model, tokens, mask) -> float:
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_moe_plain", "qwen3_moe_step2"])
-def test_qwen3_moe_matches_transformers_for_every_implementation(family, tmp_path):
+def test_qwen3_moe_matches_transformers(family, tmp_path):
     model_dir, hf_model = save_hf_model(family, tmp_path / family)
     graphdef, params, cfg = load_model(str(model_dir))
     assert cfg.num_experts == 8 and cfg.experts_per_token == 2
@@ -125,7 +124,9 @@ def test_qwen3_moe_matches_transformers_for_every_implementation(family, tmp_pat
     assert margin > 1e-4
     ref = hf_logits(hf_model, tokens, mask)[mask]
     tolerance = max(1e-4, 1e-5 * np.abs(ref).max())
-    for impl in IMPLEMENTATIONS:
+    # Every implementation on one family (they agree with each other on any routing: the test above); the other
+    # families on the loaded default (sorted_tiles) only.
+    for impl in IMPLEMENTATIONS if family == "qwen3_moe" else (cfg.moe_impl,):
         graphdef, _ = abstract_model(dataclasses.replace(cfg, moe_impl=impl))
         np.testing.assert_allclose(jgrpo_logits(graphdef, params, tokens, mask)[mask], ref, atol=tolerance, rtol=0,
                                    err_msg=impl)
@@ -198,8 +199,11 @@ def _reference_with_ids(h, p, ids, norm_topk_prob):
     return out.reshape(h.shape)
 
 
-@pytest.mark.parametrize("norm_topk_prob", [True, False])
-def test_replayed_experts_run_whatever_the_router_says_and_the_router_keeps_its_gradient(norm_topk_prob):
+@pytest.mark.parametrize("norm_topk_prob,implementations", [(True, tuple(IMPLEMENTATIONS)),
+                                                           (False, ("dense", "sorted_tiles"))])
+def test_replayed_experts_run_whatever_the_router_says_and_the_router_keeps_its_gradient(norm_topk_prob,
+                                                                                         implementations):
+    # Replayed ids enter before the dispatch every implementation shares: all of them once, both gate forms on two.
     p = _weights()
     h = jnp.abs(jax.random.normal(jax.random.key(2), (1, 6, 16)))
     top, _, _ = route(h.reshape(6, 16), p["router"], 2, norm_topk_prob)
@@ -215,13 +219,15 @@ def test_replayed_experts_run_whatever_the_router_says_and_the_router_keeps_its_
     want, want_grads = jax.value_and_grad(functools.partial(loss, lambda h, p: _reference_with_ids(
         h, p, forced, norm_topk_prob)), argnums=(0, 1))(h, p)
     assert float(jnp.abs(want_grads[1]["router"]).max()) > 1e-3
-    for impl in IMPLEMENTATIONS:
-        def block(h, p, impl=impl):
-            out, ids, _ = moe_mlp(h, p, k=2, norm_topk_prob=norm_topk_prob, impl=impl, ids=forced.reshape(1, 6, 2))
-            np.testing.assert_array_equal(ids.reshape(6, 2), top)  # what the router picks, not what was replayed
-            return out
 
-        got, grads = jax.value_and_grad(functools.partial(loss, block), argnums=(0, 1))(h, p)
+    def replayed(h, p, impl):
+        out, ids, _ = moe_mlp(h, p, k=2, norm_topk_prob=norm_topk_prob, impl=impl, ids=forced.reshape(1, 6, 2))
+        return jnp.sum(jnp.sin(out)), ids
+
+    for impl in implementations:
+        (got, ids), grads = jax.jit(jax.value_and_grad(replayed, argnums=(0, 1), has_aux=True), static_argnums=2)(
+            h, p, impl)
+        np.testing.assert_array_equal(ids.reshape(6, 2), top)  # what the router picks, not what was replayed
         np.testing.assert_allclose(got, want, rtol=1e-5, err_msg=impl)
         for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True):
             np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4, err_msg=impl)

@@ -1,8 +1,8 @@
 """GRPO on the tiny random Qwen3-MoE (configs/tiny_moe.yaml): the router learns under routing replay, sampler and
-trainer agree in float32 with the experts split over 2 devices (mesh.expert), a replayed run resumes bit for bit, and
-LoRA adapts attention only (experts and router bit for bit unchanged)."""
+trainer agree in float32 with the experts split over 2 devices (mesh.expert), iteration 2 compiles nothing, a
+replayed run resumes bit for bit, and LoRA adapts attention only (experts and router bit for bit unchanged)."""
 
-import json
+import shutil
 
 import jax
 import numpy as np
@@ -23,36 +23,54 @@ def _host(tree):
     return jax.tree.map(np.asarray, jax.device_get(tree))
 
 
-def _train(run_dir, iterations, *overrides):
-    trainer = Trainer(_config(run_dir, "model.routing_replay=rollout", "grpo.behaviour_refresh=2",
-                              "grpo.num_minibatches=2", "model.router_aux_loss_coef=0.01", "mesh.expert=2",
-                              "model.router_z_loss_coef=0.001", f"run.iterations={iterations}", "checkpoint.every=1",
-                              *overrides))
+REPLAYED = ("model.routing_replay=rollout", "grpo.behaviour_refresh=2", "grpo.num_minibatches=2", "mesh.expert=2",
+            "model.router_aux_loss_coef=0.01", "model.router_z_loss_coef=0.001", "run.iterations=2",
+            "checkpoint.every=1", "checkpoint.keep=2")
+
+
+def _state(trainer):
+    return _host((trainer.state.params, trainer.state.opt_state, trainer.state.behaviour))
+
+
+def test_replayed_training_moves_the_router_matches_the_sampler_never_recompiles_and_resumes_bit_for_bit(
+        tmp_path, compile_counter):
+    # v = 2: iteration 2 samples with the behaviour copy made at iteration 1 and replays its routing. The 8 experts
+    # are split over 2 devices (mesh.expert, data-parallel over them elsewhere): the sampler's decode and prefill,
+    # the trainer's forwards and the update all run split. Iteration 2 compiles nothing (routing changes from
+    # iteration to iteration, shapes do not; tests/training/test_recompile.py's rule, for a mixture of experts).
+    trainer = Trainer(_config(tmp_path / "straight", *REPLAYED))
     try:
         assert dict(trainer.mesh.shape)["expert"] == 2
         assert trainer.state.params["layers"]["experts_up"].sharding.spec[1] == "expert"
-        assert trainer.run() == "done"
-        return _host((trainer.state.params, trainer.state.opt_state, trainer.state.behaviour))
+        first = trainer.train_iteration()  # compiles
+        trainer.checkpointer.wait()
+        compile_counter.count, compile_counter.active = 0, True
+        second = trainer.train_iteration()
+        trainer.checkpointer.wait()
+        compile_counter.active = False
+        assert compile_counter.count == 0, f"iteration 2 compiled {compile_counter.count} programs"
+        assert second["behaviour_version"] == 0 and trainer.checkpointer.latest_step() == 2
+        straight = _state(trainer)
     finally:
+        compile_counter.active = False
         trainer.close()
-
-
-def test_replayed_training_moves_the_router_matches_the_sampler_and_resumes_bit_for_bit(tmp_path):
-    # v = 2: iteration 2 samples with the behaviour copy saved at iteration 1 and replays its routing. The 8 experts
-    # are split over 2 devices (mesh.expert, data-parallel over them elsewhere): the sampler's decode and prefill,
-    # the trainer's forwards and the update all run split.
-    straight = _train(tmp_path / "straight", 2)
     _, initial, _ = load_model("tiny-random-qwen3-moe")
     for name in ("router", "experts_gate", "experts_up", "experts_down", "q"):  # the router learns through the gates
         assert not np.array_equal(np.asarray(initial["layers"][name]), straight[0]["layers"][name]), name
-    first = [json.loads(line) for line in (tmp_path / "straight" / "metrics.jsonl").open()][0]
     assert first["loss/grad_norm"] > 0
     # Float32: replayed, the trainer's (split) forward gives the sampler's log-probs; its router agrees everywhere.
     assert first["moe/lp_mismatch"] <= 1e-5 and first["mismatch/logprob_max"] < 1e-5
     assert first["moe/routing_mismatch"] == 0 and first["moe/routing_count"] > 0 and first["moe/expert_load_max"] >= 1
     assert 1.5 < first["moe/aux_loss"] < 4 and first["moe/z_loss"] > 0  # k = 2 at an even load
-    _train(tmp_path / "resumed", 1)
-    resumed = _train(tmp_path / "resumed", 2)
+    # Resumed from iteration 1's checkpoint (the run directory as it was then), iteration 2 again: the same bits.
+    shutil.copytree(tmp_path / "straight", tmp_path / "resumed")
+    shutil.rmtree(tmp_path / "resumed" / "checkpoints" / "2")
+    trainer = Trainer(_config(tmp_path / "resumed", *REPLAYED))
+    try:
+        assert trainer.run() == "done"
+        resumed = _state(trainer)
+    finally:
+        trainer.close()
     for a, b in zip(jax.tree.leaves(straight), jax.tree.leaves(resumed), strict=True):
         np.testing.assert_array_equal(a, b)
 

@@ -9,7 +9,8 @@ refresh and consumed in between; with `async`, the producer thread's sampling fr
 means a shape, dtype, sharding or static argument changed between iterations (each costs seconds to minutes on a
 real model). The failure message names what compiled (jax_log_compiles). Checkpoints are saved every iteration so
 that iteration 1 also runs the save path once: its first call compiles small programs (the checksums of the saved
-trees and Orbax's per-device slices), one-time work like iteration 1's own compiles.
+trees and Orbax's per-device slices), one-time work like iteration 1's own compiles. A mixture of experts with
+routing replay is checked in its own training test (tests/training/test_moe_training.py), which runs that model.
 """
 
 import logging
@@ -42,10 +43,6 @@ from tests.helpers import EVEN_PARITY_REWARD, tiny_config
     pytest.param(["env.name=calculator", "env.turn_prefix=<tool_call>", "env.max_turns=2", "env.max_total_tokens=64",
                   "env.max_append_tokens=40", "env.num_workers=0", "data.max_prompt_length=384",
                   "sampler.prompt_bucket=64", "grpo.behaviour_refresh=2"], id="multi_turn_v2"),
-    # A mixture of experts (the tiny Qwen3-MoE): routing changes from iteration to iteration, shapes do not; the
-    # sampler's routing replayed in every forward, off-policy (the behaviour copy's routing).
-    pytest.param(["model.name=tiny-random-qwen3-moe", "model.routing_replay=rollout", "grpo.behaviour_refresh=2"],
-                 id="moe_replay_v2"),
     # The sampler on devices 0-3, the trainer on 4-7: the behaviour copy crosses sub-meshes at each refresh.
     pytest.param(["mesh.rollout_devices=4", "grpo.behaviour_refresh=2"], id="split_placement_v2"),
 ])
