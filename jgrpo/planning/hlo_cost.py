@@ -30,6 +30,7 @@ _ARRAY = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\](\{[^}]*\})?")
 _ON_CHIP = re.compile(r"S\([1-9]\d*\)")  # a layout's memory space other than 0 (HBM): VMEM, SMEM...
 _HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
+_INDEX_COMMENT = re.compile(r"/\*.*?\*/")
 # Opcodes that move no HBM bytes of their own (bookkeeping, or accounted for in what they call).
 _FREE = {"parameter", "get-tuple-element", "tuple", "constant", "bitcast", "after-all", "partition-id",
          "replica-id", "opt-barrier", "while", "conditional", "call", "iota", "async-update"}
@@ -94,8 +95,10 @@ def _parse_instruction(line: str) -> Instruction | None:
         return None
     opcode = rest[:paren]
     close = _balanced(rest, paren)
-    # Operands are "%name" or, in unoptimised text, "f32[8] %name": keep the name.
-    operands = tuple(op.split()[-1].lstrip("%") for op in _split_top_level(rest[paren + 1:close - 1]))
+    # Operands are "%name" or, in unoptimised text, "f32[8] %name": keep the name. Long lists mark every fifth
+    # one with its position, "/*index=5*/%name".
+    operands = tuple(_INDEX_COMMENT.sub(" ", op).split()[-1].lstrip("%")
+                     for op in _split_top_level(rest[paren + 1:close - 1]))
     return Instruction(name, type_, opcode, operands, rest[close:])
 
 

@@ -86,6 +86,61 @@ ENTRY %main (x: f32[8,16]) -> f32[8,16] {
     assert cost.flops == 2 * 8 * 16 * 16
 
 
+def test_every_fifth_operand_named_behind_an_index_comment_is_read():
+    # XLA prints operands 5, 10, ... of a long list as `/*index=5*/%name`: read as a name, that operand had no
+    # type, so a decode step's many-operand fusions lost the bytes of every fifth operand and a loop carrying
+    # more than five buffers lost its counter's step and start.
+    text = """HloModule m
+%fused (a: f32[4], b: f32[4], c: f32[4], d: f32[4], e: f32[4], f: f32[1024]) -> f32[4] {
+  %a = f32[4]{0} parameter(0)
+  %b = f32[4]{0} parameter(1)
+  %c = f32[4]{0} parameter(2)
+  %d = f32[4]{0} parameter(3)
+  %e = f32[4]{0} parameter(4)
+  %f = f32[1024]{0} parameter(5)
+  %s = f32[4]{0} slice(%f), slice={[0:4]}
+  %x = f32[4]{0} add(%a, %b)
+  %y = f32[4]{0} add(%c, %d)
+  %z = f32[4]{0} add(%e, %s)
+  %xy = f32[4]{0} add(%x, %y)
+  ROOT %r = f32[4]{0} add(%xy, %z)
+}
+
+%body (t: (s32[], f32[4], f32[4], f32[4], f32[4], s32[])) -> (s32[], f32[4], f32[4], f32[4], f32[4], s32[]) {
+  %t = (s32[], f32[4], f32[4], f32[4], f32[4], s32[]) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %v = f32[4]{0} get-tuple-element(%t), index=1
+  %j = s32[] get-tuple-element(%t), index=5
+  %two = s32[] constant(2)
+  %next = s32[] add(%j, %two)
+  ROOT %out = (s32[], f32[4], f32[4], f32[4], f32[4], s32[]) tuple(%i, %v, %v, %v, %v, /*index=5*/%next)
+}
+
+%cond (t: (s32[], f32[4], f32[4], f32[4], f32[4], s32[])) -> pred[] {
+  %t = (s32[], f32[4], f32[4], f32[4], f32[4], s32[]) parameter(0)
+  %j = s32[] get-tuple-element(%t), index=5
+  %n = s32[] constant(10)
+  ROOT %lt = pred[] compare(%j, %n), direction=LT
+}
+
+ENTRY %main (a: f32[4], big: f32[1024]) -> f32[4] {
+  %a = f32[4]{0} parameter(0)
+  %big = f32[1024]{0} parameter(1)
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[4], f32[4], f32[4], f32[4], s32[]) tuple(%zero, %a, %a, %a, %a, /*index=5*/%zero)
+  %w = (s32[], f32[4], f32[4], f32[4], f32[4], s32[]) while(%init), condition=%cond, body=%body
+  ROOT %r = f32[4]{0} fusion(%a, %a, %a, %a, %a, /*index=5*/%big), kind=kLoop, calls=%fused
+}
+"""
+    cost = HloCost(text)
+    assert cost.computations["main"][-1].operands[5] == "big"
+    # The fusion: five operands, the slice of the sixth, its output; the loop: 5 trips of one scalar add (2 reads,
+    # 1 write).
+    assert cost.bytes == 5 * 16 + 16 + 16 + 5 * 3 * 4
+    (loop, _, trips), = loops(cost)
+    assert trips == 5  # 0, 2, ..., 8: the counter is operand 5 and steps by 2
+
+
 def test_a_ragged_all_to_all_counts_as_a_collective_at_its_buffer_size():
     from jgrpo.planning.hlo_inspect import collective_bytes
 
