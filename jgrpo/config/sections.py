@@ -325,7 +325,9 @@ class RunConfig:
         _check(self.eval_every >= 0, "run.eval_every", self.eval_every, ">= 0")
         _check(self.eval_samples >= 0, "run.eval_samples", self.eval_samples, ">= 0")
         _check(all(1 <= k <= self.eval_samples for k in self.eval_k), "run.eval_k", list(self.eval_k),
-               f"values in 1..run.eval_samples={self.eval_samples} (k samples out of the n drawn per prompt)")
+               f"values in 1..run.eval_samples={self.eval_samples} (k samples out of the n drawn per prompt)"
+               if self.eval_samples else f"needs run.eval_samples >= {max(self.eval_k, default=1)} (none are "
+               "drawn: run.eval_samples=0; jgrpo.eval: --samples)")
         _check(self.eval_batch_size >= 0, "run.eval_batch_size", self.eval_batch_size, ">= 0")
         _check(self.eval_prompts >= 0, "run.eval_prompts", self.eval_prompts, ">= 0")
 

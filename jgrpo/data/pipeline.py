@@ -21,13 +21,11 @@ from jgrpo.config import Config, DataConfig
 from jgrpo.config.errors import ConfigError, DataError
 from jgrpo.data.formats import Example, rows_to_examples
 from jgrpo.data.prompts import PromptEncoder
-from jgrpo.data.sources import read_rows
+from jgrpo.data.sources import BUILTIN_TASKS, read_rows
 from jgrpo.data.tasks import arithmetic_examples, countdown_examples
 from jgrpo.data.word_problems import word_problem_examples
 
 log = logging.getLogger("jgrpo.data")
-
-BUILTIN_TASKS = ("arithmetic", "countdown", "word_problems")
 
 
 @dataclasses.dataclass(frozen=True)

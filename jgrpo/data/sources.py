@@ -17,6 +17,9 @@ import pyarrow.parquet as pq
 
 from jgrpo.config.errors import DataError
 
+# The generated datasets `data.source` can name instead of a path or hub id (`jgrpo.data.pipeline` builds them).
+BUILTIN_TASKS = ("arithmetic", "countdown", "word_problems")
+
 
 class DataSourceError(DataError):
     """A data source or row that cannot be read; the message names the file and row."""
@@ -158,7 +161,8 @@ def locate(source: str, split: str) -> tuple[str, Path]:
     looks_local = has_placeholder or path.suffix in (*_JSONL_SUFFIXES, ".parquet") or source.startswith((".", "/"))
     if looks_local or source.count("/") > 1:
         raise DataSourceError(f"data.source={source!r}: no such file or directory ({path}); give a JSONL / Parquet "
-                              "file, a save_to_disk directory, a built-in task (arithmetic, countdown) or a hub id")
+                              f"file, a save_to_disk directory, a built-in task ({', '.join(BUILTIN_TASKS)}) or a "
+                              "hub id")
     return "hub", path
 
 

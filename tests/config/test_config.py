@@ -62,11 +62,15 @@ def test_unknown_key_names_full_path_and_suggestions(tmp_path):
         ("reward.weights=[1,2]", r"reward\.weights=.*one weight per function"),
         ("data.arithmetic_operators=/", r"data\.arithmetic_operators='/'"),
         ("run.iterations=2.5", r"run\.iterations=2\.5.*integer"),
+        ("run.eval_samples=0 run.eval_k=[4]",
+         r"run\.eval_k=\[4\].*needs run\.eval_samples >= 4 \(none are drawn: run\.eval_samples=0; "
+         r"jgrpo\.eval: --samples"),
+        ("run.eval_samples=2 run.eval_k=[1,4]", r"run\.eval_k=\[1, 4\].*values in 1\.\.run\.eval_samples=2"),
     ],
 )
 def test_bad_values_name_field_value_and_allowed(override, pattern):
     with pytest.raises(ConfigError, match=pattern):
-        load_config(None, [override])
+        load_config(None, override.split())
 
 
 def test_malformed_inputs(tmp_path):

@@ -52,7 +52,8 @@ CASES = [
     ("reward_module_missing", "train", ["configs/tiny.yaml", "reward.functions=[no_such_module:score]", NO_MODEL],
      r"cannot import module 'no_such_module' of reward 'no_such_module:score'"),
     ("data_file_missing", "train", ["configs/tiny.yaml", "data.source={tmp}/missing.jsonl", NO_MODEL],
-     r"data\.source='.*missing\.jsonl': no such file or directory"),
+     r"data\.source='.*missing\.jsonl': no such file or directory .* a built-in task \(arithmetic, countdown, "
+     r"word_problems\)"),
     ("temperature_zero", "train", ["configs/tiny.yaml", "sampler.temperature=0", NO_MODEL],
      r"sampler\.temperature=0 \(greedy\) cannot train"),
     ("batch_not_divisible", "train", ["configs/tiny.yaml", "grpo.micro_batches=3"],
