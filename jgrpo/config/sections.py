@@ -232,6 +232,8 @@ class DataConfig:
         _check(set(self.arithmetic_operators) <= set("+-*") and self.arithmetic_operators != "",
                "data.arithmetic_operators", self.arithmetic_operators, "a non-empty subset of '+-*'")
         _check(self.countdown_numbers >= 2, "data.countdown_numbers", self.countdown_numbers, ">= 2")
+        _check(self.num_examples >= 1, "data.num_examples", self.num_examples, "a positive integer")
+        _check(self.num_test_examples >= 1, "data.num_test_examples", self.num_test_examples, "a positive integer")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

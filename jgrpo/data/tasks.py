@@ -13,6 +13,7 @@ import logging
 
 import numpy as np
 
+from jgrpo.config.errors import ConfigError
 from jgrpo.data.formats import Example
 from jgrpo.rewards.countdown import check_countdown
 
@@ -40,13 +41,14 @@ def is_test_key(key: str) -> bool:
 
 def check_split(split: str) -> bool:
     if split not in ("train", "test"):
-        raise ValueError(f"data.split={split!r}: built-in tasks have the splits 'train' and 'test'")
+        raise ConfigError(f"data.split={split!r}: the built-in tasks have the splits 'train' and 'test'")
     return split == "test"
 
 
 def warn_short(task: str, split: str, got: int, wanted: int) -> None:
     if got == 0:
-        raise ValueError(f"the {task} settings allow no {split} problems at all; use more digits or operators")
+        raise ConfigError(f"data.source={task}: these data.* settings allow no {split} problems at all; use more "
+                          "digits or operators")
     if got < wanted:
         log.warning("%s: only %d distinct %s problems exist with these settings (asked for %d)",
                     task, got, split, wanted)

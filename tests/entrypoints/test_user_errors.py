@@ -54,6 +54,10 @@ CASES = [
     ("data_file_missing", "train", ["configs/tiny.yaml", "data.source={tmp}/missing.jsonl", NO_MODEL],
      r"data\.source='.*missing\.jsonl': no such file or directory .* a built-in task \(arithmetic, countdown, "
      r"word_problems\)"),
+    ("builtin_task_split", "train", ["configs/tiny.yaml", "data.split=validation", NO_MODEL],
+     r"data\.split='validation': the built-in task 'arithmetic' has the splits 'train' and 'test'"),
+    ("no_examples", "train", ["configs/tiny.yaml", "data.source=word_problems", "data.num_examples=0", NO_MODEL],
+     r"data\.num_examples=0 is not allowed: a positive integer"),
     ("temperature_zero", "train", ["configs/tiny.yaml", "sampler.temperature=0", NO_MODEL],
      r"sampler\.temperature=0 \(greedy\) cannot train"),
     ("batch_not_divisible", "train", ["configs/tiny.yaml", "grpo.micro_batches=3"],
