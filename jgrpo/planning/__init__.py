@@ -1,6 +1,7 @@
 """Will a run fit a TPU slice, and how fast at best: the run without weights and its programs lowered for a
 topology (`abstract_run`), compiling and the fit search (`fit`), FLOPs and bytes from compiled HLO (`hlo_cost`),
-collectives and copies inside loops (`hlo_inspect`), and the chip table and roofline (`roofline`).
+collectives and copies inside loops (`hlo_inspect`), the weights a decode step reads (`decode_reads`), and
+the chip table and roofline (`roofline`).
 """
 
 from jgrpo._moved import moved_attribute

@@ -16,10 +16,13 @@ import os
 import re
 import time
 
+import jax
+
 from jgrpo.config import Config, MeshConfig
 from jgrpo.config.loading import load_config
 from jgrpo.parallel.mesh import SAMPLE_RULES, TRAIN_RULES, Rules
 from jgrpo.planning.abstract_run import Iteration, lower_iteration, parameter_count, program_names
+from jgrpo.planning.decode_reads import decode_weight_bytes
 from jgrpo.planning.hlo_cost import HloCost
 from jgrpo.planning.hlo_inspect import loops
 from jgrpo.planning.hlo_inspect import summary as loop_summary
@@ -43,6 +46,8 @@ class ProgramReport:
     loops: dict = dataclasses.field(default_factory=dict)  # collectives and big copies inside its loops
     # HBM bytes of the costliest single trip of a top-level loop (the sampler: its last decode step)
     step_bytes: float = 0.0
+    # The sampler's decode step: bytes of the weights it reads, by element type (`decode_reads`), e.g. {"bf16": n}
+    decode_weight_bytes: dict = dataclasses.field(default_factory=dict)
     # XLA's reason when the TPU compiler refused the program for memory (then temp_bytes is what it asked
     # for, and there is no cost: the plan does not fit)
     refused: str = ""
@@ -91,7 +96,20 @@ def compile_program(name: str, lowered, resident_argument_bytes: int = 0, runs: 
     step_bytes = max((cost.bytes_of(body) for ins, body, _ in loops(cost) if ins.name in top_level), default=0.0)
     return ProgramReport(name, seconds, int(memory.argument_size_in_bytes), int(memory.output_size_in_bytes),
                          int(memory.temp_size_in_bytes), int(memory.alias_size_in_bytes),
-                         resident_argument_bytes, cost.flops, cost.bytes, runs, loop_summary(cost), step_bytes)
+                         resident_argument_bytes, cost.flops, cost.bytes, runs, loop_summary(cost), step_bytes,
+                         _decode_weight_bytes(name, lowered, cost))
+
+
+def _decode_weight_bytes(name: str, lowered, cost: HloCost) -> dict:
+    """A sampler's (`sample`, `eval`: params first among its arguments) decode-step weight reads by dtype; {} for
+    other programs, or when jit dropped an unused argument (the parameter numbers would not be the leaves')."""
+    if name not in ("sample", "eval"):
+        return {}
+    args, _ = lowered.args_info
+    entry = [i for i in cost.computations[cost.entry] if i.opcode == "parameter"]
+    if len(entry) != len(jax.tree.leaves(args)):
+        return {}
+    return decode_weight_bytes(cost, set(range(len(jax.tree.leaves(args[0])))))
 
 
 def _program_key(name: str, config: Config) -> tuple:

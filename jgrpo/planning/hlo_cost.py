@@ -32,10 +32,10 @@ _HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
 _INDEX_COMMENT = re.compile(r"/\*.*?\*/")
 # Opcodes that move no HBM bytes of their own (bookkeeping, or accounted for in what they call).
-_FREE = {"parameter", "get-tuple-element", "tuple", "constant", "bitcast", "after-all", "partition-id",
+FREE_OPCODES = {"parameter", "get-tuple-element", "tuple", "constant", "bitcast", "after-all", "partition-id",
          "replica-id", "opt-barrier", "while", "conditional", "call", "iota", "async-update"}
 # Ops that read only what they output of their first operand.
-_SLICING = ("dynamic-slice", "slice", "gather")
+SLICING_OPCODES = ("dynamic-slice", "slice", "gather")
 _KERNEL_ESTIMATE = re.compile(r'cost_estimate\\?"\s*:\s*\{([^}]*)\}')
 
 
@@ -355,7 +355,7 @@ class HloCost:
             if ins.opcode == "fusion":
                 return sum(self._cost(c, "flops") for c in called_computations(ins, "calls"))
             return kernel_estimate(ins, "flops") or 0.0
-        if ins.opcode in _FREE or ins.opcode.endswith("-start"):  # an async op counts at its "-done"
+        if ins.opcode in FREE_OPCODES or ins.opcode.endswith("-start"):  # an async op counts at its "-done"
             return 0.0
         if ins.opcode == "fusion":
             return self._fusion_bytes(ins, types)
@@ -368,20 +368,20 @@ class HloCost:
                          type_bytes(ins.type))
             return source + hbm_bytes(ins.type)
         reads = [hbm_bytes(types.get(o, "")) for o in ins.operands]
-        if ins.opcode in _SLICING and reads:  # reads the slice, not the whole operand
+        if ins.opcode in SLICING_OPCODES and reads:  # reads the slice, not the whole operand
             reads[0] = min(reads[0], type_bytes(ins.type))
         if ins.opcode == "dynamic-update-slice":  # in place: reads and writes the update only
             return 2 * reads[1] + sum(reads[2:])
         return sum(reads) + hbm_bytes(ins.type)
 
-    def _parameter_reads(self, computation: str, parameter: Instruction) -> int:
+    def parameter_reads(self, computation: str, parameter: Instruction) -> int:
         """Bytes a fused computation reads of one parameter: the slices it takes, nothing if it is a buffer
         updated in place, else all of it (nested fusions followed)."""
         fused = self.computations[computation]
         uses = [(i, pos) for i in fused for pos, o in enumerate(i.operands) if o == parameter.name]
         total = 0
         for user, position in uses:
-            if user.opcode in _SLICING and position == 0:
+            if user.opcode in SLICING_OPCODES and position == 0:
                 total += type_bytes(user.type)
             elif user.opcode == "dynamic-update-slice" and position == 0:
                 continue
@@ -389,7 +389,7 @@ class HloCost:
                 inner = called_computations(user, "calls")[0]
                 params = [p for p in self.computations[inner]
                           if p.opcode == "parameter" and p.operands == (str(position),)]
-                total += self._parameter_reads(inner, params[0]) if params else type_bytes(parameter.type)
+                total += self.parameter_reads(inner, params[0]) if params else type_bytes(parameter.type)
             else:
                 return type_bytes(parameter.type)
         return min(total, type_bytes(parameter.type)) if uses else type_bytes(parameter.type)
@@ -404,7 +404,7 @@ class HloCost:
         for p in (i for i in fused if i.opcode == "parameter"):
             operand = types.get(ins.operands[int(p.operands[0])], "") if p.operands[0].isdigit() else ""
             if hbm_bytes(operand):
-                total += self._parameter_reads(fused_name, p)
+                total += self.parameter_reads(fused_name, p)
         outputs = [m.group(0) for m in _ARRAY.finditer(ins.type)]
         root = fused[-1]
         roots = [by_name.get(o) for o in root.operands] if root.opcode == "tuple" else [root]

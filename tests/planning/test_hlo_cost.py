@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as S  # noqa: E402
 from jgrpo.config.loading import load_config  # noqa: E402
 from jgrpo.data import bucketed_length  # noqa: E402
 from jgrpo.plan import abstract_run, lower_iteration, topology_devices  # noqa: E402
+from jgrpo.planning.decode_reads import decode_weight_bytes  # noqa: E402
 from jgrpo.planning.hlo_cost import HloCost, hbm_bytes, type_bytes  # noqa: E402
 from jgrpo.planning.hlo_inspect import big_copies_in_loops, collectives_in_loops, loops  # noqa: E402
 from jgrpo.planning.roofline import forward_flops  # noqa: E402
@@ -230,11 +231,26 @@ def test_decode_loop_copies_no_weight_or_cache_and_the_check_can_fail(mesh):
         assert sorted(t for _, _, t in loops(HloCost(sample))) == trips
         assert big_copies_in_loops(sample, min_bytes=1024) == []
         assert collectives_in_loops(sample) == []  # sampling layout: weights whole, rows independent
+        # The weights are float32 arguments; XLA casts them to the bfloat16 compute dtype once, outside the
+        # loop, and each step reads that copy: every projection, the norms and the tied unembedding once (and
+        # the embedding rows of the fed tokens).
+        assert decode_weight_bytes(sample, set(range(11))).keys() == {"bf16"}
+        assert _TINY_WEIGHTS * 2 <= decode_weight_bytes(sample, set(range(11)))["bf16"] <= _TINY_WEIGHTS * 2 * 1.01
     # sampler.decode_chunk reaches the compiled sampler: 7 generated slots in chunks of 4 = two decode loops,
     # each bounded by its chunk's 4 ring columns (the 8th step never runs: every row has its N tokens after 7).
-    chunked = load_config("configs/tiny.yaml", TINY + ["sampler.decode_chunk=4", "sampler.decode_layers=unrolled"])
+    # Computed in float32, the same step reads the float32 arguments themselves: twice the bytes.
+    chunked = load_config("configs/tiny.yaml", TINY + ["sampler.decode_chunk=4", "sampler.decode_layers=unrolled",
+                                                       "model.compute_dtype=float32"])
     lowered = lower_iteration(chunked, devices, names=("sample",)).programs[0].lowered
-    assert sorted(trips for _, _, trips in loops(HloCost(lowered.compile().as_text()))) == [L, 4, 4]
+    cost = HloCost(lowered.compile().as_text())
+    assert sorted(trips for _, _, trips in loops(cost)) == [L, 4, 4]
+    assert decode_weight_bytes(cost, set(range(11))).keys() == {"f32"}
+    assert _TINY_WEIGHTS * 4 <= decode_weight_bytes(cost, set(range(11)))["f32"] <= _TINY_WEIGHTS * 4 * 1.01
+
+
+# configs/tiny.yaml's model: 2 layers of q, k, v, o (64 x 64, 64 x 32 twice, 64 x 64), gate, up, down (64 x 128
+# each), 5 norms of 64, and the tied 49,152 x 64 embedding the unembedding reads whole: elements.
+_TINY_WEIGHTS = 2 * (64 * 64 * 2 + 64 * 32 * 2 + 3 * 64 * 128) + 5 * 64 + 49152 * 64
 
 
 def test_continuous_decode_loops_are_bounded_by_the_worst_case_and_copy_free():

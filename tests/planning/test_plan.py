@@ -59,6 +59,8 @@ def test_plan_of_a_small_run_and_a_broken_sharding_rule(v5e):
     assert all(p["compile_s"] > 0 and p["argument_bytes"] > 0 for p in plan["programs"])
     sample = plan["programs"][0]
     assert 0 < sample["step_bytes"] < sample["hbm_bytes"] / 4  # one decode step of the 7 the tiny config takes
+    assert sum(sample["decode_weight_bytes"].values()) > 0  # the weights it reads (tests/planning/test_hlo_cost.py)
+    assert all(not p["decode_weight_bytes"] for p in plan["programs"][1:])  # samplers only
     update = next(p for p in plan["programs"] if p["name"] == "update")
     resident = plan["resident_bytes"]
     # The update reads params, optimiser state and the step batch (plus TPU tiling padding of small dims, ~6% on

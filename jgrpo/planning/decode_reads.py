@@ -1,0 +1,136 @@
+"""Which copy of the weights a compiled sampler's decode step reads, and how many bytes of each element type.
+
+A decode step is HBM-bound: what it reads per token is the sampler's speed. The weights it reads need not be the
+program's arguments: XLA hoists loop-invariant work out of the decode loop (a cast of float32 weights to the
+bfloat16 compute dtype, measured: docs/tpu_plans.md; on the tiny model even the per-layer slices, made once by
+the prefill's layer scan), and the loop then reads that copy. So the weights are found by data flow: a value is
+"weights" when it is computed from the weight arguments (and constants, loop counters) only, never from the
+prompts or the key. The prompt's KV cache, computed from weights *and* prompts, is not weights.
+
+`decode_weight_bytes(hlo, weight_parameters)` walks the program once (loops to their fixed point, fusions through
+their bodies), then counts what one trip of the decode loop (the top-level loop with the most trips) reads of
+weight values, by element type, every layer of a nested layer scan included: e.g. `{"bf16": 988_000_000}`. A copy
+of weights made inside the loop (a layer's slice materialised for a Pallas call, which cannot fuse the slice) is
+weights too: its source and the copy are both read, so the figure exceeds the weights' size exactly by what the
+step re-reads.
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+
+from jgrpo.planning.hlo_cost import (
+    FREE_OPCODES,
+    SLICING_OPCODES,
+    HloCost,
+    Instruction,
+    array_dims,
+    called_computations,
+    type_bytes,
+)
+from jgrpo.planning.hlo_inspect import loops
+
+# A value's origin: from nothing that varies (constants, counters), from the weights only, or from anything else.
+NONE, WEIGHTS, OTHER = 0, 1, 2
+_NEUTRAL = {"constant", "iota", "partition-id", "replica-id", "after-all"}
+_INDEX = re.compile(r"index=(\d+)")
+
+
+def _join(*taints) -> int:
+    flat = [t for taint in taints for t in (taint if isinstance(taint, list) else [taint])]
+    return max(flat, default=NONE)
+
+
+class _Flow:
+    """Origins of every value of a program (per computation, for the operands it was last evaluated with)."""
+
+    def __init__(self, cost: HloCost):
+        self.cost = cost
+        self.values: dict[str, dict[str, int | list]] = {}  # computation -> instruction -> taint
+        self.loop_state: dict[str, list] = {}  # while body -> its carried elements' taints at the fixed point
+
+    def evaluate(self, computation: str, inputs: dict[int, int | list]) -> int | list:
+        """Taints of `computation`'s instructions given its parameters' (by parameter number); returns its root's."""
+        values: dict[str, int | list] = {}
+        for ins in self.cost.computations[computation]:
+            values[ins.name] = self._instruction(ins, values, inputs)
+        self.values[computation] = values
+        return values[self.cost.computations[computation][-1].name]
+
+    def _instruction(self, ins: Instruction, values: dict, inputs: dict) -> int | list:
+        operands = [values.get(o, NONE) for o in ins.operands]
+        if ins.opcode == "parameter":
+            return inputs.get(int(ins.operands[0]), OTHER)
+        if ins.opcode in _NEUTRAL:
+            return NONE
+        if ins.opcode == "tuple":
+            return operands
+        if ins.opcode == "get-tuple-element":
+            source = operands[0] if operands else NONE
+            index = int(_INDEX.search(ins.attributes).group(1))
+            return source[index] if isinstance(source, list) and index < len(source) else _join(source)
+        if ins.opcode == "while":
+            return self._loop(ins, operands[0])
+        if ins.opcode in ("fusion", "call"):
+            called = called_computations(ins, "calls") or called_computations(ins, "to_apply")
+            return self.evaluate(called[0], dict(enumerate(operands)))
+        return _join(*operands)
+
+    def _loop(self, ins: Instruction, init) -> list:
+        """The carried elements' taints at the loop's fixed point: what they start as, joined with what a trip
+        makes of them, until nothing changes (taints only grow, so a few trips)."""
+        body = called_computations(ins, "body")[0]
+        state = list(init) if isinstance(init, list) else [init]
+        for _ in range(len(state) + 2):
+            root = self.evaluate(body, {0: state})
+            new = [_join(s, r) for s, r in zip(state, root if isinstance(root, list) else [root] * len(state),
+                                               strict=False)]
+            if new == state:
+                break
+            state = new
+        self.evaluate(body, {0: state})
+        self.loop_state[body] = state
+        return state
+
+
+def decode_weight_bytes(hlo: str | HloCost, weight_parameters: set[int]) -> dict[str, int]:
+    """Bytes of weight values (computed from the entry parameters `weight_parameters` only) one trip of the decode
+    loop reads, by element type (any memory space; `FREE_OPCODES` bookkeeping reads nothing)."""
+    cost = hlo if isinstance(hlo, HloCost) else HloCost(hlo)
+    top = [(ins, body, trips) for ins, body, trips in loops(cost) if ins in cost.computations[cost.entry]]
+    if not top:
+        return {}
+    flow = _Flow(cost)
+    flow.evaluate(cost.entry, {n: WEIGHTS for n in weight_parameters})
+    _, body, _ = max(top, key=lambda item: item[2])
+    reads: collections.Counter = collections.Counter()
+    _count(cost, flow, body, 1, reads)
+    return {dtype: int(n) for dtype, n in sorted(reads.items())}
+
+
+def _count(cost: HloCost, flow: _Flow, computation: str, trips: int, reads: collections.Counter) -> None:
+    """Add what one trip of the loop body `computation` reads of weight values, `trips` times (its own loops
+    counted with their trips)."""
+    flow.evaluate(computation, {0: flow.loop_state[computation]})  # its values at the loop's fixed point
+    values = dict(flow.values[computation])
+    types = {i.name: i.type for i in cost.computations[computation]}
+    for ins in cost.computations[computation]:
+        if ins.opcode == "while":
+            _count(cost, flow, called_computations(ins, "body")[0], trips * cost.trip_count(computation, ins), reads)
+            continue
+        if ins.opcode in FREE_OPCODES or ins.opcode.endswith("-start"):
+            continue
+        for position, operand in enumerate(ins.operands):
+            if values.get(operand) != WEIGHTS or operand not in types:
+                continue
+            if ins.opcode == "fusion":
+                fused = called_computations(ins, "calls")[0]
+                params = [p for p in cost.computations[fused] if p.opcode == "parameter"
+                          and p.operands == (str(position),)]
+                size = cost.parameter_reads(fused, params[0]) if params else type_bytes(types[operand])
+            elif ins.opcode in SLICING_OPCODES and position == 0:
+                size = min(type_bytes(types[operand]), type_bytes(ins.type))
+            else:
+                size = type_bytes(types[operand])
+            reads[array_dims(types[operand])[0][0]] += trips * size
