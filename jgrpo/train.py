@@ -65,11 +65,11 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     run_dir = epath.Path(config.run.output_dir)  # a local folder or a bucket (gs://...)
-    if jax.process_index() == 0:
-        _report_config_change(run_dir, to_dict(config))
-        save_config(config, run_dir)
-    trainer = Trainer(config)
+    trainer = Trainer(config)  # data, rewards, model: a start that fails here leaves no config.yaml behind
     try:
+        if jax.process_index() == 0:
+            _report_config_change(run_dir, to_dict(config))
+            save_config(config, run_dir)
         status = trainer.run()
     except TrainingDiverged as e:
         logging.getLogger("jgrpo.train").error("%s", e)

@@ -93,24 +93,31 @@ def _start(entrypoint: str, args: list[str], tmp: Path, **env) -> subprocess.Pop
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory):
     """Every case started at once, then collected: {id: (returncode, stdout, stderr)}."""
-    procs = {}
+    procs, tmps = {}, {}
     for case_id, entrypoint, args, _ in CASES:
-        tmp = tmp_path_factory.mktemp(case_id)
+        tmps[case_id] = tmp = tmp_path_factory.mktemp(case_id)
         _files(tmp)
         procs[case_id] = _start(entrypoint, args, tmp)
     outputs = {case_id: p.communicate(timeout=300) for case_id, p in procs.items()}
-    return {case_id: (procs[case_id].returncode, *outputs[case_id]) for case_id in procs}
+    return {case_id: (procs[case_id].returncode, *outputs[case_id], tmps[case_id]) for case_id in procs}
 
 
 @pytest.mark.parametrize("case_id,entrypoint,args,message", CASES, ids=[c[0] for c in CASES])
 def test_bad_input_is_one_paragraph_and_exit_status_2(outcomes, case_id, entrypoint, args, message):
-    code, out, err = outcomes[case_id]
+    code, out, err, _ = outcomes[case_id]
     assert "Traceback" not in err + out, err[-3000:]
     paragraph = [line for line in err.splitlines() if line.strip() and not LOG_LINE.match(line)]
     assert paragraph and paragraph[0].startswith("error: "), err[-3000:]
     assert len(paragraph) <= 4, paragraph
     assert re.search(message, " ".join(line.strip() for line in paragraph)), paragraph
     assert code == 2, (code, err[-3000:])
+
+
+def test_a_run_that_fails_to_start_leaves_no_config_behind(outcomes):
+    # The bad row is found while the trainer loads its data, after the checks before loading: a config.yaml
+    # written before would make the next start warn "config differs" against a run that never ran.
+    *_, tmp = outcomes["bad_utf8_row"]
+    assert (tmp / "run").is_dir() and not (tmp / "run" / "config.yaml").exists()
 
 
 def test_jgrpo_debug_shows_the_traceback_of_a_user_error(tmp_path):
