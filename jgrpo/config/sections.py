@@ -113,9 +113,11 @@ class SamplerConfig:
     # Prompt lengths are rounded up to a multiple of this, so recompiles stay rare.
     prompt_bucket: int = 64
     # The dtype of the weights the sampler reads (the sampling-layout copy, and the behaviour copy when v > 1).
-    # bfloat16 halves their memory and their HBM reads per decoded token; with model.compute_dtype=bfloat16
-    # the matmuls see the same bf16 weights either way (only norms and the embedding row are rounded), so the
-    # behaviour policy barely moves. float32 keeps the sampler's log-probs exactly those of the trained weights.
+    # bfloat16 halves their memory. With model.compute_dtype=bfloat16 the matmuls see the same bf16 weights
+    # either way (only norms and the embedding row are rounded), so the behaviour policy barely moves; on a TPU
+    # the decode step even reads bf16 either way: XLA rounds float32 weights once per sampling call into a bf16
+    # temporary (Qwen2.5-0.5B, v5e: the same 1.03 GB per step, 2.1 GiB more per chip; docs/tpu_plans.md).
+    # float32 keeps the sampler's log-probs exactly those of the trained weights.
     weights_dtype: Literal["float32", "bfloat16"] = "float32"
     # Length of the cache chunks the decode attends to one at a time (one compiled decode loop per chunk);
     # 0 = the sampler's choice: at most 8 chunks, none shorter than 64 slots (`sampler.decode_chunking`).
