@@ -96,7 +96,8 @@ class _Flow:
 
 def decode_weight_bytes(hlo: str | HloCost, weight_parameters: set[int]) -> dict[str, int]:
     """Bytes of weight values (computed from the entry parameters `weight_parameters` only) one trip of the decode
-    loop reads, by element type (any memory space; `FREE_OPCODES` bookkeeping reads nothing)."""
+    loop reads, by element type (any memory space; `FREE_OPCODES` bookkeeping reads nothing). A conditional's
+    branches (continuous batching's refill, not a per-token cost) are not counted."""
     cost = hlo if isinstance(hlo, HloCost) else HloCost(hlo)
     top = [(ins, body, trips) for ins, body, trips in loops(cost) if ins in cost.computations[cost.entry]]
     if not top:
