@@ -39,9 +39,10 @@ def is_test_key(key: str) -> bool:
     return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little") % TEST_EVERY == 0
 
 
-def check_split(split: str) -> bool:
+def check_split(split: str, task: str) -> bool:
+    """Whether a built-in task's `split` is its test split; another name than train / test is a config error."""
     if split not in ("train", "test"):
-        raise ConfigError(f"data.split={split!r}: the built-in tasks have the splits 'train' and 'test'")
+        raise ConfigError(f"data.split={split!r}: the built-in task {task!r} has the splits 'train' and 'test'")
     return split == "test"
 
 
@@ -56,7 +57,7 @@ def warn_short(task: str, split: str, got: int, wanted: int) -> None:
 
 def arithmetic_examples(*, digits: int, operators: str, split: str, count: int, seed: int) -> list[Example]:
     """`count` problems "What is a <op> b?" with `digits`-digit operands; reference answer is the exact result."""
-    want_test = check_split(split)
+    want_test = check_split(split, "arithmetic")
     low, high = (0 if digits == 1 else 10 ** (digits - 1)), 10**digits - 1
     span = high - low + 1
     size = len(operators) * span * span  # index = (op * span + a) * span + b
@@ -109,7 +110,7 @@ def countdown_examples(*, num_numbers: int, split: str, count: int, seed: int) -
 
     Every problem is generated together with one solution (reference `solution`), so each is solvable.
     """
-    want_test = check_split(split)
+    want_test = check_split(split, "countdown")
     rng = np.random.default_rng([seed, 2])
     examples, seen = [], set()
     attempts, max_attempts = 0, 200 * count * TEST_EVERY + 1000

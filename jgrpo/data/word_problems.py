@@ -156,7 +156,7 @@ HELD_OUT = frozenset({"ages", "recipe", "pages", "change", "shopping"})
 def word_problem_examples(*, split: str, count: int, seed: int) -> list[Example]:
     """`count` problems of `split`: training draws the seen templates in turn; the test split alternates a
     held-out template's problem with a seen template's (new numbers)."""
-    want_test = check_split(split)
+    want_test = check_split(split, "word_problems")
     seen_templates = [t for t in TEMPLATES if t.name not in HELD_OUT]
     held_out = [t for t in TEMPLATES if t.name in HELD_OUT]
     rng = np.random.default_rng([seed, 3])

@@ -33,7 +33,7 @@ _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
 _INDEX_COMMENT = re.compile(r"/\*.*?\*/")
 # Opcodes that move no HBM bytes of their own (bookkeeping, or accounted for in what they call).
 FREE_OPCODES = {"parameter", "get-tuple-element", "tuple", "constant", "bitcast", "after-all", "partition-id",
-         "replica-id", "opt-barrier", "while", "conditional", "call", "iota", "async-update"}
+                "replica-id", "opt-barrier", "while", "conditional", "call", "iota", "async-update"}
 # Ops that read only what they output of their first operand.
 SLICING_OPCODES = ("dynamic-slice", "slice", "gather")
 _KERNEL_ESTIMATE = re.compile(r'cost_estimate\\?"\s*:\s*\{([^}]*)\}')

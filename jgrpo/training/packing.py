@@ -62,23 +62,22 @@ def plan_packing(lengths, *, group_size: int, rows: int, width: int, micro_batch
     current = np.zeros(shards, np.int64)  # the micro-batch each shard is filling
     used = np.zeros((micro_batches, rows), np.int64)  # slots taken in each packed row
     for first in range(0, len(lengths), group_size):
-        members = range(first, first + group_size)
+        group = lengths[first:first + group_size]
         shard = int(np.argmin(load))
-        load[shard] += lengths[first:first + group_size].sum()
+        load[shard] += group.sum()
         block = slice(shard * per_shard, (shard + 1) * per_shard)
-        placed = _first_fit(lengths[first:first + group_size], used[current[shard], block], width)
+        placed = _first_fit(group, used[current[shard], block], width)
         if placed is None:  # overflow: the group opens the shard's next micro-batch
             current[shard] += 1
             if current[shard] >= micro_batches:
                 raise ValueError(f"the groups do not fit {micro_batches} micro-batches of {rows} x {width} "
                                  f"(shard {shard} of {shards}); raise the packed rows or width")
-            placed = _first_fit(lengths[first:first + group_size], used[current[shard], block], width)
+            placed = _first_fit(group, used[current[shard], block], width)
             if placed is None:
-                raise ValueError(f"a group of {group_size} completions ({lengths[first:first + group_size].tolist()}"
-                                 f" tokens) does not fit {per_shard} empty rows of {width}")
+                raise ValueError(f"a group of {group_size} completions ({group.tolist()} tokens) does not fit "
+                                 f"{per_shard} empty rows of {width}")
         u = int(current[shard])
-        for member, local_row in zip(members, placed, strict=True):
-            n = int(lengths[member])
+        for member, n, local_row in zip(range(first, first + group_size), group.tolist(), placed, strict=True):
             if n == 0:
                 continue
             k = shard * per_shard + local_row

@@ -15,6 +15,7 @@ from pathlib import Path
 from jgrpo.config import Config, ConfigError
 from jgrpo.config.errors import PathError
 from jgrpo.data.sources import BUILTIN_TASKS, locate
+from jgrpo.data.tasks import check_split
 from jgrpo.parallel.mesh import make_meshes
 from jgrpo.rewards.registry import get_reward, reward_path
 from jgrpo.training.wandb_sink import require_wandb
@@ -53,9 +54,7 @@ def check_data_source(config: Config) -> None:
     """The train split exists, and the test split too when the run evaluates."""
     data = config.data
     if data.source in BUILTIN_TASKS:
-        if data.split not in ("train", "test"):
-            raise ConfigError(f"data.split={data.split!r}: the built-in task {data.source!r} has the splits 'train' "
-                              "and 'test'")
+        check_split(data.split, data.source)  # before any model loads
         return
     locate(data.source, data.split)
     if config.run.eval_every or config.run.eval_before:
