@@ -130,12 +130,13 @@ def sampler(rows: int, hbm_bytes_per_s: float, dry: bool) -> dict:
 
     from jgrpo.config import SamplerConfig
     from jgrpo.models.decode import resolve_decode_layers
+    from jgrpo.models.quantize import cast_floating
     from jgrpo.parallel.mesh import param_copier
     from jgrpo.sampling.sampler import Prompts, Sampler
 
     platform = jax.devices()[0].platform
     graphdef, params, cfg = random_model(QWEN, dry)
-    params = param_copier(None, "bfloat16")(params)
+    params = param_copier(None, cast_floating("bfloat16"))(params)
     G, P, N = 16, (16 if dry else 128), (8 if dry else 200)
     B = max(rows // G, 1)
     tokens = jax.random.randint(jax.random.key(0), (B, P), 3, cfg.vocab_size, jnp.int32)

@@ -110,3 +110,29 @@ def sampled(tokens, completion_mask, logprobs, truncated=None):
                         completion_mask=completion_mask, lengths=completion_mask.sum(-1, dtype=jnp.int32),
                         truncated=truncated, loss_mask=completion_mask,
                         version=jnp.where(completion_mask, 0, -1).astype(jnp.int32))
+
+
+def assert_resume_is_bit_exact(run_dir: Path, last_step: int, config_for, state_of, straight) -> None:
+    """Copy the finished run `run_dir` beside it without its last checkpoint (the directory as it was one
+    iteration earlier), run `config_for(copy)` there to the end (a resume), and check `state_of(trainer)` equals
+    `straight` bit for bit, dtypes included."""
+    import shutil
+
+    import jax
+    import numpy as np
+
+    from jgrpo.training.trainer import Trainer
+
+    resumed_dir = run_dir.with_name(run_dir.name + "_resumed")
+    shutil.copytree(run_dir, resumed_dir)
+    shutil.rmtree(resumed_dir / "checkpoints" / str(last_step))
+    trainer = Trainer(config_for(resumed_dir))
+    try:
+        assert trainer.run() == "done"
+        resumed = state_of(trainer)
+    finally:
+        trainer.close()
+    for a, b in zip(jax.tree.leaves(straight), jax.tree.leaves(resumed), strict=True):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(a, b)
+

@@ -117,8 +117,11 @@ class SamplerConfig:
     # either way (only norms and the embedding row are rounded), so the behaviour policy barely moves; on a TPU
     # the decode step even reads bf16 either way: XLA rounds float32 weights once per sampling call into a bf16
     # temporary (Qwen2.5-0.5B, v5e: the same 1.03 GB per step, 2.1 GiB more per chip; docs/tpu_plans.md).
-    # float32 keeps the sampler's log-probs exactly those of the trained weights.
-    weights_dtype: Literal["float32", "bfloat16"] = "float32"
+    # float32 keeps the sampler's log-probs exactly those of the trained weights. int8: every layer projection
+    # weight-only int8 (per-output-channel scales; norms, biases, embeddings in model.compute_dtype), quantized at
+    # each weight sync: a decode step reads a quarter of float32's weight bytes (half of bf16's); the sampler is
+    # then another policy than the trained one, so set grpo.masked_is or grpo.truncated_is (docs/algorithm.md).
+    weights_dtype: Literal["float32", "bfloat16", "int8"] = "float32"
     # Length of the cache chunks the decode attends to one at a time (one compiled decode loop per chunk);
     # 0 = the sampler's choice: at most 8 chunks, none shorter than 64 slots (`sampler.decode_chunking`).
     decode_chunk: int = 0

@@ -4,7 +4,7 @@ With LoRA (`model.lora.rank` > 0) the trainer's state holds adapters only: the c
 copy (v > 1) and, after a reference swap, a frozen copy for the reference. Every policy is the base plus its
 adapters, and the reference without a swap is the base alone, so beta > 0 costs no copy of the weights. The base
 is held in the training layout and, only when the sampling layout differs from it (or `sampler.weights_dtype`
-is narrower than the base's dtype), once more for the sampler (made once: the base never changes);
+is narrower than the base's dtype, or int8: quantized), once more for the sampler (made once: the base never changes);
 `sample_copy_bytes` reports that cost.
 
 Without LoRA there is no frozen part: the trainable params are the whole model and `join` returns them as they are.
@@ -17,46 +17,52 @@ import jax.numpy as jnp
 
 from jgrpo.models.llm import param_logical_axes
 from jgrpo.models.lora import join_adapters, split_adapters
+from jgrpo.models.quantize import sampler_copy
 from jgrpo.parallel.mesh import SAMPLE_RULES, logical_shardings, param_copier
 
 
-def sample_layout(base: dict, mesh, weights_dtype: str, rules=SAMPLE_RULES) -> tuple[dict, str | None] | None:
-    """(shardings, dtype) the sampler needs the base in, or None where the base as it is serves.
+def sample_layout(base: dict, mesh, weights_dtype: str, compute_dtype: str,
+                  rules=SAMPLE_RULES) -> tuple[dict, object] | None:
+    """(shardings, convert) the sampler needs the base in (`convert`: params -> the sampler's copy, None: as they
+    are), or None where the base as it is serves.
 
-    The dtype is `sampler.weights_dtype` when narrower than the base's floating weights, else None (keep the
-    base's own: a bfloat16 base is never widened to sample in float32). `base` may be arrays or
-    ShapeDtypeStructs with shardings (the planner's), so both decide alike.
+    Int8 (`sampler.weights_dtype`) always copies: the base is quantized once. A float dtype casts only when
+    narrower than the base's floating weights (a bfloat16 base is never widened to sample in float32). `base`
+    may be arrays or ShapeDtypeStructs with shardings (the planner's), so both decide alike.
     """
-    shardings = logical_shardings(param_logical_axes(base), mesh, rules, shapes=base)
     widest = max(x.dtype.itemsize for x in jax.tree.leaves(base) if jnp.issubdtype(x.dtype, jnp.floating))
-    dtype = weights_dtype if jnp.dtype(weights_dtype).itemsize < widest else None
+    narrower = weights_dtype == "int8" or jnp.dtype(weights_dtype).itemsize < widest
+    convert = sampler_copy(weights_dtype, compute_dtype) if narrower else None
+    copied = base if convert is None else jax.eval_shape(convert, base)
+    shardings = logical_shardings(param_logical_axes(copied), mesh, rules, shapes=copied)
 
     def same(x, sharding):
-        kept_dtype = x.dtype if dtype is None or not jnp.issubdtype(x.dtype, jnp.floating) else jnp.dtype(dtype)
-        return x.dtype == kept_dtype and x.sharding.is_equivalent_to(sharding, len(x.shape))
+        return x.sharding.is_equivalent_to(sharding, len(x.shape))
 
-    return None if all(jax.tree.leaves(jax.tree.map(same, base, shardings))) else (shardings, dtype)
+    if convert is None and all(jax.tree.leaves(jax.tree.map(same, base, shardings))):
+        return None
+    return shardings, convert
 
 
 class FrozenBase:
     """The base weights of a LoRA run (or nothing, for full fine-tuning)."""
 
-    def __init__(self, base: dict | None, mesh, weights_dtype: str):
+    def __init__(self, base: dict | None, mesh, weights_dtype: str, compute_dtype: str):
         self.train = base
         self.sample = base
         self.sample_copy_bytes = 0
-        layout = None if base is None else sample_layout(base, mesh, weights_dtype)
+        layout = None if base is None else sample_layout(base, mesh, weights_dtype, compute_dtype)
         if layout is not None:
             self.sample = param_copier(*layout)(base)
             self.sample_copy_bytes = sum(x.nbytes for x in jax.tree.leaves(self.sample))
 
     @classmethod
-    def split(cls, params: dict, lora: bool, mesh, weights_dtype: str) -> tuple[dict, FrozenBase]:
+    def split(cls, params: dict, lora: bool, mesh, weights_dtype: str, compute_dtype: str) -> tuple[dict, FrozenBase]:
         """Loaded params -> (what trains, the frozen base): (adapters, base) with LoRA, else (params, nothing)."""
         if not lora:
-            return params, cls(None, mesh, weights_dtype)
+            return params, cls(None, mesh, weights_dtype, compute_dtype)
         adapters, base = split_adapters(params)
-        return adapters, cls(base, mesh, weights_dtype)
+        return adapters, cls(base, mesh, weights_dtype, compute_dtype)
 
     @property
     def lora(self) -> bool:

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 MOE_WEIGHTS = ("router", "experts_gate", "experts_up", "experts_down")
 DENSE_MLP_WEIGHTS = ("gate", "up", "down")
-_ADAPTER_SUFFIXES = ("_lora_a", "_lora_b")
+_SUFFIXES = ("_lora_a", "_lora_b", "_scale")  # an adapter or an int8 scale stacks like its weight
 
 
 def sparse_step(cfg) -> int:
@@ -38,7 +38,7 @@ def moe_layer_count(cfg) -> int:
 
 def _family(name: str) -> str:
     """"moe", "dense_mlp" or "every": which layers a weight (or its LoRA adapter) is stacked over."""
-    for suffix in _ADAPTER_SUFFIXES:
+    for suffix in _SUFFIXES:
         name = name.removesuffix(suffix)
     if name in MOE_WEIGHTS:
         return "moe"

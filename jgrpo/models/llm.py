@@ -36,6 +36,7 @@ from jgrpo.models.lora import (
 from jgrpo.models.matmul import dense
 from jgrpo.models.moe import IMPLEMENTATIONS as MOE_IMPLEMENTATIONS
 from jgrpo.models.moe import moe_mlp
+from jgrpo.models.quantize import check_int8, compute_weights, scale_logical_axes, scale_name, scale_shapes
 from jgrpo.models.rope import apply_rope, rope_cos_sin
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe")
@@ -69,6 +70,7 @@ LOGICAL_AXES: dict[tuple[str, ...], tuple[str, ...]] = {
     ("layers", "experts_down"): ("layers", "experts", "expert_mlp", "embed"),
     **LORA_LOGICAL_AXES,  # adapters (models/lora.py), present only when LLMConfig.lora_rank > 0
 }
+LOGICAL_AXES |= scale_logical_axes(LOGICAL_AXES)  # int8 scales (models/quantize.py), only with int8_weights
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -112,6 +114,8 @@ class LLMConfig:
     decoder_sparse_step: int = 1
     moe_impl: str = "sorted_tiles"  # how the experts' matmuls run (`model.moe_impl` resolved for the platform)
     moe_dispatch: str = "all_gather"  # with experts split over the mesh (`model.moe_dispatch` resolved)
+    # The layer projections are int8 values with float32 scales (a sampler's copy: models/quantize.py).
+    int8_weights: bool = False
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads"):
@@ -133,6 +137,7 @@ class LLMConfig:
             if getattr(self, name) not in DTYPES:
                 raise ValueError(f"LLMConfig.{name} must be one of {DTYPES}, got '{getattr(self, name)}'")
         check_lora(self.lora_rank, self.lora_alpha, self.lora_targets)
+        check_int8(self)
         if self.num_experts:
             if not 0 < self.experts_per_token <= self.num_experts or self.moe_intermediate_size < 1:
                 raise ValueError(f"a mixture of experts needs 0 < experts_per_token ({self.experts_per_token}) <= "
@@ -216,9 +221,11 @@ def param_shapes_by_path(cfg: LLMConfig) -> dict[tuple[str, ...], tuple[int, ...
 
 
 def model_param_shapes_by_path(cfg: LLMConfig) -> dict[tuple[str, ...], tuple[int, ...]]:
-    """Every parameter of the model: the HF checkpoint's weights (`param_shapes_by_path`) and any LoRA adapters."""
+    """Every parameter of the model: the HF checkpoint's weights (`param_shapes_by_path`), any LoRA adapters and,
+    for an int8 copy, the projections' scales."""
     base = param_shapes_by_path(cfg)
-    return base | lora_shapes_by_path(base, cfg.lora_rank, cfg.lora_targets)
+    scales = scale_shapes(base) if cfg.int8_weights else {}
+    return base | lora_shapes_by_path(base, cfg.lora_rank, cfg.lora_targets) | scales
 
 
 def param_shapes(cfg: LLMConfig) -> dict[str, Any]:
@@ -238,8 +245,8 @@ def _new_param(cfg: LLMConfig, path: tuple[str, ...], rngs: nnx.Rngs) -> nnx.Par
     dtype = jnp.dtype(jnp.float32 if is_adapter(name) else cfg.param_dtype)  # adapters: float32 master weights
     if is_adapter(name):
         value = init_adapter(name, shape, rngs.params(), dtype)
-    elif name.endswith("norm"):
-        value = jnp.ones(shape, dtype)  # RMSNorm gains start at identity
+    elif name.endswith(("norm", "_scale")):
+        value = jnp.ones(shape, dtype)  # RMSNorm gains start at identity (int8 scales: filled by quantizing)
     elif name.endswith("bias"):
         value = jnp.zeros(shape, dtype)
     else:  # HF's initializer_range for these families
@@ -268,9 +275,10 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 
 
 def project(cfg: LLMConfig, p: dict, name: str, x: jax.Array) -> jax.Array:
-    """x times the layer's weight `name`, plus its LoRA term when the layer has an adapter there."""
+    """x times the layer's weight `name` (int8 ones with their scales), plus its LoRA term when the layer has an
+    adapter there."""
     contract = inputs_of(name)
-    y = dense(x, p[name], contract)
+    y = dense(x, p[name], contract, p.get(scale_name(name)))
     if f"{name}_lora_a" in p:
         y = y + low_rank(x, p[f"{name}_lora_a"], p[f"{name}_lora_b"], contract, cfg.lora_scale)
     return y
@@ -387,7 +395,7 @@ class LLM(nnx.Module):
 
         def layer(carry, p, index, replay):
             x, cache = carry
-            p = {name: w.astype(cdt) for name, w in p.items()}
+            p = compute_weights(p, cdt)
             q, k, v = layer_qkv(cfg, p, x, cos, sin)
             if cache is not None:
                 # Written in place into the carried [L, B, S, KVH, Dh] buffers: no per-step cache copy.

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from jgrpo.models.attention_backends import causal_attention
 from jgrpo.models.layer_stack import scan_layers
 from jgrpo.models.llm import LLM, layer_output, layer_qkv, position_ids_from_mask, rms_norm
+from jgrpo.models.quantize import compute_weights
 from jgrpo.models.rope import rope_cos_sin
 
 
@@ -57,7 +58,7 @@ def forward_shared_prompts(
     def layer(carry, p, index, replay):
         xp, xc = carry  # [Bp, P, D], [R, N, D]
         replay_p, replay_c = (None, None) if replay is None else replay
-        p = {name: w.astype(cdt) for name, w in p.items()}
+        p = compute_weights(p, cdt)
         qp, kp, vp = layer_qkv(cfg, p, xp, *prompt_rope)
         qc, kc, vc = layer_qkv(cfg, p, xc, *completion_rope)
         keys = jnp.concatenate([jnp.repeat(kp, G, axis=0), kc], axis=1)  # [R, P + N, KVH, Dh]

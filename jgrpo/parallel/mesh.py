@@ -188,22 +188,20 @@ def row_sharding(mesh: Mesh, rules: Rules, shape: tuple[int, ...], row_axis: int
     return NamedSharding(mesh, logical_to_spec(tuple(logical), rules, tuple(shape), mesh))
 
 
-def param_copier(shardings, dtype: str | None = None, *, other_devices: bool = False):
-    """A jitted copy of a param pytree onto `shardings` (None: where it is), floating leaves cast to `dtype`.
+def param_copier(shardings, convert=None, *, other_devices: bool = False):
+    """A jitted copy of a param pytree onto `shardings` (None: where it is), through `convert` (params -> params,
+    e.g. the sampler's cast or int8 quantization, `models.quantize.sampler_copy`; None: as they are).
 
     Always new buffers, never the inputs forwarded, so a copy (behaviour, reference, sampling weights)
     survives the train step's donation of the current params. `other_devices`: `shardings` lie on another
-    sub-mesh (`make_meshes`): cast where the params are, then one transfer (a jit cannot span both).
+    sub-mesh (`make_meshes`): convert where the params are, then one transfer (a jit cannot span both) of the
+    converted bytes (int8: a quarter of float32's).
     """
-    target = None if dtype is None else jax.numpy.dtype(dtype)
-
-    def cast(x):
-        return x.astype(target) if target is not None and jax.numpy.issubdtype(x.dtype, jax.numpy.floating) else x
-
+    convert = convert or (lambda params: params)
     if other_devices:
-        cast_all = jax.jit(lambda params: jax.tree.map(cast, params))
-        return lambda params: jax.device_put(cast_all(params), shardings)
-    return jax.jit(lambda params: jax.tree.map(lambda x: jax.numpy.copy(cast(x)), params), out_shardings=shardings)
+        convert_all = jax.jit(convert)
+        return lambda params: jax.device_put(convert_all(params), shardings)
+    return jax.jit(lambda params: jax.tree.map(jax.numpy.copy, convert(params)), out_shardings=shardings)
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

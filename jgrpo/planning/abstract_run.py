@@ -27,6 +27,7 @@ from jgrpo.models.frozen_base import sample_layout
 from jgrpo.models.hf import model_options
 from jgrpo.models.llm import abstract_model, param_logical_axes
 from jgrpo.models.lora import join_adapters, split_adapters, with_lora
+from jgrpo.models.quantize import sampler_copy
 from jgrpo.models.shapes import model_shapes
 from jgrpo.parallel.mesh import (
     SAMPLE_RULES,
@@ -139,18 +140,19 @@ def abstract_run(config: Config, devices: list, *, train_rules: Rules = TRAIN_RU
     graphdef, shapes = abstract_model(cfg)
     axes = param_logical_axes(shapes)
     params = _abstract(shapes, logical_shardings(axes, mesh, train_rules, shapes=shapes))
-    sample_dtype = jnp.dtype(c.sampler.weights_dtype)
-    sample_params = _abstract(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, sample_dtype), shapes),
-                              logical_shardings(axes, mesh, sample_rules, shapes=shapes))
+    copied = jax.eval_shape(sampler_copy(c.sampler.weights_dtype, m.compute_dtype), shapes)  # cast or int8
+    sample_params = _abstract(copied, logical_shardings(param_logical_axes(copied), mesh, sample_rules,
+                                                        shapes=copied))
     base = sample_base = None
     if m.lora.rank:  # what trains is the adapters; the base is frozen and held once per distinct layout
         (params, base), sample_params = split_adapters(params), split_adapters(sample_params)[0]
         shapes = split_adapters(shapes)[0]
-        layout = sample_layout(base, mesh, c.sampler.weights_dtype, sample_rules)  # as the trainer decides
+        layout = sample_layout(base, mesh, c.sampler.weights_dtype, m.compute_dtype, sample_rules)  # as the trainer
         if layout is not None:
-            shardings, dtype = layout
-            sample_base = jax.tree.map(lambda b, s: jax.ShapeDtypeStruct(b.shape, dtype or b.dtype, sharding=s),
-                                       base, shardings)
+            shardings, convert = layout
+            copied_base = base if convert is None else jax.eval_shape(convert, base)
+            sample_base = jax.tree.map(lambda b, s: jax.ShapeDtypeStruct(b.shape, b.dtype, sharding=s),
+                                       copied_base, shardings)
     # The run's sampler (stop id 0 stands for the tokenizer's: only the program's shape matters here).
     # Multi-turn episodes (env.name): a row is the whole episode, env.max_total_tokens wide; the sampler's decode
     # is planned at that width (the pool's turns and appends run inside that cache).
@@ -237,7 +239,8 @@ def _sampling_programs(config, run: AbstractRun, resident, shape, rules, wanted)
         programs["sample"] = Program("sample", sampler.lower(sample_whole, prompts, key),
                                      resident.get("behaviour", 0) + sampling_base)
     if "behaviour" in wanted:
-        copy = param_copier(jax.tree.map(lambda x: x.sharding, run.sample_params), c.sampler.weights_dtype)
+        copy = param_copier(jax.tree.map(lambda x: x.sharding, run.sample_params),
+                            sampler_copy(c.sampler.weights_dtype, c.model.compute_dtype))
         # Adaptive v plans for the worst case, a refresh every iteration.
         every = g.behaviour_refresh if isinstance(g.behaviour_refresh, int) else 1
         every = c.rollout.publish_every if c.rollout.mode == "async" else every

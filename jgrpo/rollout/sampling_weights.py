@@ -20,9 +20,9 @@ import logging
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 
 from jgrpo.models.llm import param_logical_axes
+from jgrpo.models.quantize import sampler_copy
 from jgrpo.parallel.mesh import SAMPLE_RULES, logical_shardings, param_copier
 from jgrpo.rl.behaviour_refresh import RefreshPolicy
 
@@ -39,8 +39,8 @@ class Refresh(NamedTuple):
 def sampling_copy(config) -> str | None:
     """Which copy of the current params the sampler reads, besides them (decided once, for the trainer and the
     planner alike): "behaviour" (v > 1 or adaptive: the behaviour policy), "published" (async rollouts: the
-    producer's copy), "cast" (v = 1 with another weights dtype: a cast every iteration) or None (v = 1: the
-    current params, resharded)."""
+    producer's copy), "cast" (v = 1 with another weights dtype: a cast, or int8 quantization, every iteration) or
+    None (v = 1: the current params, resharded)."""
     if config.rollout.mode == "async":
         return "published"
     if config.grpo.keeps_behaviour_copy:
@@ -54,11 +54,21 @@ class SamplingWeights:
     def __init__(self, config, params, *, frozen, train_mesh, sample_mesh):
         self.config, self.frozen = config, frozen
         self.copy_kind = sampling_copy(config)
-        self.shardings = logical_shardings(param_logical_axes(params), sample_mesh, SAMPLE_RULES, shapes=params)
+        # The sampler's copy: cast to `sampler.weights_dtype`, or int8 values and scales (models/quantize.py).
+        self.convert = sampler_copy(config.sampler.weights_dtype, config.model.compute_dtype)
+        copied = jax.eval_shape(self.convert, params)
+        self.shardings = logical_shardings(param_logical_axes(copied), sample_mesh, SAMPLE_RULES, shapes=copied)
+        # v = 1 in the weights' own dtype: the current params, resharded (no conversion).
+        self.resharding = logical_shardings(param_logical_axes(params), sample_mesh, SAMPLE_RULES, shapes=params)
         # A real copy (new buffers) even where the two layouts agree: the current params get donated.
-        self.copy = param_copier(self.shardings, config.sampler.weights_dtype,
-                                 other_devices=sample_mesh is not train_mesh)
+        self.copy = param_copier(self.shardings, self.convert, other_devices=sample_mesh is not train_mesh)
         self.policy = RefreshPolicy(config.grpo)
+        g = config.grpo
+        if config.sampler.weights_dtype == "int8" and g.truncated_is == "none" and g.masked_is == "none":
+            log.warning("sampler.weights_dtype=int8 samples from a quantized copy of the policy, whose log-probs "
+                        "differ from the trained weights' (mismatch/logprob_mean), and no correction is set: "
+                        "grpo.truncated_is=none and grpo.masked_is=none. Set grpo.masked_is: token (or "
+                        "grpo.truncated_is: token with grpo.off_policy_ratio: current); docs/algorithm.md")
 
     def for_sampling(self, state, refresh: Refresh | None = None):
         """The params that sample iteration `state.iteration`, in the sampling layout (LoRA: with the sampling
@@ -69,7 +79,7 @@ class SamplingWeights:
         elif self.copy_kind == "cast":
             params = self.copy(state.params)
         else:  # v = 1: the current params, resharded
-            params = jax.device_put(state.params, self.shardings)
+            params = jax.device_put(state.params, self.resharding)
         return jax.block_until_ready(self.frozen.join_sample(params))
 
     def published(self, state):
@@ -92,7 +102,6 @@ class SamplingWeights:
         return Refresh(self.copy(state.params), k)
 
     def abstract_copy(self, params):
-        """The behaviour copy's shapes, dtypes (`sampler.weights_dtype` for floating leaves) and shardings."""
-        dtype = jnp.dtype(self.config.sampler.weights_dtype)
-        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(
-            x.shape, dtype if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype, sharding=s), params, self.shardings)
+        """The behaviour copy's shapes, dtypes (`sampler.weights_dtype`; int8: values and scales) and shardings."""
+        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                            jax.eval_shape(self.convert, params), self.shardings)

@@ -35,7 +35,8 @@ from jax.sharding import Mesh
 
 from jgrpo.config import SamplerConfig
 from jgrpo.models.attention_backends import mesh_context_factory
-from jgrpo.models.llm import model_config, param_logical_axes
+from jgrpo.models.llm import abstract_model, model_config, param_logical_axes
+from jgrpo.models.quantize import is_quantized, with_int8, without_scales
 from jgrpo.parallel.mesh import SAMPLE_RULES, Rules, logical_shardings, replicated
 from jgrpo.sampling import turns
 from jgrpo.sampling.layout import plan_and_layout, platform
@@ -165,7 +166,8 @@ class Sampler:
         prompts, cfg = self.checked(params, prompts)
         spec = self.spec(*prompts.tokens.shape, cfg)
         with self._context(cfg):  # the prefill's attention kernel may need it
-            return sample(self.graphdef, self.placed(params), prompts, _typed(key), np.int32(version), spec=spec)
+            return sample(self._graphdef(params), self.placed(params), prompts, _typed(key), np.int32(version),
+                          spec=spec)
 
     # ------------------------------------------------------------ the slot interface (jgrpo.sampling.turns)
 
@@ -174,17 +176,17 @@ class Sampler:
         prompts, cfg = self.checked(params, prompts)
         spec = self.spec(*prompts.tokens.shape, cfg, interactive=True)
         with self._context(cfg):
-            return turns.begin(self.graphdef, self.placed(params), spec, prompts, _typed(key), version)
+            return turns.begin(self._graphdef(params), self.placed(params), spec, prompts, _typed(key), version)
 
     def advance(self, params, state: turns.SlotState, chunks: int = 1, version: int = 0) -> turns.SlotState:
         """Decode with `params` (of `version`) up to `chunks` ring chunk boundaries, or until nothing can run."""
         with self._context(self._config(params)):
-            return turns.advance(self.graphdef, self.placed(params), state, chunks, version)
+            return turns.advance(self._graphdef(params), self.placed(params), state, chunks, version)
 
     def append(self, params, state: turns.SlotState, slot: int, token_ids, version: int = 0) -> turns.SlotState:
         """`token_ids` after paused `slot`'s row; its next turn's first token drawn with `params` (of `version`)."""
         with self._context(self._config(params)):
-            return turns.append(self.graphdef, self.placed(params), state, slot, token_ids, version)
+            return turns.append(self._graphdef(params), self.placed(params), state, slot, token_ids, version)
 
     def park(self, state: turns.SlotState, slot: int) -> tuple[turns.SlotState, int]:
         """Paused `slot`'s row leaves its slot to a pending row until `resume`; returns (state, the row)."""
@@ -194,7 +196,7 @@ class Sampler:
                version: int = 0) -> turns.SlotState:
         """Parked `row`: `token_ids` after its tokens, its next turn in free `slot` (its kept context moved there)."""
         with self._context(self._config(params)):
-            return turns.resume(self.graphdef, self.placed(params), state, slot, row, token_ids, version)
+            return turns.resume(self._graphdef(params), self.placed(params), state, slot, row, token_ids, version)
 
     def finish_row(self, state: turns.SlotState, row: int) -> turns.SlotState:
         """Parked `row` is complete."""
@@ -210,8 +212,22 @@ class Sampler:
 
     # ------------------------------------------------------------ shared checks
 
+    def _model(self, params):
+        """(graphdef, config) of the model `params` are: the sampler's own, or its int8 form for an int8 copy
+        (`sampler.weights_dtype: int8`, models/quantize.py), so one sampler runs float and int8 params alike."""
+        cfg = self.cfg or model_config(self.graphdef, without_scales(params))
+        if not is_quantized(params):
+            return self.graphdef, cfg
+        key = ("int8", cfg)
+        if key not in self._derived:
+            self._derived[key] = (abstract_model(with_int8(cfg))[0], with_int8(cfg))
+        return self._derived[key]
+
+    def _graphdef(self, params):
+        return self._model(params)[0]
+
     def _config(self, params):
-        return self.cfg or model_config(self.graphdef, params)
+        return self._model(params)[1]
 
     def checked(self, params, prompts: Prompts) -> tuple[Prompts, Any]:
         """The prompts as device arrays once they pass the checks, and the model's config."""
@@ -242,10 +258,11 @@ class Sampler:
         and the mesh may be made of devices this machine does not have (a TPU topology): this is how `jgrpo.plan`
         compiles the sampler for a TPU slice. Needs `cfg`.
         """
-        spec = self.spec(*prompts.tokens.shape, self.cfg)
-        with self._context(self.cfg):
+        graphdef, cfg = self._model(params)
+        spec = self.spec(*prompts.tokens.shape, cfg)
+        with self._context(cfg):
             version = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated(self.mesh) if self.mesh else None)
-            return sample.lower(self.graphdef, params, prompts, key, version, spec=spec)
+            return sample.lower(graphdef, params, prompts, key, version, spec=spec)
 
 
 def generate(graphdef, params, prompt_tokens, prompt_mask, *, key, prompt_index=None, **options) -> SampleOutput:

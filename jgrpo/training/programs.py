@@ -38,6 +38,10 @@ def step_functions(config: Config, *, graphdef, params, mesh, method, iterations
         raise ConfigError(f"mesh.expert={n} splits a mixture of experts' experts over {n} devices, but {m.name} has "
                           f"{what}; set mesh.expert to a divisor of the expert count, or 1 (use mesh.data or "
                           "mesh.fsdp for data parallelism)")
+    if steps.num_experts and config.sampler.weights_dtype == "int8":
+        raise ConfigError(f"sampler.weights_dtype=int8 quantizes the layer projections, but {m.name} is a mixture "
+                          "of experts, whose grouped expert matmuls (model.moe_impl) take float weights only; set "
+                          "sampler.weights_dtype: bfloat16 or float32")
     if not steps.num_experts:
         if m.routing_replay == "rollout":
             raise ConfigError(f"model.routing_replay=rollout replays a mixture of experts' routing, but {m.name} is "

@@ -250,7 +250,31 @@ def test_decode_loop_copies_no_weight_or_cache_and_the_check_can_fail(mesh):
 
 # configs/tiny.yaml's model: 2 layers of q, k, v, o (64 x 64, 64 x 32 twice, 64 x 64), gate, up, down (64 x 128
 # each), 5 norms of 64, and the tied 49,152 x 64 embedding the unembedding reads whole: elements.
-_TINY_WEIGHTS = 2 * (64 * 64 * 2 + 64 * 32 * 2 + 3 * 64 * 128) + 5 * 64 + 49152 * 64
+_TINY_PROJECTIONS = 2 * (64 * 64 * 2 + 64 * 32 * 2 + 3 * 64 * 128)
+_TINY_WEIGHTS = _TINY_PROJECTIONS + 5 * 64 + 49152 * 64
+
+
+def test_an_int8_sampler_reads_every_projection_as_int8_once_per_decode_step():
+    # sampler.weights_dtype=int8 (models/quantize.py): the decode step must read the projections' int8 bytes, not
+    # a bfloat16 copy XLA could hoist out of the loop (the f32 -> bf16 cast of float weights is hoisted: the test
+    # above). Positive control: the bfloat16 program fails the same check.
+    from jgrpo.models.quantize import PROJECTIONS
+
+    devices, _ = topology_devices("v5e:2x4")
+    reads = {}
+    for dtype in ("int8", "bfloat16"):
+        config = load_config("configs/tiny.yaml", TINY + [f"sampler.weights_dtype={dtype}"])
+        program = lower_iteration(config, devices, names=("sample",)).programs[0]
+        leaves = jax.tree_util.tree_flatten_with_path(program.lowered.args_info[0][0])[0]
+        projections = {i for i, (path, _) in enumerate(leaves) if path[-1].key in PROJECTIONS}
+        assert len(projections) == len(PROJECTIONS)
+        reads[dtype] = decode_weight_bytes(HloCost(program.lowered.compile().as_text()), projections)
+
+    def int8_only(read):
+        return read.keys() == {"s8"}
+
+    assert int8_only(reads["int8"]) and reads["int8"]["s8"] == _TINY_PROJECTIONS  # each int8 byte once a step
+    assert not int8_only(reads["bfloat16"]) and reads["bfloat16"].keys() == {"bf16"}
 
 
 def test_continuous_decode_loops_are_bounded_by_the_worst_case_and_copy_free():

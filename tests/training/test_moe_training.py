@@ -2,8 +2,6 @@
 trainer agree in float32 with the experts split over 2 devices (mesh.expert), iteration 2 compiles nothing, a
 replayed run resumes bit for bit, and LoRA adapts attention only (experts and router bit for bit unchanged)."""
 
-import shutil
-
 import jax
 import numpy as np
 import pytest
@@ -11,7 +9,7 @@ import pytest
 from jgrpo.config import ConfigError
 from jgrpo.models.hf import load_model
 from jgrpo.training.trainer import Trainer
-from tests.helpers import QUIET, tiny_config
+from tests.helpers import QUIET, assert_resume_is_bit_exact, tiny_config
 
 
 def _config(run_dir, *overrides):
@@ -63,16 +61,7 @@ def test_replayed_training_moves_the_router_matches_the_sampler_never_recompiles
     assert first["moe/routing_mismatch"] == 0 and first["moe/routing_count"] > 0 and first["moe/expert_load_max"] >= 1
     assert 1.5 < first["moe/aux_loss"] < 4 and first["moe/z_loss"] > 0  # k = 2 at an even load
     # Resumed from iteration 1's checkpoint (the run directory as it was then), iteration 2 again: the same bits.
-    shutil.copytree(tmp_path / "straight", tmp_path / "resumed")
-    shutil.rmtree(tmp_path / "resumed" / "checkpoints" / "2")
-    trainer = Trainer(_config(tmp_path / "resumed", *REPLAYED))
-    try:
-        assert trainer.run() == "done"
-        resumed = _state(trainer)
-    finally:
-        trainer.close()
-    for a, b in zip(jax.tree.leaves(straight), jax.tree.leaves(resumed), strict=True):
-        np.testing.assert_array_equal(a, b)
+    assert_resume_is_bit_exact(tmp_path / "straight", 2, lambda d: _config(d, *REPLAYED), _state, straight)
 
 
 def test_routing_replay_or_router_losses_on_a_dense_model_are_config_errors(tmp_path):

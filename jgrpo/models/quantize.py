@@ -1,0 +1,126 @@
+"""The sampler's copy of the weights: cast to a float dtype, or int8 (weight-only, per output channel).
+
+`sampler.weights_dtype: int8` quantizes every layer projection W [L, *in, *out] (q, k, v, o, gate, up, down)
+symmetrically: one float32 scale per output channel, absmax over the input dims / 127, kept as a leaf
+`<name>_scale` [L, 1.., *out] beside the int8 values (the input dims kept as 1s, so it shards like W's output
+axes). Norms, biases, embeddings and LoRA adapters stay float, in the compute dtype. A projection then computes
+(x @ q) * scale (`matmul.dense`), q converted to the compute dtype inside the matmul: a decode step reads one
+byte per weight. A LLMConfig with `int8_weights` declares the scale leaves, so the same model code runs either
+copy; the trainer never sees one (only the sampler's copies are quantized).
+
+Why not qwix (Google's quantization library): its weight-only rule is the same arithmetic (a bf16 x s8
+dot_general, the per-channel scale on the output), but its providers intercept Flax module calls, and our
+layers are plain arrays stacked [L, ...] under one `lax.scan`, sliced per layer and sharded by logical-axis
+rules; two arrays per projection fit all three with no new pytree type.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from jgrpo.models.lora import LORA_TARGETS, inputs_of
+
+WEIGHTS_DTYPES = ("float32", "bfloat16", "int8")
+PROJECTIONS = LORA_TARGETS  # every layer projection (the experts of a mixture stay out: see `check_int8`)
+SCALE = "_scale"
+INT8_MAX = 127
+
+
+def scale_name(projection: str) -> str:
+    return projection + SCALE
+
+
+def is_scale(name: str) -> bool:
+    return name.endswith(SCALE)
+
+
+def quantize_weight(w: jax.Array, contract: int) -> tuple[jax.Array, jax.Array]:
+    """W [L, *in, *out] (`contract` input dims after the layer axis) -> (int8 values, float32 scales
+    [L, 1.., *out]) with W ~= values * scales. An all-zero channel gets scale 1 (values 0): finite, exact."""
+    w32 = w.astype(jnp.float32)
+    absmax = jnp.max(jnp.abs(w32), axis=tuple(range(1, 1 + contract)), keepdims=True)
+    scale = jnp.where(absmax > 0, absmax / INT8_MAX, 1.0)
+    values = jnp.clip(jnp.round(w32 / scale), -INT8_MAX, INT8_MAX).astype(jnp.int8)
+    return values, scale
+
+
+def dequantize(values: jax.Array, scale: jax.Array) -> jax.Array:
+    """The float32 weight an int8 projection stands for (tests, diagnostics)."""
+    return values.astype(jnp.float32) * scale
+
+
+def scale_shapes(base_shapes: dict[tuple[str, ...], tuple[int, ...]]) -> dict[tuple[str, ...], tuple[int, ...]]:
+    """The scale leaves' shapes of an int8 copy, from the base weights' (`llm.param_shapes_by_path`)."""
+    shapes = {}
+    for name in PROJECTIONS:
+        if ("layers", name) in base_shapes:
+            layers, *dims = base_shapes[("layers", name)]
+            n = inputs_of(name)
+            shapes[("layers", scale_name(name))] = (layers, *(1,) * n, *dims[n:])
+    return shapes
+
+
+def scale_logical_axes(weight_axes: dict[tuple[str, ...], tuple[str, ...]]) -> dict:
+    """Logical axes of each scale leaf: its projection's output axes (the kept input dims are replicated)."""
+    return {("layers", scale_name(name)): ("layers", *(None,) * inputs_of(name), *axes[1 + inputs_of(name):])
+            for name in PROJECTIONS for axes in [weight_axes[("layers", name)]]}
+
+
+def check_int8(cfg) -> None:
+    """An int8 copy of a mixture of experts is refused: its grouped expert matmuls take float weights only."""
+    if cfg.int8_weights and cfg.num_experts:
+        raise ValueError("int8 weights on a mixture of experts are not supported: the grouped expert matmuls "
+                         "(model.moe_impl) take float weights only")
+
+
+def with_int8(cfg):
+    """The model config (an `llm.LLMConfig`) whose layers hold int8 projections and their scales."""
+    return dataclasses.replace(cfg, int8_weights=True)
+
+
+def is_quantized(params: dict) -> bool:
+    return any(is_scale(name) for name in params.get("layers", {}))
+
+
+def without_scales(params: dict) -> dict:
+    """The params' structure without the scale leaves: what a float model of the same shapes holds."""
+    if not is_quantized(params):
+        return params
+    return {**params, "layers": {k: v for k, v in params["layers"].items() if not is_scale(k)}}
+
+
+def compute_weights(layer: dict[str, jax.Array], compute_dtype) -> dict[str, jax.Array]:
+    """One layer's weights as its matmuls take them: floats cast to the compute dtype; int8 values and their
+    float32 scales as they are (a cast here would materialise the dequantized weight in every decode step)."""
+    cdt = jnp.dtype(compute_dtype)
+    return {name: w if w.dtype == jnp.int8 or is_scale(name) else w.astype(cdt) for name, w in layer.items()}
+
+
+def cast_floating(dtype) -> Callable[[dict], dict]:
+    """params -> params with every floating leaf cast to `dtype` (integer leaves kept)."""
+    target = jnp.dtype(dtype)
+    return lambda params: jax.tree.map(
+        lambda x: x.astype(target) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+
+
+def quantize_params(params: dict, compute_dtype) -> dict:
+    """The int8 copy: each projection present (a LoRA base has them, its adapters do not) as values and scales,
+    every other floating leaf in the compute dtype."""
+    layers = params.get("layers", {})
+    out = cast_floating(compute_dtype)(params)
+    quantized = dict(out.get("layers", {}))
+    for name in PROJECTIONS:
+        if name in layers:
+            quantized[name], quantized[scale_name(name)] = quantize_weight(layers[name], inputs_of(name))
+    return {**out, "layers": quantized} if "layers" in params else out
+
+
+def sampler_copy(weights_dtype: str, compute_dtype) -> Callable[[dict], dict]:
+    """params -> the sampler's copy in `sampler.weights_dtype`: a cast, or `quantize_params`."""
+    if weights_dtype == "int8":
+        return lambda params: quantize_params(params, compute_dtype)
+    return cast_floating(weights_dtype)
