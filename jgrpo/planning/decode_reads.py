@@ -35,6 +35,7 @@ from jgrpo.planning.hlo_inspect import loops
 NONE, WEIGHTS, OTHER = 0, 1, 2
 _NEUTRAL = {"constant", "iota", "partition-id", "replica-id", "after-all"}
 _INDEX = re.compile(r"index=(\d+)")
+_CONCAT_BITCAST = 'custom_call_target="ConcatBitcast"'
 
 
 def _join(*taints) -> int:
@@ -120,7 +121,11 @@ def _count(cost: HloCost, flow: _Flow, computation: str, trips: int, reads: coll
         if ins.opcode == "while":
             _count(cost, flow, called_computations(ins, "body")[0], trips * cost.trip_count(computation, ins), reads)
             continue
-        if ins.opcode in FREE_OPCODES or ins.opcode.endswith("-start"):
+        # An async copy or slice ("-start" / "-done") moves weights, e.g. into on-chip memory ahead of a matmul: the
+        # consumer's read of what it moved is the read (counted at the moved size, once); counting the move too
+        # would count the bytes twice, and the whole source once per slice.
+        # The TPU's "ConcatBitcast" joins such slices where they landed: a bitcast, nothing read.
+        if ins.opcode in FREE_OPCODES or ins.opcode.endswith(("-start", "-done")) or _CONCAT_BITCAST in ins.attributes:
             continue
         for position, operand in enumerate(ins.operands):
             if values.get(operand) != WEIGHTS or operand not in types:
