@@ -122,6 +122,9 @@ class SamplerConfig:
     # each weight sync: a decode step reads a quarter of float32's weight bytes (half of bf16's); the sampler is
     # then another policy than the trained one, so set grpo.masked_is or grpo.truncated_is (docs/algorithm.md).
     weights_dtype: Literal["float32", "bfloat16", "int8"] = "float32"
+    # With int8 weights, the input embedding and the lm_head int8 too (one scale per vocabulary row, tied or not):
+    # for a small model they are a large share of what a decode step reads (Qwen2.5-0.5B: 0.27 of 0.99 GB).
+    quantize_embeddings: bool = False
     # Length of the cache chunks the decode attends to one at a time (one compiled decode loop per chunk);
     # 0 = the sampler's choice: at most 8 chunks, none shorter than 64 slots (`sampler.decode_chunking`).
     decode_chunk: int = 0
@@ -149,6 +152,9 @@ class SamplerConfig:
         _check(self.prompt_bucket > 0, "sampler.prompt_bucket", self.prompt_bucket, "a positive integer")
         _check(self.decode_chunk >= 0, "sampler.decode_chunk", self.decode_chunk, ">= 0 (0 = the sampler's choice)")
         _check(self.slots >= 0, "sampler.slots", self.slots, ">= 0 (0 = one slot per row)")
+        _check(not self.quantize_embeddings or self.weights_dtype == "int8", "sampler.quantize_embeddings", True,
+               f"false with sampler.weights_dtype={self.weights_dtype}: embeddings are quantized with int8 weights "
+               "only (set sampler.weights_dtype: int8)")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

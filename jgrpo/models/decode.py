@@ -28,7 +28,7 @@ import jax.numpy as jnp
 
 from jgrpo.models.layer_stack import scan_layers
 from jgrpo.models.llm import KVCache, LLMConfig, layer_output, layer_qkv, rms_norm
-from jgrpo.models.quantize import compute_weights
+from jgrpo.models.quantize import compute_weights, lookup
 from jgrpo.models.rope import rope_cos_sin
 from jgrpo.parallel.platform_defaults import resolve
 
@@ -151,7 +151,7 @@ def decode_step(
     """
     cdt = jnp.dtype(cfg.compute_dtype)
     cos, sin = rope_cos_sin(cfg, positions[:, None])  # [B, 1, Dh/2]
-    x = jnp.take(params["embed"], tokens, axis=0).astype(cdt)[:, None, :]  # [B, 1, D]
+    x = lookup(params["embed"], tokens, cdt, params.get("embed_scale"))[:, None, :]  # [B, 1, D]
     new_k, new_v, routing = [], [], []
     for p, k_segments, v_segments in zip(layers, cache.k, cache.v, strict=True):  # unrolled over layers
         p = compute_weights(p, cdt)
@@ -178,7 +178,7 @@ def decode_step_scanned(cfg: LLMConfig, params: dict, tokens, positions, allowed
     cdt = jnp.dtype(cfg.compute_dtype)
     (k_segments,), (v_segments,) = cache.k, cache.v
     cos, sin = rope_cos_sin(cfg, positions[:, None])
-    x = jnp.take(params["embed"], tokens, axis=0).astype(cdt)[:, None, :]
+    x = lookup(params["embed"], tokens, cdt, params.get("embed_scale"))[:, None, :]
 
     def layer(carry, p, index, _):
         x, k_segments, v_segments = carry

@@ -21,18 +21,19 @@ from jgrpo.models.quantize import sampler_copy
 from jgrpo.parallel.mesh import SAMPLE_RULES, logical_shardings, param_copier
 
 
-def sample_layout(base: dict, mesh, weights_dtype: str, compute_dtype: str,
-                  rules=SAMPLE_RULES) -> tuple[dict, object] | None:
+def sample_layout(base: dict, mesh, sampler, compute_dtype: str, rules=SAMPLE_RULES) -> tuple[dict, object] | None:
     """(shardings, convert) the sampler needs the base in (`convert`: params -> the sampler's copy, None: as they
     are), or None where the base as it is serves.
 
-    Int8 (`sampler.weights_dtype`) always copies: the base is quantized once. A float dtype casts only when
+    `sampler`: the run's `sampler` config section. Int8 (`sampler.weights_dtype`) always copies: the base is
+    quantized once. A float dtype casts only when
     narrower than the base's floating weights (a bfloat16 base is never widened to sample in float32). `base`
     may be arrays or ShapeDtypeStructs with shardings (the planner's), so both decide alike.
     """
     widest = max(x.dtype.itemsize for x in jax.tree.leaves(base) if jnp.issubdtype(x.dtype, jnp.floating))
-    narrower = weights_dtype == "int8" or jnp.dtype(weights_dtype).itemsize < widest
-    convert = sampler_copy(weights_dtype, compute_dtype) if narrower else None
+    dtype = sampler.weights_dtype
+    narrower = dtype == "int8" or jnp.dtype(dtype).itemsize < widest
+    convert = sampler_copy(dtype, compute_dtype, sampler.quantize_embeddings) if narrower else None
     copied = base if convert is None else jax.eval_shape(convert, base)
     shardings = logical_shardings(param_logical_axes(copied), mesh, rules, shapes=copied)
 
@@ -47,22 +48,23 @@ def sample_layout(base: dict, mesh, weights_dtype: str, compute_dtype: str,
 class FrozenBase:
     """The base weights of a LoRA run (or nothing, for full fine-tuning)."""
 
-    def __init__(self, base: dict | None, mesh, weights_dtype: str, compute_dtype: str):
+    def __init__(self, base: dict | None, mesh, sampler, compute_dtype: str):
         self.train = base
         self.sample = base
         self.sample_copy_bytes = 0
-        layout = None if base is None else sample_layout(base, mesh, weights_dtype, compute_dtype)
+        layout = None if base is None else sample_layout(base, mesh, sampler, compute_dtype)
         if layout is not None:
             self.sample = param_copier(*layout)(base)
             self.sample_copy_bytes = sum(x.nbytes for x in jax.tree.leaves(self.sample))
 
     @classmethod
-    def split(cls, params: dict, lora: bool, mesh, weights_dtype: str, compute_dtype: str) -> tuple[dict, FrozenBase]:
-        """Loaded params -> (what trains, the frozen base): (adapters, base) with LoRA, else (params, nothing)."""
+    def split(cls, params: dict, lora: bool, mesh, sampler, compute_dtype: str) -> tuple[dict, FrozenBase]:
+        """Loaded params -> (what trains, the frozen base): (adapters, base) with LoRA, else (params, nothing).
+        `sampler`: the run's `sampler` config section (the sampling copy's dtype)."""
         if not lora:
-            return params, cls(None, mesh, weights_dtype, compute_dtype)
+            return params, cls(None, mesh, sampler, compute_dtype)
         adapters, base = split_adapters(params)
-        return adapters, cls(base, mesh, weights_dtype, compute_dtype)
+        return adapters, cls(base, mesh, sampler, compute_dtype)
 
     @property
     def lora(self) -> bool:

@@ -36,7 +36,7 @@ from jgrpo.models.lora import (
 from jgrpo.models.matmul import dense
 from jgrpo.models.moe import IMPLEMENTATIONS as MOE_IMPLEMENTATIONS
 from jgrpo.models.moe import moe_mlp
-from jgrpo.models.quantize import check_int8, compute_weights, scale_logical_axes, scale_name, scale_shapes
+from jgrpo.models.quantize import check_int8, compute_weights, lookup, scale_logical_axes, scale_name, scale_shapes
 from jgrpo.models.rope import apply_rope, rope_cos_sin
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe")
@@ -114,8 +114,10 @@ class LLMConfig:
     decoder_sparse_step: int = 1
     moe_impl: str = "sorted_tiles"  # how the experts' matmuls run (`model.moe_impl` resolved for the platform)
     moe_dispatch: str = "all_gather"  # with experts split over the mesh (`model.moe_dispatch` resolved)
-    # The layer projections are int8 values with float32 scales (a sampler's copy: models/quantize.py).
+    # The layer projections (and with int8_embeddings the embedding and lm_head) are int8 values with float32
+    # scales: a sampler's copy (models/quantize.py).
     int8_weights: bool = False
+    int8_embeddings: bool = False
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads"):
@@ -224,7 +226,7 @@ def model_param_shapes_by_path(cfg: LLMConfig) -> dict[tuple[str, ...], tuple[in
     """Every parameter of the model: the HF checkpoint's weights (`param_shapes_by_path`), any LoRA adapters and,
     for an int8 copy, the projections' scales."""
     base = param_shapes_by_path(cfg)
-    scales = scale_shapes(base) if cfg.int8_weights else {}
+    scales = scale_shapes(base, cfg.int8_embeddings) if cfg.int8_weights else {}
     return base | lora_shapes_by_path(base, cfg.lora_rank, cfg.lora_targets) | scales
 
 
@@ -317,18 +319,21 @@ def layer_output(cfg: LLMConfig, p: dict, x: jax.Array, attended: jax.Array, rou
         return x + mlp, None, None
 
 
-def vocab_logits(hidden: jax.Array, unembedding: jax.Array, compute_dtype) -> jax.Array:
+def vocab_logits(hidden: jax.Array, unembedding: jax.Array, compute_dtype, scale: jax.Array | None = None) -> jax.Array:
     """[..., D] hidden states x [D, V] unembedding -> [..., V] float32 logits: THE vocabulary projection.
 
     Both operands in the compute dtype, accumulated in float32. The sampler (`LLM.logits`) and the trainer
     (`logprobs.token_logprobs`) both call this one function, so with bfloat16 compute they round the same
     operands the same way: a sampler/trainer difference here would be multiplied by 1/temperature in every
-    log-prob. One 2-D matmul: XLA:CPU runs it faster than the batched einsum.
+    log-prob. One 2-D matmul: XLA:CPU runs it faster than the batched einsum. `scale` [1, V]: an int8 unembedding's
+    (models/quantize.py), applied to the float32 logits.
     """
     cdt = jnp.dtype(compute_dtype)
     dim = hidden.shape[-1]
     logits = jnp.matmul(hidden.reshape(-1, dim).astype(cdt), unembedding.astype(cdt),
                         preferred_element_type=jnp.float32)
+    if scale is not None:
+        logits = logits * scale
     return logits.reshape(hidden.shape[:-1] + (unembedding.shape[-1],))
 
 
@@ -340,14 +345,29 @@ class LLM(nnx.Module):
         self.final_norm = _new_param(cfg, ("final_norm",), rngs)
         if not cfg.tie_word_embeddings:
             self.lm_head = _new_param(cfg, ("lm_head",), rngs)
+        if cfg.int8_embeddings:  # per-vocabulary-row scales of an int8 copy (models/quantize.py)
+            self.embed_scale = _new_param(cfg, (scale_name("embed"),), rngs)
+            if not cfg.tie_word_embeddings:
+                self.lm_head_scale = _new_param(cfg, (scale_name("lm_head"),), rngs)
 
     def unembedding(self) -> jax.Array:
         """[D, V] matrix mapping final hidden states to logits."""
         return self.embed[...].T if self.cfg.tie_word_embeddings else self.lm_head[...]
 
+    def unembedding_scale(self) -> jax.Array | None:
+        """[1, V] scales of an int8 unembedding, else None."""
+        if not self.cfg.int8_embeddings:
+            return None
+        return self.embed_scale[...].T if self.cfg.tie_word_embeddings else self.lm_head_scale[...]
+
+    def embedded(self, tokens: jax.Array) -> jax.Array:
+        """The tokens' embeddings [..., D] in the compute dtype."""
+        scale = self.embed_scale[...] if self.cfg.int8_embeddings else None
+        return lookup(self.embed[...], tokens, jnp.dtype(self.cfg.compute_dtype), scale)
+
     def logits(self, hidden: jax.Array) -> jax.Array:
         """[..., D] final hidden states -> [..., V] float32 logits (the sampler's path; see `vocab_logits`)."""
-        return vocab_logits(hidden, self.unembedding(), self.cfg.compute_dtype)
+        return vocab_logits(hidden, self.unembedding(), self.cfg.compute_dtype, self.unembedding_scale())
 
     def __call__(
         self,
@@ -391,7 +411,7 @@ class LLM(nnx.Module):
             return dense_attention(cfg.attention, q, k, v, slot_mask(query_slots, kv_mask))
 
         cos, sin = rope_cos_sin(cfg, positions)
-        x = jnp.take(self.embed[...], tokens, axis=0).astype(cdt)  # [B, T, D]
+        x = self.embedded(tokens)  # [B, T, D]
 
         def layer(carry, p, index, replay):
             x, cache = carry

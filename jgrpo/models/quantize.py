@@ -41,8 +41,13 @@ def is_scale(name: str) -> bool:
 def quantize_weight(w: jax.Array, contract: int) -> tuple[jax.Array, jax.Array]:
     """W [L, *in, *out] (`contract` input dims after the layer axis) -> (int8 values, float32 scales
     [L, 1.., *out]) with W ~= values * scales. An all-zero channel gets scale 1 (values 0): finite, exact."""
+    return quantize_over(w, tuple(range(1, 1 + contract)))
+
+
+def quantize_over(w: jax.Array, axes: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
+    """Symmetric int8 with one scale per index of the axes not in `axes` (absmax over `axes` / 127)."""
     w32 = w.astype(jnp.float32)
-    absmax = jnp.max(jnp.abs(w32), axis=tuple(range(1, 1 + contract)), keepdims=True)
+    absmax = jnp.max(jnp.abs(w32), axis=axes, keepdims=True)
     scale = jnp.where(absmax > 0, absmax / INT8_MAX, 1.0)
     values = jnp.clip(jnp.round(w32 / scale), -INT8_MAX, INT8_MAX).astype(jnp.int8)
     return values, scale
@@ -53,9 +58,18 @@ def dequantize(values: jax.Array, scale: jax.Array) -> jax.Array:
     return values.astype(jnp.float32) * scale
 
 
-def scale_shapes(base_shapes: dict[tuple[str, ...], tuple[int, ...]]) -> dict[tuple[str, ...], tuple[int, ...]]:
+# Per-vocabulary-row scales of int8 embeddings (`sampler.quantize_embeddings`): they serve the lookup and the
+# lm_head alike (tied or not). Path -> (the reduced axis, the scale's logical axes).
+EMBEDDING_SCALES = {("embed",): (1, ("vocab", None)), ("lm_head",): (0, (None, "vocab"))}
+
+
+def scale_shapes(base_shapes: dict[tuple[str, ...], tuple[int, ...]],
+                 embeddings: bool = False) -> dict[tuple[str, ...], tuple[int, ...]]:
     """The scale leaves' shapes of an int8 copy, from the base weights' (`llm.param_shapes_by_path`)."""
     shapes = {}
+    for path, (axis, _) in EMBEDDING_SCALES.items():
+        if embeddings and path in base_shapes:
+            shapes[(scale_name(path[0]),)] = tuple(1 if i == axis else n for i, n in enumerate(base_shapes[path]))
     for name in PROJECTIONS:
         if ("layers", name) in base_shapes:
             layers, *dims = base_shapes[("layers", name)]
@@ -66,31 +80,49 @@ def scale_shapes(base_shapes: dict[tuple[str, ...], tuple[int, ...]]) -> dict[tu
 
 def scale_logical_axes(weight_axes: dict[tuple[str, ...], tuple[str, ...]]) -> dict:
     """Logical axes of each scale leaf: its projection's output axes (the kept input dims are replicated)."""
-    return {("layers", scale_name(name)): ("layers", *(None,) * inputs_of(name), *axes[1 + inputs_of(name):])
-            for name in PROJECTIONS for axes in [weight_axes[("layers", name)]]}
+    projections = {("layers", scale_name(name)): ("layers", *(None,) * inputs_of(name), *axes[1 + inputs_of(name):])
+                   for name in PROJECTIONS for axes in [weight_axes[("layers", name)]]}
+    return projections | {(scale_name(path[0]),): axes for path, (_, axes) in EMBEDDING_SCALES.items()}
 
 
 def check_int8(cfg) -> None:
     """An int8 copy of a mixture of experts is refused: its grouped expert matmuls take float weights only."""
+    if cfg.int8_embeddings and not cfg.int8_weights:
+        raise ValueError("int8 embeddings come with int8 weights (the projections quantized too)")
     if cfg.int8_weights and cfg.num_experts:
         raise ValueError("int8 weights on a mixture of experts are not supported: the grouped expert matmuls "
                          "(model.moe_impl) take float weights only")
 
 
-def with_int8(cfg):
-    """The model config (an `llm.LLMConfig`) whose layers hold int8 projections and their scales."""
-    return dataclasses.replace(cfg, int8_weights=True)
+def with_int8(cfg, embeddings: bool = False):
+    """The model config (an `llm.LLMConfig`) whose layers hold int8 projections and their scales (and with
+    `embeddings` an int8 embedding and lm_head)."""
+    return dataclasses.replace(cfg, int8_weights=True, int8_embeddings=embeddings)
+
+
+def quantized(params: dict) -> tuple[bool, bool]:
+    """(the projections are int8, the embeddings are int8): what kind of copy `params` are."""
+    return any(is_scale(name) for name in params.get("layers", {})), scale_name("embed") in params
 
 
 def is_quantized(params: dict) -> bool:
-    return any(is_scale(name) for name in params.get("layers", {}))
+    return any(quantized(params))
 
 
 def without_scales(params: dict) -> dict:
     """The params' structure without the scale leaves: what a float model of the same shapes holds."""
     if not is_quantized(params):
         return params
-    return {**params, "layers": {k: v for k, v in params["layers"].items() if not is_scale(k)}}
+    kept = {k: v for k, v in params.items() if not is_scale(k)}
+    return {**kept, "layers": {k: v for k, v in params["layers"].items() if not is_scale(k)}}
+
+
+def lookup(embed: jax.Array, tokens: jax.Array, compute_dtype, scale: jax.Array | None = None) -> jax.Array:
+    """The embedding rows of `tokens` in the compute dtype (int8 rows times their row scale)."""
+    rows = jnp.take(embed, tokens, axis=0)
+    if scale is not None:
+        rows = rows.astype(jnp.float32) * jnp.take(scale, tokens, axis=0)
+    return rows.astype(compute_dtype)
 
 
 def compute_weights(layer: dict[str, jax.Array], compute_dtype) -> dict[str, jax.Array]:
@@ -107,11 +139,15 @@ def cast_floating(dtype) -> Callable[[dict], dict]:
         lambda x: x.astype(target) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
 
 
-def quantize_params(params: dict, compute_dtype) -> dict:
+def quantize_params(params: dict, compute_dtype, embeddings: bool = False) -> dict:
     """The int8 copy: each projection present (a LoRA base has them, its adapters do not) as values and scales,
-    every other floating leaf in the compute dtype."""
+    with `embeddings` the embedding and lm_head too (per vocabulary row), every other floating leaf in the
+    compute dtype."""
     layers = params.get("layers", {})
     out = cast_floating(compute_dtype)(params)
+    for (name,), (axis, _) in EMBEDDING_SCALES.items():
+        if embeddings and name in params:
+            out[name], out[scale_name(name)] = quantize_over(params[name], (axis,))
     quantized = dict(out.get("layers", {}))
     for name in PROJECTIONS:
         if name in layers:
@@ -119,8 +155,9 @@ def quantize_params(params: dict, compute_dtype) -> dict:
     return {**out, "layers": quantized} if "layers" in params else out
 
 
-def sampler_copy(weights_dtype: str, compute_dtype) -> Callable[[dict], dict]:
-    """params -> the sampler's copy in `sampler.weights_dtype`: a cast, or `quantize_params`."""
+def sampler_copy(weights_dtype: str, compute_dtype, embeddings: bool = False) -> Callable[[dict], dict]:
+    """params -> the sampler's copy in `sampler.weights_dtype`: a cast, or `quantize_params` (`embeddings`:
+    `sampler.quantize_embeddings`)."""
     if weights_dtype == "int8":
-        return lambda params: quantize_params(params, compute_dtype)
+        return lambda params: quantize_params(params, compute_dtype, embeddings)
     return cast_floating(weights_dtype)

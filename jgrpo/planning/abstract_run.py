@@ -140,14 +140,15 @@ def abstract_run(config: Config, devices: list, *, train_rules: Rules = TRAIN_RU
     graphdef, shapes = abstract_model(cfg)
     axes = param_logical_axes(shapes)
     params = _abstract(shapes, logical_shardings(axes, mesh, train_rules, shapes=shapes))
-    copied = jax.eval_shape(sampler_copy(c.sampler.weights_dtype, m.compute_dtype), shapes)  # cast or int8
+    convert = sampler_copy(c.sampler.weights_dtype, m.compute_dtype, c.sampler.quantize_embeddings)  # cast or int8
+    copied = jax.eval_shape(convert, shapes)
     sample_params = _abstract(copied, logical_shardings(param_logical_axes(copied), mesh, sample_rules,
                                                         shapes=copied))
     base = sample_base = None
     if m.lora.rank:  # what trains is the adapters; the base is frozen and held once per distinct layout
         (params, base), sample_params = split_adapters(params), split_adapters(sample_params)[0]
         shapes = split_adapters(shapes)[0]
-        layout = sample_layout(base, mesh, c.sampler.weights_dtype, m.compute_dtype, sample_rules)  # as the trainer
+        layout = sample_layout(base, mesh, c.sampler, m.compute_dtype, sample_rules)  # as the trainer decides
         if layout is not None:
             shardings, convert = layout
             copied_base = base if convert is None else jax.eval_shape(convert, base)
@@ -240,7 +241,7 @@ def _sampling_programs(config, run: AbstractRun, resident, shape, rules, wanted)
                                      resident.get("behaviour", 0) + sampling_base)
     if "behaviour" in wanted:
         copy = param_copier(jax.tree.map(lambda x: x.sharding, run.sample_params),
-                            sampler_copy(c.sampler.weights_dtype, c.model.compute_dtype))
+                            sampler_copy(c.sampler.weights_dtype, c.model.compute_dtype, c.sampler.quantize_embeddings))
         # Adaptive v plans for the worst case, a refresh every iteration.
         every = g.behaviour_refresh if isinstance(g.behaviour_refresh, int) else 1
         every = c.rollout.publish_every if c.rollout.mode == "async" else every

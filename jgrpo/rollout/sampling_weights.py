@@ -55,7 +55,8 @@ class SamplingWeights:
         self.config, self.frozen = config, frozen
         self.copy_kind = sampling_copy(config)
         # The sampler's copy: cast to `sampler.weights_dtype`, or int8 values and scales (models/quantize.py).
-        self.convert = sampler_copy(config.sampler.weights_dtype, config.model.compute_dtype)
+        self.convert = sampler_copy(config.sampler.weights_dtype, config.model.compute_dtype,
+                                    config.sampler.quantize_embeddings)
         copied = jax.eval_shape(self.convert, params)
         self.shardings = logical_shardings(param_logical_axes(copied), sample_mesh, SAMPLE_RULES, shapes=copied)
         # v = 1 in the weights' own dtype: the current params, resharded (no conversion).

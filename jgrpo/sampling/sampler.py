@@ -36,7 +36,7 @@ from jax.sharding import Mesh
 from jgrpo.config import SamplerConfig
 from jgrpo.models.attention_backends import mesh_context_factory
 from jgrpo.models.llm import abstract_model, model_config, param_logical_axes
-from jgrpo.models.quantize import is_quantized, with_int8, without_scales
+from jgrpo.models.quantize import quantized, with_int8, without_scales
 from jgrpo.parallel.mesh import SAMPLE_RULES, Rules, logical_shardings, replicated
 from jgrpo.sampling import turns
 from jgrpo.sampling.layout import plan_and_layout, platform
@@ -216,11 +216,13 @@ class Sampler:
         """(graphdef, config) of the model `params` are: the sampler's own, or its int8 form for an int8 copy
         (`sampler.weights_dtype: int8`, models/quantize.py), so one sampler runs float and int8 params alike."""
         cfg = self.cfg or model_config(self.graphdef, without_scales(params))
-        if not is_quantized(params):
+        projections, embeddings = quantized(params)
+        if not projections:
             return self.graphdef, cfg
-        key = ("int8", cfg)
+        key = ("int8", cfg, embeddings)
         if key not in self._derived:
-            self._derived[key] = (abstract_model(with_int8(cfg))[0], with_int8(cfg))
+            int8 = with_int8(cfg, embeddings)
+            self._derived[key] = (abstract_model(int8)[0], int8)
         return self._derived[key]
 
     def _graphdef(self, params):

@@ -127,8 +127,7 @@ class Trainer:
             lora=(m.lora.rank, m.lora.alpha, m.lora.targets), seed=c.run.seed,
         )
         # With LoRA the params that train (and every policy's own copy) are the adapters; the base is frozen.
-        params, self.frozen = FrozenBase.split(params, m.lora.rank > 0, self.mesh, c.sampler.weights_dtype,
-                                              m.compute_dtype)
+        params, self.frozen = FrozenBase.split(params, m.lora.rank > 0, self.mesh, c.sampler, m.compute_dtype)
         self.sampler = Sampler.from_config(c.sampler, graphdef=self.graphdef, num_samples=c.grpo.num_generations,
                                            stop_ids=stop_ids_for(self.tokenizer, c.sampler.stop_token_ids),
                                            pad_id=pad_id_for(self.tokenizer), mesh=self.sample_mesh,

@@ -24,6 +24,7 @@ from tests.models.test_model_cache import CFG, MOE_CFG
 
 
 def test_round_trip_is_within_half_a_scale_step_per_channel_and_a_zero_channel_stays_finite():
+    # Embeddings (per vocabulary row, tests below) go through the same quantize_over.
     rng = np.random.default_rng(0)
     w = rng.normal(size=(3, 8, 4, 5)).astype(np.float32) * rng.uniform(0.01, 10, size=(3, 1, 4, 5))  # o-like: 2 ins
     w[1, :, :, 2] = 0.0  # one all-zero output channel
@@ -60,15 +61,25 @@ def _logprobs(model, prompts, out, G):
     return np.take_along_axis(np.asarray(logprobs), np.asarray(out.tokens)[..., None], -1)[..., 0]
 
 
-@pytest.mark.parametrize("decode_layers", ["unrolled", "scanned"])
-def test_the_int8_samplers_logprobs_are_the_dequantized_models(decode_layers):
+def _dequantized(params, copy):
+    """`params` with every int8 leaf of `copy` replaced by its dequantized value (the model the copy stands for)."""
+    layers = {n: dequantize(copy["layers"][n], copy["layers"][scale_name(n)]) for n in PROJECTIONS}
+    top = {n: dequantize(copy[n], copy[scale_name(n)]) for n in ("embed", "lm_head") if scale_name(n) in copy}
+    return {**params, **top, "layers": {**params["layers"], **layers}}
+
+
+@pytest.mark.parametrize(("decode_layers", "embeddings", "tied"), [
+    ("unrolled", False, False), ("scanned", False, False), ("unrolled", True, False), ("scanned", True, True)])
+def test_the_int8_samplers_logprobs_are_the_dequantized_models(decode_layers, embeddings, tied):
     # Float32 compute: what an int8 copy samples is exactly the model whose weights are the dequantized values,
-    # and that model differs from the float one by more than the float sampler does.
-    graphdef, params = split_model(LLM(CFG, rngs=nnx.Rngs(0)))
-    quantized = sampler_copy("int8", "float32")(params)
+    # and that model differs from the float one by more than the float sampler does. With quantize_embeddings the
+    # lookup and the lm_head (tied: the embedding's row scales serve both) are int8 too.
+    cfg = dataclasses.replace(CFG, tie_word_embeddings=tied)
+    graphdef, params = split_model(LLM(cfg, rngs=nnx.Rngs(0)))
+    quantized = sampler_copy("int8", "float32", embeddings)(params)
     assert {scale_name(n) for n in PROJECTIONS} <= set(quantized["layers"])
-    dequantized = {**params, "layers": {**params["layers"], **{
-        n: dequantize(quantized["layers"][n], quantized["layers"][scale_name(n)]) for n in PROJECTIONS}}}
+    assert (quantized["embed"].dtype == jnp.int8) == embeddings and ("lm_head_scale" in quantized) == (embeddings
+                                                                                                      and not tied)
     rng = np.random.default_rng(0)
     mask = np.arange(6)[None] >= np.array([[0], [3]])  # real lengths 6 and 3
     prompts = Prompts(np.where(mask, rng.integers(1, CFG.vocab_size, (2, 6)), 0).astype(np.int32), mask)
@@ -77,8 +88,8 @@ def test_the_int8_samplers_logprobs_are_the_dequantized_models(decode_layers):
                       decode_layers=decode_layers)
     out = jax.device_get(sampler.generate(quantized, prompts, jax.random.key(0)))  # the same sampler, int8 params
     drawn = out.completion_mask
-    gap = np.abs(_logprobs(merge_model(graphdef, dequantized), prompts, out, G) - out.logprobs)[drawn]
-    assert gap.max() <= 1e-4
+    dequantized = merge_model(graphdef, _dequantized(params, quantized))
+    assert np.abs(_logprobs(dequantized, prompts, out, G) - out.logprobs)[drawn].max() <= 1e-4
     float_out = jax.device_get(sampler.generate(params, prompts, jax.random.key(0)))  # and float params after it
     float_gap = np.abs(_logprobs(merge_model(graphdef, params), prompts, float_out, G) - float_out.logprobs)
     quantization = np.abs(_logprobs(merge_model(graphdef, params), prompts, out, G) - out.logprobs)[drawn]
@@ -102,3 +113,14 @@ def test_the_int8_copy_keeps_norms_biases_embeddings_and_adapters_float_in_the_c
 def test_an_int8_mixture_of_experts_is_refused_naming_the_reason():
     with pytest.raises(ValueError, match="int8 weights on a mixture of experts"):
         with_int8(MOE_CFG)
+
+
+def test_quantized_embeddings_need_int8_weights_and_an_unknown_dtype_lists_the_values():
+    from jgrpo.config import ConfigError
+    from jgrpo.config.loading import load_config
+
+    with pytest.raises(ConfigError, match=r"sampler.quantize_embeddings=True .* sampler.weights_dtype=bfloat16"):
+        load_config("configs/tiny.yaml", ["sampler.quantize_embeddings=true", "sampler.weights_dtype=bfloat16"])
+    with pytest.raises(ConfigError, match="sampler.weights_dtype='int4' .* 'float32', 'bfloat16', 'int8'"):
+        load_config("configs/tiny.yaml", ["sampler.weights_dtype=int4"])
+

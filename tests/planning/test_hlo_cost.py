@@ -307,20 +307,29 @@ def test_an_int8_sampler_reads_every_projection_as_int8_once_per_decode_step():
     from jgrpo.models.quantize import PROJECTIONS
 
     devices, _ = topology_devices("v5e:2x4")
-    reads = {}
-    for dtype in ("int8", "bfloat16"):
-        config = load_config("configs/tiny.yaml", TINY + [f"sampler.weights_dtype={dtype}"])
+    reads, embedding = {}, {}
+    for variant in ("int8", "bfloat16", "int8+embeddings"):
+        dtype, *embeddings = variant.split("+")
+        config = load_config("configs/tiny.yaml", TINY + [f"sampler.weights_dtype={dtype}",
+                                                          f"sampler.quantize_embeddings={bool(embeddings)}"])
         program = lower_iteration(config, devices, names=("sample",)).programs[0]
         leaves = jax.tree_util.tree_flatten_with_path(program.lowered.args_info[0][0])[0]
         projections = {i for i, (path, _) in enumerate(leaves) if path[-1].key in PROJECTIONS}
         assert len(projections) == len(PROJECTIONS)
-        reads[dtype] = decode_weight_bytes(HloCost(program.lowered.compile().as_text()), projections)
+        cost = HloCost(program.lowered.compile().as_text())
+        reads[variant] = decode_weight_bytes(cost, projections)
+        embed = next(i for i, (path, _) in enumerate(leaves) if path[0].key == "embed")
+        embedding[variant] = decode_weight_bytes(cost, {embed})
 
     def int8_only(read):
         return read.keys() == {"s8"}
 
     assert int8_only(reads["int8"]) and reads["int8"]["s8"] == _TINY_PROJECTIONS  # each int8 byte once a step
     assert not int8_only(reads["bfloat16"]) and reads["bfloat16"].keys() == {"bf16"}
+    # sampler.quantize_embeddings: the tied embedding, which the lm_head reads whole every step, is read as int8;
+    # without it, in the compute dtype.
+    assert int8_only(embedding["int8+embeddings"]) and embedding["int8+embeddings"]["s8"] >= 49152 * 64
+    assert not int8_only(embedding["int8"]) and embedding["int8"]["bf16"] >= 49152 * 64 * 2
 
 
 def test_continuous_decode_loops_are_bounded_by_the_worst_case_and_copy_free():
