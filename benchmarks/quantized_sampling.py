@@ -3,14 +3,15 @@ from the trained weights', what the copy costs, how fast the CPU decodes.
 
 The quickstart (configs/quickstart.yaml: SmolLM2-135M-Instruct on 2-digit sums, float32 compute) with
 `grpo.behaviour_refresh=1`, so that every iteration makes the sampler's copy of the current params (a cast, or
-int8 quantization: `sampler.weights_dtype`), for `--iterations` iterations with the same seed (the same keys and,
-at iteration 1, the same params) for each dtype. Per dtype, over the iterations after the first (which compiles):
+int8 quantization: `sampler.weights_dtype`; `int8+embeddings` with `sampler.quantize_embeddings`), for
+`--iterations` iterations with the same seed (the same keys and, at iteration 1, the same params) for each. Per
+variant, over the iterations after the first (which compiles):
 `mismatch/logprob_mean` / `_max`, |lp - lp_alpha| between the float32 trainer forward and the sampler on the
 sampled tokens (the first update of each iteration runs at the params that sampled); the copy's seconds
 (`time/weight_sync`) against the update's (`time/update`; target <= 5%); decoded tokens per second
 (`time/sample`, reported only: the CPU multiplies in float32 whatever the weights are stored in).
 
-    python benchmarks/quantized_sampling.py [--iterations 4] [--dtypes float32,bfloat16,int8]
+    python benchmarks/quantized_sampling.py [--iterations 4] [--weights float32,bfloat16,int8,int8+embeddings]
 
 Prints a table, then one JSON line with every figure.
 """
@@ -27,12 +28,14 @@ import jgrpo  # noqa: F401 - first: it keeps jax on the CPU quietly where libtpu
 from jgrpo.config.errors import exits_on_user_error
 
 
-def run(dtype: str, iterations: int, run_dir: Path) -> dict:
+def run(variant: str, iterations: int, run_dir: Path) -> dict:
     from jgrpo.config.loading import load_config
     from jgrpo.training.trainer import Trainer
 
+    dtype, *embeddings = variant.split("+")  # e.g. int8+embeddings: sampler.quantize_embeddings too
     config = load_config("configs/quickstart.yaml", [
-        f"sampler.weights_dtype={dtype}", "grpo.behaviour_refresh=1", f"run.iterations={iterations}",
+        f"sampler.weights_dtype={dtype}", f"sampler.quantize_embeddings={bool(embeddings)}",
+        "grpo.behaviour_refresh=1", f"run.iterations={iterations}",
         "run.eval_before=false", "run.eval_every=0", "checkpoint.every=0", "logging.samples_every=0",
         "logging.tensorboard=false", f"run.output_dir={run_dir}"])
     trainer = Trainer(config)
@@ -46,7 +49,7 @@ def run(dtype: str, iterations: int, run_dir: Path) -> dict:
         return statistics.median(r[key] for r in records)
 
     tokens = [r["completion/length_mean"] * rows / r["time/sample"] for r in records]
-    return {"dtype": dtype, "lp_mismatch_mean": statistics.mean(r["mismatch/logprob_mean"] for r in records),
+    return {"weights": variant, "lp_mismatch_mean": statistics.mean(r["mismatch/logprob_mean"] for r in records),
             "lp_mismatch_max": max(r["mismatch/logprob_max"] for r in records),
             "copy_s": median("time/weight_sync"), "update_s": median("time/update"),
             "copy_over_update": median("time/weight_sync") / median("time/update"),
@@ -57,14 +60,14 @@ def run(dtype: str, iterations: int, run_dir: Path) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--iterations", type=int, default=4)
-    p.add_argument("--dtypes", default="float32,bfloat16,int8")
+    p.add_argument("--weights", default="float32,bfloat16,int8,int8+embeddings")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        results = [run(dtype, args.iterations, Path(tmp) / dtype) for dtype in args.dtypes.split(",")]
-    print(f"{'weights':10} {'mean |lp - lp_alpha|':>21} {'max':>9} {'copy s':>8} {'update s':>9} {'copy/update':>12} "
+        results = [run(variant, args.iterations, Path(tmp) / variant) for variant in args.weights.split(",")]
+    print(f"{'weights':16} {'mean |lp - lp_alpha|':>21} {'max':>9} {'copy s':>8} {'update s':>9} {'copy/update':>12} "
           f"{'decode tok/s':>13}")
     for r in results:
-        print(f"{r['dtype']:10} {r['lp_mismatch_mean']:21.2e} {r['lp_mismatch_max']:9.2e} {r['copy_s']:8.3f} "
+        print(f"{r['weights']:16} {r['lp_mismatch_mean']:21.2e} {r['lp_mismatch_max']:9.2e} {r['copy_s']:8.3f} "
               f"{r['update_s']:9.3f} {r['copy_over_update']:12.1%} {r['decode_tokens_per_s']:13.0f}")
     print(json.dumps({"quantized_sampling": results}))
 

@@ -37,7 +37,7 @@ def moe_layer_count(cfg) -> int:
 
 
 def _family(name: str) -> str:
-    """"moe", "dense_mlp" or "every": which layers a weight (or its LoRA adapter) is stacked over."""
+    """"moe", "dense_mlp" or "every": which layers a weight (or its adapter, its int8 scale) is stacked over."""
     for suffix in _SUFFIXES:
         name = name.removesuffix(suffix)
     if name in MOE_WEIGHTS:

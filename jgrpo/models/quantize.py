@@ -3,10 +3,14 @@
 `sampler.weights_dtype: int8` quantizes every layer projection W [L, *in, *out] (q, k, v, o, gate, up, down)
 symmetrically: one float32 scale per output channel, absmax over the input dims / 127, kept as a leaf
 `<name>_scale` [L, 1.., *out] beside the int8 values (the input dims kept as 1s, so it shards like W's output
-axes). Norms, biases, embeddings and LoRA adapters stay float, in the compute dtype. A projection then computes
-(x @ q) * scale (`matmul.dense`), q converted to the compute dtype inside the matmul: a decode step reads one
-byte per weight. A LLMConfig with `int8_weights` declares the scale leaves, so the same model code runs either
-copy; the trainer never sees one (only the sampler's copies are quantized).
+axes). Norms, biases and LoRA adapters stay float, in the compute dtype, and so do the embedding and lm_head
+unless `sampler.quantize_embeddings` (then int8 with one scale per vocabulary row, serving the lookup and the
+logits, tied or not). A projection then computes (x @ q) * scale (`matmul.dense`), q converted to the compute
+dtype inside the matmul: a decode step reads one byte per weight. A LLMConfig with `int8_weights` (and
+`int8_embeddings`) declares the scale leaves, so the same model code runs either copy, and the sampler picks that
+config from the params it is given; the trainer never sees one (only the sampler's copies are quantized). On a
+TPU the decode unrolls its layers for int8 (`decode.DECODE_LAYERS_AUTO_INT8`: the scanned one re-lays out the
+int8 stacks inside the layer loop).
 
 Why not qwix (Google's quantization library): its weight-only rule is the same arithmetic (a bf16 x s8
 dot_general, the per-channel scale on the output), but its providers intercept Flax module calls, and our
@@ -24,7 +28,6 @@ import jax.numpy as jnp
 
 from jgrpo.models.lora import LORA_TARGETS, inputs_of
 
-WEIGHTS_DTYPES = ("float32", "bfloat16", "int8")
 PROJECTIONS = LORA_TARGETS  # every layer projection (the experts of a mixture stay out: see `check_int8`)
 SCALE = "_scale"
 INT8_MAX = 127
