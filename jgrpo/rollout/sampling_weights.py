@@ -23,7 +23,7 @@ import jax
 
 from jgrpo.models.llm import param_logical_axes
 from jgrpo.models.quantize import sampler_copy
-from jgrpo.parallel.mesh import SAMPLE_RULES, logical_shardings, param_copier
+from jgrpo.parallel.mesh import SAMPLE_RULES, logical_shardings, mesh_platform, param_copier
 from jgrpo.rl.behaviour_refresh import RefreshPolicy
 
 log = logging.getLogger(__name__)
@@ -64,8 +64,13 @@ class SamplingWeights:
         # A real copy (new buffers) even where the two layouts agree: the current params get donated.
         self.copy = param_copier(self.shardings, self.convert, other_devices=sample_mesh is not train_mesh)
         self.policy = RefreshPolicy(config.grpo)
-        g = config.grpo
-        if config.sampler.weights_dtype == "int8" and g.truncated_is == "none" and g.masked_is == "none":
+        g, int8 = config.grpo, config.sampler.weights_dtype == "int8"
+        if int8 and config.sampler.decode_layers == "scanned" and mesh_platform(sample_mesh) == "tpu":
+            log.warning("sampler.weights_dtype=int8 with sampler.decode_layers=scanned on a TPU: XLA re-lays out each "
+                        "int8 weight stack inside the layer loop, so a decode step reads every layer's weights L "
+                        "times; sampler.decode_layers: auto (unrolled for int8) reads them once "
+                        "(docs/configuration.md)")
+        if int8 and g.truncated_is == "none" and g.masked_is == "none":
             log.warning("sampler.weights_dtype=int8 samples from a quantized copy of the policy, whose log-probs "
                         "differ from the trained weights' (mismatch/logprob_mean), and no correction is set: "
                         "grpo.truncated_is=none and grpo.masked_is=none. Set grpo.masked_is: token (or "
