@@ -53,7 +53,6 @@ def forward_shared_prompts(
     completion_valid = jnp.concatenate([jnp.repeat(prompt_mask, G, axis=0), completion_mask.astype(bool)], axis=1)
     prompt_rope = rope_cos_sin(cfg, position_ids_from_mask(prompt_mask))
     completion_rope = rope_cos_sin(cfg, completion_positions)
-    embed = model.embed[...]
 
     def layer(carry, p, index, replay):
         xp, xc = carry  # [Bp, P, D], [R, N, D]
@@ -71,7 +70,7 @@ def forward_shared_prompts(
             return (xp, xc), None
         return (xp, xc), ((ids_p, ids_c), stats_p.scaled(G) + stats_c)
 
-    carry = (jnp.take(embed, prompt_tokens, axis=0).astype(cdt), jnp.take(embed, completion_tokens, axis=0).astype(cdt))
+    carry = (model.embedded(prompt_tokens), model.embedded(completion_tokens))
     per_layer = None if routing is None else tuple(jnp.moveaxis(r, 2, 0) for r in routing)  # [L, ...]
     (xp, xc), routed = scan_layers(cfg, layer, carry, model.layers.arrays(), per_layer, cfg.remat)
     ids, stats = (None, None) if routed is None else routed
