@@ -84,9 +84,13 @@ def report_lines(topology: str, chip: Chip, plan: dict, hbm_gib: float) -> list[
                  f"(training step alone <= {speed['update_mfu']:.1%})")
     sample = next((p for p in plan["programs"] if p["name"] == "sample"), None)
     if sample and sample.get("step_bytes"):
-        weights = ", ".join(f"{n / 1e9:.3f} GB {dtype}" for dtype, n in sample.get("decode_weight_bytes", {}).items())
+        def by_dtype(field):
+            return ", ".join(f"{n / 1e9:.3f} GB {dtype}" for dtype, n in sample.get(field, {}).items())
+
+        weights, cache = by_dtype("decode_weight_bytes"), by_dtype("decode_cache_bytes")
         lines.append(f"sampler: the last decode step reads {sample['step_bytes'] / 1e9:.3f} GB of HBM per chip"
-                     + (f"; of the weights: {weights}" if weights else ""))
+                     + (f"; of the weights: {weights}" if weights else "")
+                     + (f"; of the KV cache: {cache}" if cache else ""))
     return lines
 
 

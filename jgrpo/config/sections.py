@@ -125,6 +125,12 @@ class SamplerConfig:
     # With int8 weights, the input embedding and the lm_head int8 too (one scale per vocabulary row, tied or not):
     # for a small model they are a large share of what a decode step reads (Qwen2.5-0.5B: 0.27 of 0.99 GB).
     quantize_embeddings: bool = False
+    # The sampler's KV cache: auto = model.compute_dtype (as the trainer's forward computes keys and values), or
+    # float32, bfloat16, int8 (keys and values with one scale per token and KV head, models/kv_quant.py). On a
+    # long-context run the cache is most of what a decode step reads (DeepScaleR 1.5B, v5e: 4.2 of 7.3 GB at its
+    # last step); int8 reads a quarter of float32's bytes, half of bf16's. Like int8 weights it makes the sampler
+    # another policy (set grpo.masked_is or grpo.truncated_is); the evaluator keeps the compute dtype.
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "int8"] = "auto"
     # Length of the cache chunks the decode attends to one at a time (one compiled decode loop per chunk);
     # 0 = the sampler's choice: at most 8 chunks, none shorter than 64 slots (`sampler.decode_chunking`).
     decode_chunk: int = 0

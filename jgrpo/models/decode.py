@@ -26,6 +26,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jgrpo.models import kv_quant
 from jgrpo.models.layer_stack import scan_layers
 from jgrpo.models.llm import KVCache, LLMConfig, layer_output, layer_qkv, rms_norm
 from jgrpo.models.quantize import compute_weights, lookup
@@ -35,16 +36,18 @@ from jgrpo.parallel.platform_defaults import resolve
 DECODE_LAYERS = ("unrolled", "scanned")
 # What `sampler.decode_layers: auto` picks by platform (reasons: docs/configuration.md).
 DECODE_LAYERS_AUTO = {"cpu": "unrolled", "tpu": "scanned", "gpu": "scanned", "other": "scanned"}
-# With int8 weights (`sampler.weights_dtype: int8`) a TPU's scanned decode re-lays out each whole int8 stack inside
-# the layer loop (XLA's s8 tiling (32, 128) -> the matmul's (8, 128)): Qwen2.5-0.5B, v5e:2x4, 8.9 GB read per
-# step against 0.73 GB unrolled (docs/configuration.md). GPU: not measured, the float default kept.
+# With int8 weights (`sampler.weights_dtype: int8`) or an int8 KV cache (`sampler.kv_cache_dtype: int8`) a TPU's
+# scanned decode re-lays out each whole int8 stack inside the layer loop (XLA's s8 tiling (32, 128) -> the
+# matmul's (8, 128)): Qwen2.5-0.5B's int8 weights, v5e:2x4, 8.9 GB read per step against 0.73 GB unrolled;
+# DeepScaleR 1.5B's int8 cache, 55.9 GB of s8 at its last step for a 1.9 GB cache (docs/configuration.md). GPU: not
+# measured, the float default kept.
 DECODE_LAYERS_AUTO_INT8 = {**DECODE_LAYERS_AUTO, "tpu": "unrolled"}
 
 
-def resolve_decode_layers(choice: str, platform: str, int8_weights: bool = False) -> str:
-    """`sampler.decode_layers` ("auto", "unrolled" or "scanned") on devices of `platform`, for float or int8
-    weights."""
-    auto = DECODE_LAYERS_AUTO_INT8 if int8_weights else DECODE_LAYERS_AUTO
+def resolve_decode_layers(choice: str, platform: str, int8: bool = False) -> str:
+    """`sampler.decode_layers` ("auto", "unrolled" or "scanned") on devices of `platform`; `int8`: the decode reads
+    int8 weights or an int8 cache."""
+    auto = DECODE_LAYERS_AUTO_INT8 if int8 else DECODE_LAYERS_AUTO
     return resolve("sampler.decode_layers", choice, DECODE_LAYERS, auto, platform)
 
 
@@ -62,12 +65,13 @@ class DecodeCache(NamedTuple):
 def prompt_store(cache: KVCache) -> KVCache:
     """A prefill cache [L, B, P, KVH, Dh] with the kv heads before the slots, [L, B, KVH, P, Dh]: the layout the
     decode cache's prompt segments are copied from (once per slot that takes the prompt)."""
-    return KVCache(jnp.swapaxes(cache.k, 2, 3), jnp.swapaxes(cache.v, 2, 3))
+    return kv_quant.per_part(lambda c: KVCache(jnp.swapaxes(c.k, 2, 3), jnp.swapaxes(c.v, 2, 3)), cache)
 
 
 def decode_cache(prompts: KVCache, chunks: int, chunk_len: int, stacked: bool = False) -> DecodeCache:
     """A DecodeCache whose prompt segments are `prompts` ([L, S, KVH, P, Dh], one prompt per slot, e.g. from
-    `prompt_store` gathered per slot) followed by `chunks` empty chunks of `chunk_len` slots.
+    `prompt_store` gathered per slot) followed by `chunks` empty chunks of `chunk_len` slots, in the prompts'
+    dtype (an int8 cache: `kv_quant.Int8KV` values and scales alike).
 
     `stacked` (for `decode_step_scanned`): one entry whose segments keep the layer axis, [L, S, KVH, S_i, Dh].
     """
@@ -79,25 +83,41 @@ def decode_cache(prompts: KVCache, chunks: int, chunk_len: int, stacked: bool = 
         empty = jnp.zeros(shape[1:], prompt.dtype)
         return tuple((prompt[i],) + (empty,) * chunks for i in range(prompt.shape[0]))
 
-    return DecodeCache(segments(prompts.k), segments(prompts.v))
+    return kv_quant.per_part(lambda p: DecodeCache(segments(p.k), segments(p.v)), prompts)
 
 
-def _attend_one(q: jax.Array, ks: tuple[jax.Array, ...], vs: tuple[jax.Array, ...], allowed: jax.Array) -> jax.Array:
+def _attend_one(q: jax.Array, ks: tuple, vs: tuple, allowed: jax.Array) -> jax.Array:
     """Grouped-query attention of one new token over cache segments.
 
-    q: [B, 1, H, Dh]; ks, vs: segments [B, KVH, S_i, Dh]; allowed: [B, sum S_i] bool. One softmax over all
-    the segments' slots, so this equals attention over their concatenation (without building it).
+    q: [B, 1, H, Dh]; ks, vs: segments [B, KVH, S_i, Dh] in the compute dtype, or `kv_quant.Int8KV`s; allowed:
+    [B, sum S_i] bool. One softmax over all the segments' slots, so this equals attention over their
+    concatenation (without building it). Int8 segments are read as int8: a key's scale multiplies its scores, a
+    value's its probabilities, so the dots take the int8 values (converted inside the dot) and nothing
+    dequantized is built.
     """
     B, _, H, Dh = q.shape
     KVH = ks[0].shape[1]
+    cdt = q.dtype
     q = q.reshape(B, KVH, H // KVH, Dh)
-    scores = jnp.concatenate(
-        [jnp.einsum("bkgd,bksd->bkgs", q, k, preferred_element_type=jnp.float32) for k in ks], axis=-1
-    ) * Dh**-0.5
+
+    def operand(c):  # (the dot's operand, its per-slot scales [B, KVH, 1, S_i] or None)
+        if kv_quant.is_int8(c):
+            return c.values.astype(cdt), jnp.swapaxes(c.scales, 2, 3)
+        return c, None
+
+    def scores_of(k):
+        k, scale = operand(k)
+        s = jnp.einsum("bkgd,bksd->bkgs", q, k, preferred_element_type=jnp.float32)
+        return s if scale is None else s * scale
+
+    scores = jnp.concatenate([scores_of(k) for k in ks], axis=-1) * Dh**-0.5
     scores = jnp.where(allowed[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(vs[0].dtype)
+    probs = jax.nn.softmax(scores, axis=-1)
     bounds = list(itertools.accumulate(v.shape[2] for v in vs))[:-1]
-    out = sum(jnp.einsum("bkgs,bksd->bkgd", p, v) for p, v in zip(jnp.split(probs, bounds, axis=-1), vs, strict=True))
+    out = 0
+    for p, v in zip(jnp.split(probs, bounds, axis=-1), vs, strict=True):
+        v, scale = operand(v)
+        out = out + jnp.einsum("bkgs,bksd->bkgd", (p if scale is None else p * scale).astype(cdt), v)
     return out.reshape(B, 1, H, Dh)
 
 
@@ -109,19 +129,24 @@ def _layer_step(cfg, p, x, cos, sin, allowed, k_segments, v_segments, chunk, off
     residual stream, the segments and the token's experts [B, k] (None for a dense layer)."""
     q, k, v = layer_qkv(cfg, p, x, cos, sin)  # q [B, 1, H, Dh]; k, v [B, 1, KVH, Dh]
     k_segments, v_segments = list(k_segments), list(v_segments)
-    for segments, new in ((k_segments, k), (v_segments, v)):
-        target = segments[1 + chunk]
-        new = jnp.swapaxes(new, 1, 2).astype(target.dtype)
-        start = (0, 0, offset, 0) if layer is None else (layer, 0, 0, offset, 0)
+    start = (0, 0, offset, 0) if layer is None else (layer, 0, 0, offset, 0)
+
+    def write(target, new):  # one part (values or scales) of the chunk, `new` [B, KVH, 1, Dh | 1]
         new = new if layer is None else new[None]
         if keep is not None:
             old = jax.lax.dynamic_slice(target, start, new.shape)
             new = jnp.where(keep.reshape((1,) * (new.ndim - 4) + (-1, 1, 1, 1)), old, new)
-        segments[1 + chunk] = jax.lax.dynamic_update_slice(target, new, start)
+        return jax.lax.dynamic_update_slice(target, new, start)
+
+    for segments, new in ((k_segments, k), (v_segments, v)):
+        target = segments[1 + chunk]
+        new = kv_quant.store(jnp.swapaxes(new, 1, 2), target)
+        segments[1 + chunk] = kv_quant.per_part(write, target, new)
     cdt = jnp.dtype(cfg.compute_dtype)
 
-    def read(c):
-        return (c if layer is None else c[layer]).astype(cdt)
+    def read(c):  # one layer's segment; int8 stays int8 (`_attend_one` reads it as such)
+        c = c if layer is None else kv_quant.per_part(lambda c: c[layer], c)
+        return c if kv_quant.is_int8(c) else c.astype(cdt)
 
     read_k, read_v = (tuple(map(read, segments[:visible + 1])) for segments in (k_segments, v_segments))
     attended = _attend_one(q, read_k, read_v, allowed)

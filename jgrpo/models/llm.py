@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jgrpo.models import kv_quant
 from jgrpo.models.architecture import (  # noqa: F401 - re-exported: callers import the model's config from here
     DTYPES,
     LOGICAL_AXES,
@@ -32,6 +33,7 @@ from jgrpo.models.architecture import (  # noqa: F401 - re-exported: callers imp
     param_shapes_by_path,
 )
 from jgrpo.models.attention_backends import causal_attention, dense_attention, slot_mask
+from jgrpo.models.kv_quant import Int8KV
 from jgrpo.models.layer_stack import scan_layers
 from jgrpo.models.lora import init_adapter, inputs_of, is_adapter, low_rank
 from jgrpo.models.matmul import dense
@@ -41,14 +43,15 @@ from jgrpo.models.rope import apply_rope, rope_cos_sin
 
 
 class KVCache(NamedTuple):
-    k: jax.Array  # [L, B, S, KVH, Dh]
-    v: jax.Array  # [L, B, S, KVH, Dh]
+    k: jax.Array | Int8KV  # [L, B, S, KVH, Dh] (int8: values and per-token scales, models/kv_quant.py)
+    v: jax.Array | Int8KV  # [L, B, S, KVH, Dh]
 
 
 def init_cache(cfg: LLMConfig, batch: int, max_len: int, dtype=None) -> KVCache:
+    """An empty cache in `dtype` (default the compute dtype; "int8": `kv_quant.Int8KV`)."""
     shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
-    dtype = jnp.dtype(dtype or cfg.compute_dtype)
-    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+    dtype = jnp.dtype(dtype or cfg.compute_dtype).name
+    return KVCache(kv_quant.zeros(shape, dtype), kv_quant.zeros(shape, dtype))
 
 
 def position_ids_from_mask(kv_mask: jax.Array) -> jax.Array:
@@ -235,13 +238,13 @@ class LLM(nnx.Module):
             p = compute_weights(p, cdt)
             q, k, v = layer_qkv(cfg, p, x, cos, sin)
             if cache is not None:
-                # Written in place into the carried [L, B, S, KVH, Dh] buffers: no per-step cache copy.
+                # Written in place into the carried [L, B, S, KVH, Dh] buffers: no per-step cache copy. An int8
+                # cache is written quantized and attended dequantized.
                 start = (index, 0, cache_index, 0, 0)
-                cache = KVCache(
-                    jax.lax.dynamic_update_slice(cache.k, k[None].astype(cache.k.dtype), start),
-                    jax.lax.dynamic_update_slice(cache.v, v[None].astype(cache.v.dtype), start),
-                )
-                k, v = cache.k[index].astype(cdt), cache.v[index].astype(cdt)  # [B, S, KVH, Dh]
+                cache = KVCache(*(kv_quant.per_part(lambda c, n: jax.lax.dynamic_update_slice(c, n[None], start),
+                                                    c, kv_quant.store(new, c))
+                                  for c, new in ((cache.k, k), (cache.v, v))))
+                k, v = (kv_quant.load(kv_quant.per_part(lambda c: c[index], c), cdt) for c in cache)  # [B, S, KVH, Dh]
             x, ids, stats = layer_output(cfg, p, x, attend(q, k, v), replay, kv_mask if cache is None else None)
             return (x, cache), (ids, stats)
 

@@ -1,4 +1,5 @@
-"""Which copy of the weights a compiled sampler's decode step reads, and how many bytes of each element type.
+"""Which copy of the weights a compiled sampler's decode step reads, and how many bytes of each element type; and
+how many bytes of its KV cache (`decode_cache_bytes`).
 
 A decode step is HBM-bound: what it reads per token is the sampler's speed. The weights it reads need not be the
 program's arguments: XLA hoists loop-invariant work out of the decode loop (a cast of float32 weights to the
@@ -36,6 +37,7 @@ NONE, WEIGHTS, OTHER = 0, 1, 2
 _NEUTRAL = {"constant", "iota", "partition-id", "replica-id", "after-all"}
 _INDEX = re.compile(r"index=(\d+)")
 _CONCAT_BITCAST = 'custom_call_target="ConcatBitcast"'
+_CACHE_TYPES = {"f32", "bf16", "f16", "s8", "f8e4m3fn", "f8e5m2"}  # a KV cache's element types (int8: with f32 scales)
 
 
 def _join(*taints) -> int:
@@ -95,31 +97,85 @@ class _Flow:
         return state
 
 
+def _decode_loop(cost: HloCost) -> str | None:
+    """The body of the decode loop: the top-level loop with the most trips (None: no loop)."""
+    top = [(ins, body, trips) for ins, body, trips in loops(cost) if ins in cost.computations[cost.entry]]
+    return max(top, key=lambda item: item[2])[1] if top else None
+
+
 def decode_weight_bytes(hlo: str | HloCost, weight_parameters: set[int]) -> dict[str, int]:
     """Bytes of weight values (computed from the entry parameters `weight_parameters` only) one trip of the decode
     loop reads, by element type (any memory space; `FREE_OPCODES` bookkeeping reads nothing). A conditional's
     branches (continuous batching's refill, not a per-token cost) are not counted."""
     cost = hlo if isinstance(hlo, HloCost) else HloCost(hlo)
-    top = [(ins, body, trips) for ins, body, trips in loops(cost) if ins in cost.computations[cost.entry]]
-    if not top:
+    body = _decode_loop(cost)
+    if body is None:
         return {}
     flow = _Flow(cost)
     flow.evaluate(cost.entry, {n: WEIGHTS for n in weight_parameters})
-    _, body, _ = max(top, key=lambda item: item[2])
+
+    def weights(computation: str) -> set[str]:
+        flow.evaluate(computation, {0: flow.loop_state[computation]})  # its values at the loop's fixed point
+        return {name for name, taint in flow.values[computation].items() if taint == WEIGHTS}
+
+    return _reads(cost, body, weights)
+
+
+def decode_cache_bytes(hlo: str | HloCost, weight_parameters: set[int], head_dim: int) -> dict[str, int]:
+    """Bytes of KV cache the last decode step reads (the costliest trip of a top-level loop), by element type:
+    e.g. `{"bf16": ...}`, or with an int8 cache `{"f32": ..., "s8": ...}` (values and their per-token scales). The
+    cache is what the loops carry from trip to trip, not weights, as float or int8 arrays whose last dim is
+    head_dim (keys, values) or 1 (int8 scales), read where they lie or once moved (XLA may merge other dims:
+    [S, KVH, P, Dh] carried as [S, KVH * P, Dh], its scales as [S, KVH * P]). A chunk written in place is not read
+    (`HloCost.parameter_reads`)."""
+    cost = hlo if isinstance(hlo, HloCost) else HloCost(hlo)
+    flow = _Flow(cost)
+    flow.evaluate(cost.entry, {n: WEIGHTS for n in weight_parameters})
+
+    def cache(computation: str) -> set[str]:
+        flow.evaluate(computation, {0: flow.loop_state[computation]})
+        taints = flow.values[computation]
+        carried = {i.name for i in cost.computations[computation] if i.opcode == "parameter"}
+        arrays = {i.name: array_dims(i.type)[0] for i in cost.computations[computation]
+                  if i.opcode == "get-tuple-element" and i.operands[0] in carried and taints[i.name] != WEIGHTS
+                  and len(array_dims(i.type)) == 1 and array_dims(i.type)[0][0] in _CACHE_TYPES}
+        # Int8 scales: [..., 1], or with the 1 dropped as an int8 array's dims but its last ([S, KVH * P]).
+        int8_rows = {dims[:-1] for dtype, dims in arrays.values() if dtype == "s8" and dims[-1:] == (head_dim,)}
+        found = {name for name, (dtype, dims) in arrays.items()
+                 if dims[-1:] == (head_dim,) or (dtype == "f32" and (dims[-1:] == (1,) or dims in int8_rows))}
+        types = {i.name: i.type for i in cost.computations[computation]}
+        for ins in cost.computations[computation]:
+            # The cache after a step's in-place write (a dynamic-update-slice, fused or not: the same array type
+            # out as in), bitcast, or moved ahead of its reader (as weights are).
+            if ins.operands and ins.operands[0] in found and (
+                    array_dims(ins.type) == array_dims(types[ins.operands[0]]) or ins.opcode == "bitcast"
+                    or ins.opcode.endswith(("-start", "-done")) or _CONCAT_BITCAST in ins.attributes):
+                found.add(ins.name)
+        return found
+
+    # The decode loops: the top-level loops with the most trips (the prefill's layer scan has fewer), one per number
+    # of cache chunks read; the last one's step reads the most.
+    top = [(body, trips) for ins, body, trips in loops(cost) if ins in cost.computations[cost.entry]]
+    most = max((trips for _, trips in top), default=0)
+    steps = [_reads(cost, body, cache) for body, trips in top if trips == most]
+    return max(steps, key=lambda reads: sum(reads.values()), default={})
+
+
+def _reads(cost: HloCost, body: str, selected) -> dict[str, int]:
     reads: collections.Counter = collections.Counter()
-    _count(cost, flow, body, 1, reads)
+    _count(cost, body, 1, reads, selected)
     return {dtype: int(n) for dtype, n in sorted(reads.items())}
 
 
-def _count(cost: HloCost, flow: _Flow, computation: str, trips: int, reads: collections.Counter) -> None:
-    """Add what one trip of the loop body `computation` reads of weight values, `trips` times (its own loops
-    counted with their trips)."""
-    flow.evaluate(computation, {0: flow.loop_state[computation]})  # its values at the loop's fixed point
-    values = dict(flow.values[computation])
+def _count(cost: HloCost, computation: str, trips: int, reads: collections.Counter, selected) -> None:
+    """Add what one trip of the loop body `computation` reads of the values `selected(computation)` names, `trips`
+    times (its own loops counted with their trips)."""
+    chosen = selected(computation)
     types = {i.name: i.type for i in cost.computations[computation]}
     for ins in cost.computations[computation]:
         if ins.opcode == "while":
-            _count(cost, flow, called_computations(ins, "body")[0], trips * cost.trip_count(computation, ins), reads)
+            _count(cost, called_computations(ins, "body")[0], trips * cost.trip_count(computation, ins), reads,
+                   selected)
             continue
         # An async copy or slice ("-start" / "-done") moves weights, e.g. into on-chip memory ahead of a matmul: the
         # consumer's read of what it moved is the read (counted at the moved size, once); counting the move too
@@ -128,13 +184,15 @@ def _count(cost: HloCost, flow: _Flow, computation: str, trips: int, reads: coll
         if ins.opcode in FREE_OPCODES or ins.opcode.endswith(("-start", "-done")) or _CONCAT_BITCAST in ins.attributes:
             continue
         for position, operand in enumerate(ins.operands):
-            if values.get(operand) != WEIGHTS or operand not in types:
+            if operand not in chosen or operand not in types:
                 continue
             if ins.opcode == "fusion":
                 fused = called_computations(ins, "calls")[0]
                 params = [p for p in cost.computations[fused] if p.opcode == "parameter"
                           and p.operands == (str(position),)]
                 size = cost.parameter_reads(fused, params[0]) if params else type_bytes(types[operand])
+            elif ins.opcode == "dynamic-update-slice" and position == 0:
+                size = 0  # written in place: only the update is read
             elif ins.opcode in SLICING_OPCODES and position == 0:
                 size = min(type_bytes(types[operand]), type_bytes(ins.type))
             else:

@@ -22,7 +22,7 @@ from jgrpo.config import Config, MeshConfig
 from jgrpo.config.loading import load_config
 from jgrpo.parallel.mesh import SAMPLE_RULES, TRAIN_RULES, Rules
 from jgrpo.planning.abstract_run import Iteration, lower_iteration, parameter_count, program_names
-from jgrpo.planning.decode_reads import decode_weight_bytes
+from jgrpo.planning.decode_reads import decode_cache_bytes, decode_weight_bytes
 from jgrpo.planning.hlo_cost import HloCost
 from jgrpo.planning.hlo_inspect import loops
 from jgrpo.planning.hlo_inspect import summary as loop_summary
@@ -48,6 +48,8 @@ class ProgramReport:
     step_bytes: float = 0.0
     # The sampler's decode step: bytes of the weights it reads, by element type (`decode_reads`), e.g. {"bf16": n}
     decode_weight_bytes: dict = dataclasses.field(default_factory=dict)
+    # and of the KV cache, by element type (`decode_reads.decode_cache_bytes`): {"bf16": n}, int8 {"f32", "s8"}
+    decode_cache_bytes: dict = dataclasses.field(default_factory=dict)
     # XLA's reason when the TPU compiler refused the program for memory (then temp_bytes is what it asked
     # for, and there is no cost: the plan does not fit)
     refused: str = ""
@@ -72,9 +74,11 @@ def refused_bytes(message: str) -> int | None:
     return int(float(match[1]) * 1024 ** " KMGT".index(match[2] or " "))
 
 
-def compile_program(name: str, lowered, resident_argument_bytes: int = 0, runs: float = 1.0) -> ProgramReport:
+def compile_program(name: str, lowered, resident_argument_bytes: int = 0, runs: float = 1.0,
+                    head_dim: int = 0) -> ProgramReport:
     """Compile `lowered` (one of `lower_iteration`'s programs) and measure it (per chip). A program the TPU
-    compiler refuses for memory is reported with the temporaries it asked for (and `refused`), not raised."""
+    compiler refuses for memory is reported with the temporaries it asked for (and `refused`), not raised.
+    `head_dim`: the model's, to find a sampler's KV cache reads (0: not reported)."""
     start = time.perf_counter()
     try:
         compiled = lowered.compile()
@@ -97,19 +101,21 @@ def compile_program(name: str, lowered, resident_argument_bytes: int = 0, runs: 
     return ProgramReport(name, seconds, int(memory.argument_size_in_bytes), int(memory.output_size_in_bytes),
                          int(memory.temp_size_in_bytes), int(memory.alias_size_in_bytes),
                          resident_argument_bytes, cost.flops, cost.bytes, runs, loop_summary(cost), step_bytes,
-                         _decode_weight_bytes(name, lowered, cost))
+                         *_decode_reads(name, lowered, cost, head_dim))
 
 
-def _decode_weight_bytes(name: str, lowered, cost: HloCost) -> dict:
-    """A sampler's (`sample`, `eval`: params first among its arguments) decode-step weight reads by dtype; {} for
-    other programs, or when jit dropped an unused argument (the parameter numbers would not be the leaves')."""
+def _decode_reads(name: str, lowered, cost: HloCost, head_dim: int) -> tuple[dict, dict]:
+    """A sampler's (`sample`, `eval`: params first among its arguments) decode-step weight and cache reads by
+    dtype; {} for other programs, or when jit dropped an unused argument (the parameter numbers would not be the
+    leaves')."""
     if name not in ("sample", "eval"):
-        return {}
+        return {}, {}
     args, _ = lowered.args_info
     entry = [i for i in cost.computations[cost.entry] if i.opcode == "parameter"]
     if len(entry) != len(jax.tree.leaves(args)):
-        return {}
-    return decode_weight_bytes(cost, set(range(len(jax.tree.leaves(args[0])))))
+        return {}, {}
+    weights = set(range(len(jax.tree.leaves(args[0]))))
+    return decode_weight_bytes(cost, weights), decode_cache_bytes(cost, weights, head_dim) if head_dim else {}
 
 
 def _program_key(name: str, config: Config) -> tuple:
@@ -144,7 +150,8 @@ def plan_iteration(config: Config, devices: list, *, train_rules: Rules = TRAIN_
             report = dataclasses.replace(cache[content], resident_argument_bytes=p.resident_argument_bytes,
                                          runs=p.runs)
         else:
-            report = cache[content] = compile_program(p.name, p.lowered, p.resident_argument_bytes, p.runs)
+            report = cache[content] = compile_program(p.name, p.lowered, p.resident_argument_bytes, p.runs,
+                                                      iteration.run.cfg.head_dim)
         cache[_program_key(p.name, config)] = report
     reports = [cache[_program_key(n, config)] for n in program_names(config)]
     return _summarise(config, devices, iteration, reports)

@@ -82,6 +82,7 @@ class Collector:
             else:
                 version = refresh.version if refresh is not None else state.behaviour_version
             timings["weight_sync"] = timings.get("weight_sync", 0.0) + time.perf_counter() - start
+            _add_quantize(timings, self.weights)
             rollout = self.source.first(params, k, state.counters, version)
         g = c.grpo
         if g.dynamic_sampling_rounds:  # DAPO: replace zero-variance groups by newly sampled groups with signal
@@ -135,6 +136,7 @@ class Collector:
             self.producer.publish(jax.block_until_ready(self.weights.published(state)), state.iteration)
         if publishes or refresh is not None:
             timings["weight_sync"] = timings.get("weight_sync", 0.0) + time.perf_counter() - start
+            _add_quantize(timings, self.weights)
         # A request is consumed by refresh_for at once, except after the last iteration (there is no next one).
         return AfterUpdate(refresh, requested if last else 0)
 
@@ -179,3 +181,10 @@ class Collector:
         producer.close()
         return (f"async rollouts: staleness (iterations: batches) {producer.histogram()}; {producer.dropped} "
                 f"dropped as staler than rollout.max_staleness={self.config.rollout.max_staleness}")
+
+
+def _add_quantize(timings: dict, weights) -> None:
+    """`time/quantize`: the int8 copies' seconds since the last report (part of `time/weight_sync`)."""
+    seconds = weights.take_quantize_seconds()
+    if seconds:
+        timings["quantize"] = timings.get("quantize", 0.0) + seconds

@@ -57,6 +57,9 @@ class Evaluator:
         self.scorer = scorer or RewardScorer(config.reward)
         self._own_scorer = scorer is None
         self.scoring = Scoring(tokenizer, self.scorer, config.reward, config.completion_tokens)
+        # The policy itself is evaluated: the compute dtype's KV cache whatever `sampler.kv_cache_dtype` (an int8
+        # cache makes the sampler another policy, as int8 weights, which the evaluator never gets).
+        sampler = sampler.replace(kv_cache_dtype="auto")
         self.modes = {"greedy": sampler.replace(method=SamplingMethod(temperature=0.0), num_samples=1)}
         if config.run.eval_samples:
             self.modes["sampled"] = sampler.replace(num_samples=config.run.eval_samples)

@@ -17,6 +17,7 @@ is one copy across sub-meshes (`time/weight_sync`).
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, NamedTuple
 
 import jax
@@ -62,19 +63,39 @@ class SamplingWeights:
         # v = 1 in the weights' own dtype: the current params, resharded (no conversion).
         self.resharding = logical_shardings(param_logical_axes(params), sample_mesh, SAMPLE_RULES, shapes=params)
         # A real copy (new buffers) even where the two layouts agree: the current params get donated.
-        self.copy = param_copier(self.shardings, self.convert, other_devices=sample_mesh is not train_mesh)
+        copy = param_copier(self.shardings, self.convert, other_devices=sample_mesh is not train_mesh)
+        # int8: the copy is the quantization (with mesh.rollout_devices, and the move of its int8 bytes), timed as
+        # `time/quantize` (part of `time/weight_sync`); `take_quantize_seconds` hands the sum over.
+        self.quantize_seconds = 0.0
+        self.copy = self._timed(copy) if config.sampler.weights_dtype == "int8" else copy
         self.policy = RefreshPolicy(config.grpo)
-        g, int8 = config.grpo, config.sampler.weights_dtype == "int8"
-        if int8 and config.sampler.decode_layers == "scanned" and mesh_platform(sample_mesh) == "tpu":
-            log.warning("sampler.weights_dtype=int8 with sampler.decode_layers=scanned on a TPU: XLA re-lays out each "
-                        "int8 weight stack inside the layer loop, so a decode step reads every layer's weights L "
-                        "times; sampler.decode_layers: auto (unrolled for int8) reads them once "
-                        "(docs/configuration.md)")
-        if int8 and g.truncated_is == "none" and g.masked_is == "none":
-            log.warning("sampler.weights_dtype=int8 samples from a quantized copy of the policy, whose log-probs "
-                        "differ from the trained weights' (mismatch/logprob_mean), and no correction is set: "
-                        "grpo.truncated_is=none and grpo.masked_is=none. Set grpo.masked_is: token (or "
-                        "grpo.truncated_is: token with grpo.off_policy_ratio: current); docs/algorithm.md")
+        g = config.grpo
+        quantized = [f"sampler.{key}=int8" for key in ("weights_dtype", "kv_cache_dtype")
+                     if getattr(config.sampler, key) == "int8"]
+        if quantized and config.sampler.decode_layers == "scanned" and mesh_platform(sample_mesh) == "tpu":
+            log.warning("%s with sampler.decode_layers=scanned on a TPU: XLA re-lays out each int8 stack (weights, "
+                        "cache) inside the layer loop, so a decode step reads every layer's L times; "
+                        "sampler.decode_layers: auto (unrolled for int8) reads them once (docs/configuration.md)",
+                        " and ".join(quantized))
+        if quantized and g.truncated_is == "none" and g.masked_is == "none":
+            log.warning("%s samples from a quantized policy, whose log-probs differ from the trained weights' "
+                        "(mismatch/logprob_mean), and no correction is set: grpo.truncated_is=none and "
+                        "grpo.masked_is=none. Set grpo.masked_is: token (or grpo.truncated_is: token with "
+                        "grpo.off_policy_ratio: current); docs/algorithm.md", " and ".join(quantized))
+
+    def _timed(self, copy):
+        def timed(params):
+            start = time.perf_counter()
+            out = jax.block_until_ready(copy(params))
+            self.quantize_seconds += time.perf_counter() - start
+            return out
+
+        return timed
+
+    def take_quantize_seconds(self) -> float:
+        """Seconds spent quantizing since the last call (0 without int8 weights)."""
+        seconds, self.quantize_seconds = self.quantize_seconds, 0.0
+        return seconds
 
     def for_sampling(self, state, refresh: Refresh | None = None):
         """The params that sample iteration `state.iteration`, in the sampling layout (LoRA: with the sampling

@@ -14,7 +14,9 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jgrpo.models import kv_quant
 from jgrpo.models.decode import DecodeCache, resolve_decode_layers
+from jgrpo.models.kv_quant import resolve_kv_dtype
 from jgrpo.models.layer_stack import moe_layer_count
 from jgrpo.parallel.mesh import Rules, logical_to_spec, mesh_platform, row_sharding
 from jgrpo.sampling.pool import Plan, decode_chunking
@@ -70,11 +72,12 @@ def plan_and_layout(sampler, batch: int, prompt_len: int, cfg, interactive: bool
     chunk_len, chunks = decode_chunking(turn, s.decode_chunk)  # the ring holds one turn
     plan = Plan(rows=rows, num_samples=s.num_samples, max_new_tokens=s.max_new_tokens, slots=slots, queues=queues,
                 chunk_len=chunk_len, chunks=chunks,
-                scanned=resolve_decode_layers(s.decode_layers, platform(s.mesh), cfg.int8_weights) == "scanned",
+                scanned=resolve_decode_layers(s.decode_layers, platform(s.mesh),
+                                              cfg.int8_weights or s.kv_cache_dtype == "int8") == "scanned",
                 stop_ids=tuple(sorted({int(i) for i in s.stop_ids})), pad_id=int(s.pad_id), interactive=interactive,
                 turn_tokens=turn if interactive else 0,
                 append_width=min(s.max_new_tokens, 1 + (s.append_tokens or s.max_new_tokens)) if interactive else 0,
-                routing=routing_record(cfg))
+                routing=routing_record(cfg), kv_dtype=resolve_kv_dtype(s.kv_cache_dtype, cfg.compute_dtype))
     segment = prompt_len + s.max_new_tokens if interactive else prompt_len  # a slot's prompt segment
     if s.mesh is None:
         return plan, None
@@ -114,4 +117,4 @@ def _constrain_cache(cache: DecodeCache, layout: Layout) -> DecodeCache:
                       *(_constrain(c, sharding(layout.chunk_cache, c)) for c in chunks))
                      for prompt, *chunks in per_layer)
 
-    return DecodeCache(segments(cache.k), segments(cache.v))
+    return kv_quant.per_part(lambda c: DecodeCache(segments(c.k), segments(c.v)), cache)

@@ -87,6 +87,8 @@ class Plan(NamedTuple):
     # A mixture of experts records the experts of every position it runs (`SampleOutput.routing`): (layers L,
     # experts per token k, the record's dtype); None for a dense model.
     routing: tuple[int, int, str] | None = None
+    # The KV cache's dtype (`sampler.kv_cache_dtype` resolved): a float dtype, or "int8" (models/kv_quant.py).
+    kv_dtype: str = "float32"
 
     @property
     def rows_per_queue(self) -> int:  # Rq

@@ -105,7 +105,8 @@ class Sampler:
     decode attends to one by one (default: `pool.decode_chunking`'s choice), `decode_layers` whether the decode
     step unrolls the layers or scans them (`models.decode`; "auto": by the platform), `slots` how many rows
     decode at once (None: all of them, static batching; fewer: continuous batching). These change speed and
-    compile time, never the samples. `cfg` is the model's LLMConfig (None: read from the params at each call).
+    compile time, never the samples. `kv_cache_dtype` does change them ("int8": models/kv_quant.py). `cfg` is the
+    model's LLMConfig (None: read from the params at each call).
     """
 
     graphdef: Any
@@ -119,6 +120,7 @@ class Sampler:
     slots: int | None = None
     decode_chunk: int | None = None
     decode_layers: str = "auto"
+    kv_cache_dtype: str = "auto"  # "auto" (the model's compute dtype), "float32", "bfloat16" or "int8"
     cfg: Any = None
     turn_tokens: int | None = None  # the slot interface: tokens a turn may draw (None: max_new_tokens)
     append_tokens: int | None = None  # the slot interface: ids one append may take (None: max_new_tokens)
@@ -140,7 +142,8 @@ class Sampler:
         return cls(graphdef=graphdef, max_new_tokens=config.max_new_tokens,
                    method=SamplingMethod.from_config(config, platform(mesh)), num_samples=num_samples,
                    stop_ids=stop_ids, pad_id=pad_id, mesh=mesh, slots=config.slots or None,
-                   decode_chunk=config.decode_chunk or None, decode_layers=config.decode_layers, cfg=cfg)
+                   decode_chunk=config.decode_chunk or None, decode_layers=config.decode_layers,
+                   kv_cache_dtype=config.kv_cache_dtype, cfg=cfg)
 
     def replace(self, **changes) -> Sampler:
         return dataclasses.replace(self, **changes)

@@ -50,6 +50,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jgrpo.models import kv_quant
 from jgrpo.models.decode import DecodeCache, decode_cache, decode_step_scanned, prompt_store
 from jgrpo.models.decode import decode_step as model_decode_step
 from jgrpo.models.layer_stack import unstack_layers
@@ -113,7 +114,7 @@ def prefill(spec: PoolSpec, model, tokens, mask, key, prompt_index=None) -> Prom
     plan = spec.plan
     B, P = tokens.shape
     with jax.named_scope("prefill"):
-        cache = spec.pin("prefill", init_cache(model.cfg, B, P))
+        cache = spec.pin("prefill", init_cache(model.cfg, B, P, plan.kv_dtype))
         hidden, cache, routing = model.routed(tokens, position_ids_from_mask(mask), mask, cache, 0)
         last_logits = model.logits(hidden[:, -1])  # [B, V]; left padding puts every prompt's end last
         prompts = jnp.asarray(queue_prompts(B, plan.rows, plan.queues, plan.num_samples))  # [Q, W]
@@ -276,7 +277,7 @@ def _copy_prompts(plan: Plan, cache: DecodeCache, store: KVCache, target, prompt
             return ((copy_prompt(prompt_segment, stored), *chunks),)
         return tuple((copy_prompt(segment, stored[i]), *chunks) for i, (segment, *chunks) in enumerate(per_layer))
 
-    return DecodeCache(copy_layers(cache.k, store.k), copy_layers(cache.v, store.v))
+    return kv_quant.per_part(lambda c, s: DecodeCache(copy_layers(c.k, s.k), copy_layers(c.v, s.v)), cache, store)
 
 
 def step(spec: PoolSpec, w: Weights, prompts: PromptStore, pool: Pool, chunk: int, visible: int) -> Pool:

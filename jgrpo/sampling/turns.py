@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jgrpo.models import kv_quant
 from jgrpo.models.decode import DecodeCache
 from jgrpo.models.layer_stack import unstack_layers
 from jgrpo.models.llm import KVCache, merge_model
@@ -202,7 +203,7 @@ def _prefill_turn(spec, store: PromptStore, pool: Pool, w, slot, row, context: K
         fed_ids = jnp.where(jnp.arange(W) <= count, fed + jnp.arange(W), N)  # past them: dropped
         rows = rows._replace(routing=rows.routing.at[q, row, fed_ids].set(experts[0].astype(rows.routing.dtype),
                                                                           mode="drop"))
-    context = KVCache(cache.k[:, :, :P + N], cache.v[:, :, :P + N])
+    context = jax.tree.map(lambda x: x[:, :, :P + N], cache)
     return _next_turn(spec, store, pool, rows, slot, row, length, w.model.logits(hidden[0, count]), mask, context,
                       version)
 
@@ -251,7 +252,7 @@ def _read_context(plan, pool: Pool, slot) -> KVCache:
                                                       axis=2)[:, :, :P + N]
         return jnp.swapaxes(context, 1, 2)[:, None]  # [L, 1, P + N, KVH, Dh]
 
-    return KVCache(read(pool.cache.k), read(pool.cache.v))
+    return kv_quant.per_part(lambda c: KVCache(read(c.k), read(c.v)), pool.cache)
 
 
 @functools.partial(jax.jit, static_argnames=("spec",))
@@ -261,8 +262,6 @@ def _keep(pool: Pool, slot, *, spec: PoolSpec) -> KVCache:
 
 def _write_segment(plan, cache: DecodeCache, context, slot) -> DecodeCache:
     """The prefilled context's keys/values [L, 1, P + N, KVH, Dh] as slot `slot`'s prompt segment, every layer."""
-    k, v = (jnp.swapaxes(x[:, 0], 1, 2) for x in (context.k, context.v))  # [L, KVH, P + N, Dh]
-
     def write(per_layer, new):
         if plan.scanned:
             (segment, *chunks), = per_layer
@@ -270,7 +269,11 @@ def _write_segment(plan, cache: DecodeCache, context, slot) -> DecodeCache:
         return tuple((segment.at[slot].set(new[i].astype(segment.dtype)), *chunks)
                      for i, (segment, *chunks) in enumerate(per_layer))
 
-    return DecodeCache(write(cache.k, k), write(cache.v, v))
+    def write_both(cache, context):
+        k, v = (jnp.swapaxes(x[:, 0], 1, 2) for x in (context.k, context.v))  # [L, KVH, P + N, Dh]
+        return DecodeCache(write(cache.k, k), write(cache.v, v))
+
+    return kv_quant.per_part(write_both, cache, context)
 
 
 def _padded_ids(plan, token_ids, length: int, row: int) -> tuple[np.ndarray, np.int32]:

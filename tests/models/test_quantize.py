@@ -123,4 +123,6 @@ def test_quantized_embeddings_need_int8_weights_and_an_unknown_dtype_lists_the_v
         load_config("configs/tiny.yaml", ["sampler.quantize_embeddings=true", "sampler.weights_dtype=bfloat16"])
     with pytest.raises(ConfigError, match="sampler.weights_dtype='int4' .* 'float32', 'bfloat16', 'int8'"):
         load_config("configs/tiny.yaml", ["sampler.weights_dtype=int4"])
+    with pytest.raises(ConfigError, match="sampler.kv_cache_dtype='int4' .* 'auto', 'float32', 'bfloat16', 'int8'"):
+        load_config("configs/tiny.yaml", ["sampler.kv_cache_dtype=int4"])
 

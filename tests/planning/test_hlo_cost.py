@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as S  # noqa: E402
 from jgrpo.config.loading import load_config  # noqa: E402
 from jgrpo.data import bucketed_length  # noqa: E402
 from jgrpo.plan import abstract_run, lower_iteration, topology_devices  # noqa: E402
-from jgrpo.planning.decode_reads import decode_weight_bytes  # noqa: E402
+from jgrpo.planning.decode_reads import decode_cache_bytes, decode_weight_bytes  # noqa: E402
 from jgrpo.planning.hlo_cost import HloCost, hbm_bytes, type_bytes  # noqa: E402
 from jgrpo.planning.hlo_inspect import big_copies_in_loops, collectives_in_loops, loops  # noqa: E402
 from jgrpo.planning.roofline import forward_flops  # noqa: E402
@@ -330,6 +330,27 @@ def test_an_int8_sampler_reads_every_projection_as_int8_once_per_decode_step():
     # without it, in the compute dtype.
     assert int8_only(embedding["int8+embeddings"]) and embedding["int8+embeddings"]["s8"] >= 49152 * 64
     assert not int8_only(embedding["int8"]) and embedding["int8"]["bf16"] >= 49152 * 64 * 2
+
+
+def test_an_int8_kv_cache_is_read_as_int8_in_the_decode_step():
+    # sampler.kv_cache_dtype=int8 (models/kv_quant.py): the decode step reads the cache's int8 values and their
+    # float32 per-token scales, half the bytes of the bfloat16 cache plus 4 per 16 (head_dim), nothing dequantized
+    # in bfloat16. Positive control: the bfloat16 cache's program fails the same check.
+    devices, _ = topology_devices("v5e:2x4")
+    reads = {}
+    for dtype in ("int8", "bfloat16"):
+        config = load_config("configs/tiny.yaml", TINY + [f"sampler.kv_cache_dtype={dtype}",
+                                                          "sampler.decode_layers=unrolled"])  # int8's TPU default
+        program = lower_iteration(config, devices, names=("sample",)).programs[0]
+        weights = set(range(len(jax.tree.leaves(program.lowered.args_info[0][0]))))
+        reads[dtype] = decode_cache_bytes(HloCost(program.lowered.compile().as_text()), weights, head_dim=16)
+
+    def int8_only(read):
+        return read.keys() == {"s8", "f32"}
+
+    assert int8_only(reads["int8"]) and not int8_only(reads["bfloat16"]) and reads["bfloat16"].keys() == {"bf16"}
+    assert reads["int8"]["s8"] * 2 == reads["bfloat16"]["bf16"] > 0
+    assert reads["int8"]["f32"] == reads["int8"]["s8"] // 16 * 4
 
 
 def test_continuous_decode_loops_are_bounded_by_the_worst_case_and_copy_free():

@@ -1,7 +1,8 @@
-"""GRPO sampling from an int8 copy of the policy (`sampler.weights_dtype: int8`, models/quantize.py) on the tiny
-model: the behaviour copy (v = 4) is int8 values and scales, checkpointed as such, so a resume samples from the
-same weights bit for bit; nothing recompiles after iteration 1; the sampler/trainer mismatch is measured; the
-missing-correction warning is shown once, and not with a correction; LoRA, window and async modes run."""
+"""GRPO sampling from an int8 copy of the policy (`sampler.weights_dtype: int8`, models/quantize.py) with an int8
+KV cache (`sampler.kv_cache_dtype: int8`, models/kv_quant.py) on the tiny model: the behaviour copy (v = 4) is int8
+values and scales, checkpointed as such, so a resume samples from the same weights bit for bit; nothing recompiles
+after iteration 1; the sampler/trainer mismatch is measured; the missing-correction warning is shown once, and not
+with a correction; LoRA, window and async modes run."""
 
 import logging
 
@@ -12,9 +13,10 @@ import pytest
 from jgrpo.training.trainer import Trainer
 from tests.helpers import QUIET, assert_resume_is_bit_exact, tiny_config
 
-INT8_V4 = ("sampler.weights_dtype=int8", "grpo.behaviour_refresh=4", "run.iterations=3", "checkpoint.every=1",
+INT8 = ("sampler.weights_dtype=int8", "sampler.kv_cache_dtype=int8")
+INT8_V4 = (*INT8, "grpo.behaviour_refresh=4", "run.iterations=3", "checkpoint.every=1",
            "checkpoint.keep=3")
-WARNING = "sampler.weights_dtype=int8 samples from a quantized copy"
+WARNING = "sampler.weights_dtype=int8 and sampler.kv_cache_dtype=int8 samples from a quantized policy"
 
 
 def _state(trainer):
@@ -44,6 +46,9 @@ def test_an_int8_behaviour_copy_samples_trains_never_recompiles_and_resumes_bit_
         trainer.close()
     for record in (first, *later):
         assert all(np.isfinite(v) for v in record.values() if isinstance(v, float)), record
+    # The int8 copy, made at iteration 1 (v = 4), is timed as time/quantize within time/weight_sync.
+    assert 0 < first["time/quantize"] <= first["time/weight_sync"]
+    assert all("time/quantize" not in r for r in later)
     # Iteration 1 samples from the int8 copy of the current params: the trainer's float32 forward differs from
     # lp_alpha by the quantization alone (float32 sampling: below 1e-5, tests/models/test_quantize.py).
     assert first["mismatch/logprob_mean"] > 1e-4
@@ -61,7 +66,7 @@ def test_an_int8_behaviour_copy_samples_trains_never_recompiles_and_resumes_bit_
 ])
 def test_int8_sampling_in_every_mode(tmp_path, caplog, overrides):
     with caplog.at_level(logging.WARNING):
-        trainer = Trainer(tiny_config(tmp_path, *QUIET, "sampler.weights_dtype=int8", "run.iterations=2",
+        trainer = Trainer(tiny_config(tmp_path, *QUIET, *INT8, "run.iterations=2",
                                       "checkpoint.every=0", *overrides))
     assert not any(WARNING in r.getMessage() for r in caplog.records)  # a correction is set
     try:
