@@ -97,10 +97,12 @@ class _Flow:
         return state
 
 
-def _decode_loop(cost: HloCost) -> str | None:
-    """The body of the decode loop: the top-level loop with the most trips (None: no loop)."""
-    top = [(ins, body, trips) for ins, body, trips in loops(cost) if ins in cost.computations[cost.entry]]
-    return max(top, key=lambda item: item[2])[1] if top else None
+def _decode_loops(cost: HloCost) -> list[str]:
+    """The bodies of the decode loops: the top-level loops with the most trips (the prefill's layer scan has fewer),
+    one per number of cache chunks a step reads."""
+    top = [(body, trips) for ins, body, trips in loops(cost) if ins in cost.computations[cost.entry]]
+    most = max((trips for _, trips in top), default=0)
+    return [body for body, trips in top if trips == most]
 
 
 def decode_weight_bytes(hlo: str | HloCost, weight_parameters: set[int]) -> dict[str, int]:
@@ -108,8 +110,8 @@ def decode_weight_bytes(hlo: str | HloCost, weight_parameters: set[int]) -> dict
     loop reads, by element type (any memory space; `FREE_OPCODES` bookkeeping reads nothing). A conditional's
     branches (continuous batching's refill, not a per-token cost) are not counted."""
     cost = hlo if isinstance(hlo, HloCost) else HloCost(hlo)
-    body = _decode_loop(cost)
-    if body is None:
+    bodies = _decode_loops(cost)
+    if not bodies:
         return {}
     flow = _Flow(cost)
     flow.evaluate(cost.entry, {n: WEIGHTS for n in weight_parameters})
@@ -118,7 +120,7 @@ def decode_weight_bytes(hlo: str | HloCost, weight_parameters: set[int]) -> dict
         flow.evaluate(computation, {0: flow.loop_state[computation]})  # its values at the loop's fixed point
         return {name for name, taint in flow.values[computation].items() if taint == WEIGHTS}
 
-    return _reads(cost, body, weights)
+    return _reads(cost, bodies[0], weights)  # every decode loop reads the weights alike
 
 
 def decode_cache_bytes(hlo: str | HloCost, weight_parameters: set[int], head_dim: int) -> dict[str, int]:
@@ -153,11 +155,8 @@ def decode_cache_bytes(hlo: str | HloCost, weight_parameters: set[int], head_dim
                 found.add(ins.name)
         return found
 
-    # The decode loops: the top-level loops with the most trips (the prefill's layer scan has fewer), one per number
-    # of cache chunks read; the last one's step reads the most.
-    top = [(body, trips) for ins, body, trips in loops(cost) if ins in cost.computations[cost.entry]]
-    most = max((trips for _, trips in top), default=0)
-    steps = [_reads(cost, body, cache) for body, trips in top if trips == most]
+    # The last decode loop's step reads the most chunks.
+    steps = [_reads(cost, body, cache) for body in _decode_loops(cost)]
     return max(steps, key=lambda reads: sum(reads.values()), default={})
 
 

@@ -2,7 +2,6 @@
 int8 read against attention over the dequantized cache, and the decode step (unrolled and scanned) against the
 cached forward over the same int8 cache, token by token."""
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -11,10 +10,12 @@ import pytest
 from flax import nnx
 
 from jgrpo.models import kv_quant
-from jgrpo.models.decode import _attend_one, decode_cache, decode_step, decode_step_scanned, prompt_store
-from jgrpo.models.layer_stack import unstack_layers
+from jgrpo.models.decode import _attend_one, decode_cache, prompt_store
 from jgrpo.models.llm import LLM, forward, init_cache, merge_model, position_ids_from_mask, split_model
-from tests.models.test_model_cache import CFG  # 3 layers, 4 heads over 2 KV heads of 16, biases and qk-norm
+from tests.models.test_model_cache import (
+    CFG,  # 3 layers, 4 heads over 2 KV heads of 16, biases and qk-norm
+    fed_one_token_at_a_time,
+)
 
 
 @pytest.fixture(scope="module")
@@ -87,16 +88,8 @@ def test_decode_over_an_int8_cache_equals_the_cached_forward_over_it(model, scan
     dcache = decode_cache(prompt_store(prefill), 2, chunk_len, scanned)
     first = dcache.k[0][1]
     assert kv_quant.is_int8(first) and first.values.dtype == jnp.int8 and first.scales.shape[-1] == 1
-    if scanned:
-        decode = functools.partial(jax.jit(decode_step_scanned, static_argnums=(0, 6, 8)), CFG, params)
-    else:
-        decode = functools.partial(jax.jit(decode_step, static_argnums=(0, 7, 9)), CFG, params,
-                                   unstack_layers(CFG, params["layers"]))
-    for slot, t in enumerate(range(prompt_len, S)):
-        chunk, offset = divmod(slot, chunk_len)
-        allowed = jnp.concatenate([prompt_mask, jnp.broadcast_to(jnp.arange((chunk + 1) * chunk_len) <= slot,
-                                                                 (2, (chunk + 1) * chunk_len))], axis=1)
-        hidden, dcache, _ = decode(tokens[:, t], positions[:, t], allowed, dcache, chunk, jnp.int32(offset),
-                                   chunk + 1)
-        np.testing.assert_allclose(hidden, stepped[slot], atol=1e-5, rtol=0)
+    for t, hidden, _ in fed_one_token_at_a_time(CFG, params, scanned, dcache, prompt_mask, tokens, positions,
+                                                chunk_len):
+        np.testing.assert_allclose(hidden, stepped[t - prompt_len], atol=1e-5, rtol=0)
         assert float(jnp.max(jnp.abs(hidden - full[:, t]))) > 1e-4  # the float cache's forward differs
+    assert t == S - 1  # every new token was fed

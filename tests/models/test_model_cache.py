@@ -92,6 +92,28 @@ def test_cache_requires_index_and_matching_mask(model):
         forward(graphdef, params, tokens, tokens, jnp.ones((2, 3), bool), init_cache(CFG, 2, 4), 0)
 
 
+def fed_one_token_at_a_time(cfg, params, scanned, cache, prompt_mask, tokens, positions, chunk_len):
+    """Feed `tokens` [B, P + n] after the prompt (width P = prompt_mask's) one token per `models.decode` step
+    (unrolled, or scanned) over the decode cache `cache`, in chunks of `chunk_len`: yields (t, hidden, routing)."""
+    from jgrpo.models.decode import decode_step, decode_step_scanned
+    from jgrpo.models.layer_stack import unstack_layers
+
+    if scanned:
+        step = functools.partial(jax.jit(decode_step_scanned, static_argnums=(0, 6, 8)), cfg, params)
+    else:
+        step = functools.partial(jax.jit(decode_step, static_argnums=(0, 7, 9)), cfg, params,
+                                 unstack_layers(cfg, params["layers"]))
+    B, prompt_len = prompt_mask.shape
+    for slot, t in enumerate(range(prompt_len, tokens.shape[1])):
+        chunk, offset = divmod(slot, chunk_len)
+        # The real prompt slots and the generated slots up to this one, over the chunks read (0 .. chunk).
+        allowed = jnp.concatenate([prompt_mask, jnp.broadcast_to(jnp.arange((chunk + 1) * chunk_len) <= slot,
+                                                                  (B, (chunk + 1) * chunk_len))], axis=1)
+        hidden, cache, routing = step(tokens[:, t], positions[:, t], allowed, cache, chunk, jnp.int32(offset),
+                                      chunk + 1)
+        yield t, hidden, routing
+
+
 # A mixture of experts in the CPU's decode (unrolled) and, as a periodic stack, in the TPU's (scanned): each kind of
 # MoE stack once per decode form would double the compile time and test nothing the two cases do not.
 @pytest.mark.parametrize(("moe", "scanned"), [(None, False), (None, True), (MOE_CFG, False), (MOE_STEP2_CFG, True)],
@@ -99,14 +121,12 @@ def test_cache_requires_index_and_matching_mask(model):
 def test_decode_step_matches_full_forward(model, moe, scanned):
     """models.decode (per-layer weights and [B, KVH, S, Dh] caches as the sampler uses them, or its scanned form)
     == the full forward; a mixture of experts also routes each fed token to the experts the full forward picks."""
-    from jgrpo.models.decode import decode_cache, decode_step, decode_step_scanned, prompt_store
-    from jgrpo.models.layer_stack import unstack_layers
+    from jgrpo.models.decode import decode_cache, prompt_store
     from jgrpo.models.llm import merge_model
 
     graphdef, params = _moe_model(moe) if moe else model
     cfg = moe or CFG
     prompt_len, new_tokens, repeats = 5, 4, 2
-    S = prompt_len + new_tokens
     rng = np.random.default_rng(1)
     prompts = jnp.asarray(rng.integers(0, CFG.vocab_size, (2, prompt_len)), jnp.int32)
     prompt_mask = jnp.asarray(np.arange(prompt_len)[None, :] >= np.array([[0], [3]]))  # lengths 5 and 2
@@ -124,24 +144,17 @@ def test_decode_step_matches_full_forward(model, moe, scanned):
     cache = decode_cache(jax.tree.map(lambda x: jnp.repeat(x, repeats, axis=1), store), 2, chunk_len, scanned)
     if scanned:
         assert len(cache.k) == 1 and cache.k[0][1].shape == (cfg.num_layers, 4, CFG.num_kv_heads, chunk_len, 16)
-        step = functools.partial(jax.jit(decode_step_scanned, static_argnums=(0, 6, 8)), cfg, params)
     else:
         assert len(cache.k) == cfg.num_layers and len(cache.k[0]) == 3
         assert cache.k[0][0].shape == (4, CFG.num_kv_heads, prompt_len, CFG.head_dim)
         assert cache.k[0][1].shape == (4, CFG.num_kv_heads, chunk_len, CFG.head_dim)
-        step = functools.partial(jax.jit(decode_step, static_argnums=(0, 7, 9)), cfg, params,
-                                 unstack_layers(cfg, params["layers"]))
     row_prompt_mask = jnp.repeat(prompt_mask, repeats, 0)
-    for slot, t in enumerate(range(prompt_len, S)):
-        chunk, offset = divmod(slot, chunk_len)
-        # The real prompt slots and the generated slots up to this one, over the chunks read (0 .. chunk).
-        allowed = jnp.concatenate([row_prompt_mask, jnp.broadcast_to(jnp.arange((chunk + 1) * chunk_len) <= slot,
-                                                                      (4, (chunk + 1) * chunk_len))], axis=1)
-        hidden, cache, routing = step(tokens[:, t], positions[:, t], allowed, cache, chunk, jnp.int32(offset),
-                                      chunk + 1)
+    for t, hidden, routing in fed_one_token_at_a_time(cfg, params, scanned, cache, row_prompt_mask, tokens, positions,
+                                                      chunk_len):
         np.testing.assert_allclose(hidden, full[:, t], atol=1e-5, rtol=0)
         if moe:
             assert routing.shape == (4, cfg.num_layers // cfg.decoder_sparse_step, 2)
             np.testing.assert_array_equal(routing, full_routing[:, t])  # [B, L, k]
         else:
             assert routing is None and full_routing is None
+    assert t == tokens.shape[1] - 1  # every new token was fed
