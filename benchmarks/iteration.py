@@ -51,7 +51,7 @@ def bench_jgrpo(args, refresh: int, iterations: int, run_dir: Path) -> dict:
         "logging.tensorboard=false", "logging.progress_bar=false", "logging.samples_every=0",
         # With checkpoint.every=0 the trainer still saves at its last iteration: make that one never come.
         f"run.iterations={iterations if args.checkpoint_every else 10**6}",
-        f"run.output_dir={run_dir}", "reward.num_workers=1",
+        f"run.output_dir={run_dir}", "reward.num_workers=1", *getattr(args, "overrides", ()),
     ]
     trainer = Trainer(load_config(None, overrides))
     source = trainer.collector.source  # every row runs to max_new_tokens, as on the Tunix side: no stop ids

@@ -16,12 +16,18 @@ def test_dry_run_writes_every_figure(tmp_path):
     results = json.loads((tmp_path / "runs" / "accelerator" / "accelerator.json").read_text())  # the default --out
     assert results["dry_run"] and not results["skipped"]
     assert results["hardware"]["platform"] == "cpu" and results["hardware"]["measured_hbm_bytes_per_s"] > 0
-    figures = {**results["train"], **results["sampler"], **results["iteration"]}
-    assert set(figures) == {"qwen2.5-0.5b-shapes", "smollm2", "rows_16", "rows_32", "v1", "v4"}
+    figures = {**results["train"], **results["sampler"], **results["moe"], **results["iteration"]}
+    assert set(figures) == {"qwen2.5-0.5b-shapes", "smollm2", "rows_16", "rows_32", "rows_32_int8",
+                            "rows_32_int8_cache", "rows_32_unrolled", "rows_32_int8_cache_unrolled",
+                            "qwen3-30b-a3b-block", "v1", "v4"}
     errors = {name: f["error"] for name, f in figures.items() if "error" in f}
     assert not errors, errors
     for name in ("qwen2.5-0.5b-shapes", "smollm2"):
         assert 0 < results["train"][name]["mfu"] and results["train"][name]["model_flops"] > 0
     for figure in results["sampler"].values():
         assert figure["tokens_per_s"] > 0 and 0 < figure["fraction_of_roofline"]
+    assert results["sampler"]["rows_32_int8_cache"]["kv_cache_dtype"] == "int8"
+    checked = results["attention"]["padded_rows"]
+    assert checked["custom"]["finite"] and checked["xla"]["finite"] and checked["xla"]["max_grad_diff"] < 0.1
+    assert set(results["moe"]["qwen3-30b-a3b-block"]["train_s"]) == {"sorted_tiles", "ragged", "dense"}
     assert results["iteration"]["v4"]["v"] == 4 and results["iteration"]["v1"]["phases_s"]["iteration"] > 0

@@ -42,11 +42,11 @@ class ModelConfig:
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
     # What the layer scan recomputes in the backward pass: nothing, everything, or all but matmuls.
     remat: Literal["none", "full", "dots"] = "none"
-    # Attention implementation; auto = by the platform of the mesh's devices: custom on CPU, splash (the Pallas
-    # kernel) on TPU, cudnn on NVIDIA GPUs (why: docs/configuration.md).
+    # Attention implementation; auto = by the platform of the mesh's devices: custom on CPU and NVIDIA GPUs, splash
+    # (the Pallas kernel) on TPU; cudnn is cuDNN's fused attention (why: docs/configuration.md).
     attention: Literal["auto", "custom", "xla", "cudnn", "splash"] = "auto"
     # Mixture-of-experts models (Qwen3-MoE): how the experts' matmuls run; auto = by the platform: megablox (the
-    # Pallas grouped matmul) on TPU, sorted_tiles on CPU, ragged (jax.lax.ragged_dot) on GPU; dense (every expert on
+    # Pallas grouped matmul) on TPU, sorted_tiles on CPU and GPU; ragged is jax.lax.ragged_dot; dense (every expert on
     # every token) is the test reference (why: docs/configuration.md). Dense models ignore it.
     moe_impl: Literal["auto", "sorted_tiles", "megablox", "ragged", "dense"] = "auto"
     # Mixture-of-experts models with mesh.expert > 1: how tokens reach the devices of their experts (why:

@@ -10,7 +10,7 @@ traced offset).
 - `custom`: `jgrpo.models.attention`, plain XLA ops with a hand-written backward that keeps O(T) residuals.
   Fastest on CPU (measured: docs/configuration.md).
 - `xla`: `jax.nn.dot_product_attention(implementation="xla")`: XLA's own formula and autodiff.
-- `cudnn`: the same call with cuDNN's fused flash attention (NVIDIA GPUs only).
+- `cudnn`: the same call with cuDNN's fused flash attention (NVIDIA GPUs only; not yet the GPU default).
 - `splash`: the Pallas TPU splash-attention kernel (block-sparse flash attention, never materialises the
   [T, S] scores), under `shard_map` over the context mesh. On a CPU it runs in Pallas interpret mode
   (for tests only: slow).
@@ -31,7 +31,9 @@ from jgrpo.parallel.platform_defaults import resolve
 
 IMPLEMENTATIONS = ("custom", "xla", "cudnn", "splash")
 # What `auto` picks by the platform of the mesh's devices (reasons: docs/configuration.md, model.attention).
-AUTO = {"cpu": "custom", "tpu": "splash", "gpu": "cudnn", "other": "xla"}
+# On an H100 (jax 0.11.2) cudnn gave NaN gradients in every GRPO update and asked for 62.6 GiB in a Qwen2.5-0.5B
+# step that custom runs: GPUs take custom until cudnn's fix is measured (benchmarks/accelerator.py).
+AUTO = {"cpu": "custom", "tpu": "splash", "gpu": "custom", "other": "xla"}
 _SPLASH_BLOCK = 128  # query and key block of the kernel (the TPU lane width); sequences are padded to it
 
 
@@ -81,8 +83,25 @@ def dense_attention(implementation: str, q: jax.Array, k: jax.Array, v: jax.Arra
         return custom_attention(q, k, v, allowed)
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"unknown attention implementation '{implementation}'; one of {IMPLEMENTATIONS}")
-    return jax.nn.dot_product_attention(q, k, v, mask=allowed[:, None], implementation=(
-        "cudnn" if implementation == "cudnn" else "xla"))
+    if implementation != "cudnn":
+        return jax.nn.dot_product_attention(q, k, v, mask=allowed[:, None], implementation="xla")
+    T = q.shape[1]
+    q, k, v, allowed = cudnn_inputs(q, k, v, allowed)
+    return jax.nn.dot_product_attention(q, k, v, mask=allowed[:, None], implementation="cudnn")[:, :T]
+
+
+def cudnn_inputs(q, k, v, allowed):
+    """q, k, v, allowed as cuDNN's fused attention takes them. It takes a mask as a bias, and with a bias its
+    training kernels refuse odd lengths (jax 0.11.2 on an H100: "Unsupported sequence length Q 199, KV 327"):
+    T and S are padded to even, an extra key masked off for every query. And a query that sees no key (a
+    padding slot, or the extra query) is let see key 0: its softmax over only masked keys is 0/0 in a flash
+    kernel's backward. Such rows are cut off or masked by the caller, so they send no gradient."""
+    T, S = q.shape[1], k.shape[1]
+    pad_t, pad_s = T % 2, S % 2
+    q = jnp.pad(q, ((0, 0), (0, pad_t), (0, 0), (0, 0)))
+    k, v = (jnp.pad(x, ((0, 0), (0, pad_s), (0, 0), (0, 0))) for x in (k, v))
+    allowed = jnp.pad(allowed, ((0, 0), (0, pad_t), (0, pad_s)))
+    return q, k, v, allowed.at[:, :, 0].set(allowed[:, :, 0] | ~jnp.any(allowed, axis=-1))
 
 
 def _splash(q, k, v, kv_valid):

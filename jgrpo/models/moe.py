@@ -12,15 +12,15 @@ How the experts' matmuls run, `model.moe_impl` (the same values and gradients, t
   static buffer of m*k + E*(tile - 1) rows (rounded to tiles); every tile holds one expert's rows, so one batched
   matmul over tiles (each tile with its expert's weights) does the work: nothing dropped, the shapes fixed (no
   recompiling as the routing changes), ~k/E of the dense flops plus the padding.
-- `ragged`: `jax.lax.ragged_dot` over the sorted assignments. Exact and the natural op on GPU; XLA:CPU lowers it
-  densely (an [E, m*k, ...] product: ~E times the routed flops), so it is not CPU's choice.
+- `ragged`: `jax.lax.ragged_dot` over the sorted assignments. Exact; XLA:CPU lowers it densely (an [E, m*k, ...]
+  product: ~E times the routed flops), and on an H100 it was 7.3x slower than sorted_tiles.
 - `dense`: every expert on every token, the gates zero outside the top k. The reference the others are tested
   against; E/k times the routed flops.
 
 - `megablox`: the Pallas TPU grouped matmul over the sorted assignments, each row tile reading only its groups'
   weights (interpret mode elsewhere, for tests).
 
-`auto` resolves by platform (`resolve_moe_impl`): CPU sorted_tiles, GPU ragged, TPU megablox (sorted_tiles' per-tile
+`auto` resolves by platform (`resolve_moe_impl`): CPU and GPU sorted_tiles, TPU megablox (sorted_tiles' per-tile
 weight copies made Qwen3-30B-A3B's TPU decode step read ~100 GB per chip). benchmarks/moe.py measures the CPU
 choices side by side.
 """
@@ -37,9 +37,9 @@ from jgrpo.models.expert_parallel import run_experts
 from jgrpo.parallel.mesh import context_platform
 from jgrpo.parallel.platform_defaults import resolve
 
-# What `model.moe_impl: auto` picks by platform: megablox on TPU, ragged on GPU (its grouped matmul is native there),
-# sorted_tiles elsewhere (XLA:CPU runs ragged_dot densely: benchmarks/moe.py; reasons in docs/configuration.md).
-MOE_AUTO = {"cpu": "sorted_tiles", "tpu": "megablox", "gpu": "ragged", "other": "sorted_tiles"}
+# What `model.moe_impl: auto` picks by platform: megablox on TPU, sorted_tiles elsewhere (XLA:CPU runs ragged_dot
+# densely; on an H100 it was 7.3x slower than sorted_tiles: benchmarks/moe.py, accelerator.py; docs/configuration.md).
+MOE_AUTO = {"cpu": "sorted_tiles", "tpu": "megablox", "gpu": "sorted_tiles", "other": "sorted_tiles"}
 
 
 def resolve_moe_impl(choice: str, platform: str) -> str:

@@ -13,7 +13,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jgrpo.config import ConfigError, MeshConfig
 from jgrpo.config.loading import load_config
-from jgrpo.models.attention_backends import causal_attention, mesh_context, resolve_attention
+from jgrpo.models.attention_backends import causal_attention, cudnn_inputs, mesh_context, resolve_attention
 from jgrpo.models.llm import LLM, LLMConfig, merge_model, position_ids_from_mask, split_model
 from jgrpo.parallel.mesh import make_mesh
 from tests.helpers import reference_attention
@@ -51,6 +51,31 @@ def test_values_and_gradients_match_the_softmax_formula(implementation, T, S):
     expected = jax.grad(loss(reference), argnums=(0, 1, 2))(q, k, v)
     for name, a, b in zip("qkv", grads, expected, strict=True):
         assert bool(jnp.all(jnp.isfinite(a)))
+        np.testing.assert_allclose(a, b, atol=2e-5, err_msg=f"d{name}")
+
+
+@pytest.mark.parametrize(("T", "S"), [(9, 9), (6, 13), (7, 12), (8, 8)], ids=["both_odd", "kv_odd", "q_odd", "even"])
+def test_cudnn_inputs_change_no_value_or_gradient(T, S):
+    """The cuDNN path pads odd lengths (its training kernels refuse them with a mask) and lets a query that sees
+    no key see key 0: run through XLA's attention (CPU has no cuDNN), the call on those inputs, cut back, equals
+    the plain one at every real query, values and gradients."""
+    q, k, v, _, allowed, q_valid = _inputs(T, S)
+    weights = jnp.asarray(np.random.default_rng(1).normal(size=q.shape) * q_valid[..., None, None], jnp.float32)
+
+    def plain(q, k, v):
+        return jax.nn.dot_product_attention(q, k, v, mask=allowed[:, None], implementation="xla")
+
+    def padded(q, k, v):
+        qp, kp, vp, mask = cudnn_inputs(q, k, v, allowed)
+        assert qp.shape[1] % 2 == 0 and kp.shape[1] % 2 == 0 and mask.shape == (3, qp.shape[1], kp.shape[1])
+        assert bool(jnp.all(jnp.any(mask, axis=-1)))  # every query sees a key, padding ones included
+        return jax.nn.dot_product_attention(qp, kp, vp, mask=mask[:, None], implementation="xla")[:, :T]
+
+    out = padded(q, k, v)
+    assert bool(jnp.all(jnp.isfinite(out)))
+    np.testing.assert_allclose(np.asarray(out)[q_valid], np.asarray(plain(q, k, v))[q_valid], atol=2e-6)
+    for name, a, b in zip("qkv", *(jax.grad(lambda q, k, v, f=f: jnp.sum(f(q, k, v) * weights), argnums=(0, 1, 2))(
+            q, k, v) for f in (padded, plain)), strict=True):
         np.testing.assert_allclose(a, b, atol=2e-5, err_msg=f"d{name}")
 
 
@@ -100,7 +125,7 @@ def test_splash_on_the_mesh_is_placed_per_device():
 
 
 def test_auto_resolves_by_platform_and_bad_choices_are_named():
-    assert [resolve_attention("auto", p) for p in ("cpu", "tpu", "gpu")] == ["custom", "splash", "cudnn"]
+    assert [resolve_attention("auto", p) for p in ("cpu", "tpu", "gpu")] == ["custom", "splash", "custom"]
     assert resolve_attention("xla", "tpu") == "xla"
     with pytest.raises(ValueError, match="model.attention must be auto or one of"):
         resolve_attention("flash", "cpu")

@@ -89,7 +89,7 @@ def test_megablox_skips_padding_assignments_and_gives_them_zero_rows():
 
 def test_tiles_track_the_even_load_and_auto_resolves_per_platform():
     assert tile_rows(16, 8) == 8 and tile_rows(600, 8) == 128 and tile_rows(200, 8) == 32
-    assert [resolve_moe_impl("auto", p) for p in ("cpu", "tpu", "gpu")] == ["sorted_tiles", "megablox", "ragged"]
+    assert [resolve_moe_impl("auto", p) for p in ("cpu", "tpu", "gpu")] == ["sorted_tiles", "megablox", "sorted_tiles"]
     assert resolve_moe_impl("dense", "gpu") == "dense"
 
 
