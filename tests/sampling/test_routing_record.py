@@ -2,6 +2,7 @@
 and the trainer's full forward replaying that record reproduces the sampler's log-probs (routing replay, R3)."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -29,13 +30,17 @@ def _prompts(batch=3, width=6):
 
 def _full_forward(graphdef, params, prompts, out, G, routing=None):
     """The trainer's view of every row: (the router's experts [R, P + N, L, k], the tokens' log-probs [R, N])."""
-    P = prompts.tokens.shape[1]
-    seq = jnp.concatenate([jnp.repeat(prompts.tokens, G, 0), out.tokens], 1)
-    mask = jnp.concatenate([jnp.repeat(prompts.mask, G, 0), out.completion_mask], 1)
+    seq = np.concatenate([np.repeat(prompts.tokens, G, 0), out.tokens], 1)
+    mask = np.concatenate([np.repeat(prompts.mask, G, 0), out.completion_mask], 1)
+    chosen, logprobs = _routed(graphdef, params, seq, mask, prompts.tokens.shape[1], routing)
+    return np.asarray(chosen), np.take_along_axis(np.asarray(logprobs), np.asarray(out.tokens)[..., None], -1)[..., 0]
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4))  # one program: op by op, the MoE forward took seconds a call
+def _routed(graphdef, params, seq, mask, P, routing):
     model = merge_model(graphdef, params)
     hidden, _, chosen = model.routed(seq, position_ids_from_mask(mask), mask, routing=routing)
-    logprobs = jax.nn.log_softmax(model.logits(hidden[:, P - 1:-1]).astype(jnp.float32), -1)
-    return np.asarray(chosen), np.take_along_axis(np.asarray(logprobs), np.asarray(out.tokens)[..., None], -1)[..., 0]
+    return chosen, jax.nn.log_softmax(model.logits(hidden[:, P - 1:-1]).astype(jnp.float32), -1)
 
 
 def _recorded(out):
