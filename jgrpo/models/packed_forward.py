@@ -1,0 +1,103 @@
+"""The shared-prompt training forward over packed streams: no padding to `sampler.max_new_tokens` (#40).
+
+`shared_prompt.forward_shared_prompts` pads every completion to N and every prompt to the run's width. Packed,
+one micro-batch is two fixed blocks (`training/packing.py` plans where each token goes):
+  - prompts [Kp, Wp]: each group's prompt once, a segment of its real length, positions 0, 1, ...;
+  - completions [K, W]: each completion one segment of its real length, several to a row, positions
+    continuing at its prompt's real length, as when it was sampled.
+Every token is tagged with its group (the index of its prompt; -1 on a padding slot), and a completion token
+also with its segment (1, 2, ... within its row; 0 on padding). A prompt query sees the keys of its own prompt
+up to itself. A completion query sees every key of its group's prompt (wherever the prompt sits in the prompt
+block) and the keys of its own segment up to itself: nothing of another completion, of its group or not.
+That is exactly what each token sees in the padded forward, so the hidden states agree to float rounding
+(tests/models/test_packed_forward.py), and the backward sums a prompt's key and value gradients over its
+completions as there.
+
+The completion queries of a row attend to one key sequence [the whole prompt block | the row], masked by group
+and segment: the prompt block is small (by default (r/G)·P slots for r rows), so no gather by group is needed.
+
+Not yet wired into the trainer's passes (the next step of #40): those add the router's statistics (aux and
+z-losses) and, on a TPU, splash's segment ids; here the masks go to the `custom` / `xla` attention (`splash`
+takes `xla`'s path for an arbitrary mask).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jgrpo.models.attention_backends import dense_attention
+from jgrpo.models.layer_stack import scan_layers
+from jgrpo.models.llm import LLM, layer_output, layer_qkv, rms_norm
+from jgrpo.models.quantize import compute_weights
+from jgrpo.models.rope import rope_cos_sin
+
+
+def packed_masks(prompt_group, completion_group, completion_segment):
+    """The attention masks of the two streams: prompt queries [Kp, Wp, Wp] over their row, completion queries
+    [K, W, Kp·Wp + W] over [the flattened prompt block | their row]. Inputs: int32 [Kp, Wp], [K, W], [K, W]."""
+    Wp, W = prompt_group.shape[1], completion_group.shape[1]
+    causal_p = jnp.arange(Wp)[None, :] <= jnp.arange(Wp)[:, None]  # [query, key]
+    real_p = prompt_group >= 0
+    prompt_allowed = (prompt_group[:, :, None] == prompt_group[:, None, :]) & real_p[:, None, :] & causal_p[None]
+    flat_group = prompt_group.reshape(-1)
+    to_prompt = (completion_group[:, :, None] == flat_group[None, None, :]) & (flat_group >= 0)[None, None, :]
+    causal = jnp.arange(W)[None, :] <= jnp.arange(W)[:, None]
+    own = ((completion_segment[:, :, None] == completion_segment[:, None, :])
+           & (completion_segment > 0)[:, None, :] & causal[None])
+    return prompt_allowed, jnp.concatenate([to_prompt, own], axis=-1)
+
+
+def forward_packed(
+    model: LLM,
+    prompt_tokens: jax.Array,  # [Kp, Wp] int32
+    prompt_group: jax.Array,  # [Kp, Wp] int32: the prompt's index, -1 on padding
+    prompt_positions: jax.Array,  # [Kp, Wp] int32: 0, 1, ... within each prompt
+    completion_tokens: jax.Array,  # [K, W] int32
+    completion_group: jax.Array,  # [K, W] int32: the index of the completion's prompt, -1 on padding
+    completion_segment: jax.Array,  # [K, W] int32: 1, 2, ... per completion of a row, 0 on padding
+    completion_positions: jax.Array,  # [K, W] int32: its prompt's real length + j
+    routing: tuple[jax.Array, jax.Array] | None = None,  # MoE replay: experts [Kp, Wp, L, k] and [K, W, L, k]
+):
+    """Hidden states after the final norm: (prompt [Kp, Wp, D], completion [K, W, D]), and for a mixture of
+    experts the experts the router picks for both streams' tokens (where `routing` replayed others too), else
+    None. The numbers of `forward_shared_prompts` on the same tokens, laid out as packed."""
+    cfg = model.cfg
+    cdt = jnp.dtype(cfg.compute_dtype)
+    prompt_allowed, completion_allowed = packed_masks(prompt_group, completion_group, completion_segment)
+    prompt_real, completion_real = prompt_group >= 0, completion_group >= 0
+    prompt_rope = rope_cos_sin(cfg, prompt_positions)
+    completion_rope = rope_cos_sin(cfg, completion_positions)
+    K = completion_tokens.shape[0]
+
+    def layer(carry, p, index, replay):
+        xp, xc = carry  # [Kp, Wp, D], [K, W, D]
+        replay_p, replay_c = (None, None) if replay is None else replay
+        p = compute_weights(p, cdt)
+        qp, kp, vp = layer_qkv(cfg, p, xp, *prompt_rope)
+        qc, kc, vc = layer_qkv(cfg, p, xc, *completion_rope)
+        flat = kp.shape[0] * kp.shape[1]  # the whole prompt block, before every row's own keys
+        block_k, block_v = (jnp.broadcast_to(x.reshape(1, flat, *x.shape[2:]), (K, flat, *x.shape[2:]))
+                            for x in (kp, vp))
+        keys, values = jnp.concatenate([block_k, kc], axis=1), jnp.concatenate([block_v, vc], axis=1)
+        xp, ids_p, _ = layer_output(cfg, p, xp, dense_attention(cfg.attention, qp, kp, vp, prompt_allowed),
+                                    replay_p, prompt_real)
+        xc, ids_c, _ = layer_output(cfg, p, xc, dense_attention(cfg.attention, qc, keys, values, completion_allowed),
+                                    replay_c, completion_real)
+        return (xp, xc), None if ids_p is None else (ids_p, ids_c)
+
+    carry = (model.embedded(prompt_tokens), model.embedded(completion_tokens))
+    per_layer = None if routing is None else tuple(jnp.moveaxis(r, 2, 0) for r in routing)  # [L, ...]
+    (xp, xc), ids = scan_layers(cfg, layer, carry, model.layers.arrays(), per_layer, cfg.remat)
+    ids = None if ids is None else tuple(jnp.moveaxis(r, 0, 2) for r in ids)
+    norm = model.final_norm[...]
+    return rms_norm(xp, norm, cfg.rms_norm_eps), rms_norm(xc, norm, cfg.rms_norm_eps), ids
+
+
+def predecessor_hidden(prompt_hidden, completion_hidden, completion_positions_j, prompt_last):
+    """The hidden state that predicts each packed completion token [K, W, D]: the previous slot of its row, or for
+    a completion's first token (`completion_positions_j` == 0) its prompt's last token, at `prompt_last` [K, W]
+    (an index into the flattened prompt block)."""
+    previous = jnp.pad(completion_hidden, ((0, 0), (1, 0), (0, 0)))[:, :-1]
+    from_prompt = prompt_hidden.reshape(-1, prompt_hidden.shape[-1])[prompt_last]
+    return jnp.where((completion_positions_j == 0)[..., None], from_prompt, previous)

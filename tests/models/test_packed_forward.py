@@ -1,0 +1,102 @@
+"""The packed shared-prompt forward (models/packed_forward.py) gives the padded one's numbers: every real prompt and
+completion token's hidden state, the hidden state that predicts each completion token, the router's experts of a
+mixture of experts, and the gradients of any loss on them. Packed by training/packing.py's plan."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jgrpo.models.llm import LLM, merge_model, split_model
+from jgrpo.models.packed_forward import forward_packed, packed_masks, predecessor_hidden
+from jgrpo.models.shared_prompt import forward_shared_prompts
+from jgrpo.training.packing import pack, plan_packing, unpack
+from tests.models.test_model_cache import MOE_CFG
+from tests.models.test_shared_prompt import GQA, PROMPTS, G, N, P, _batch
+
+CONFIGS = {"gqa_bias_qknorm": GQA, "remat_full": dataclasses.replace(GQA, remat="full"),
+           "moe": dataclasses.replace(MOE_CFG, vocab_size=128)}
+
+
+def _packed(prompt_tokens, prompt_mask, tokens, completion_mask, K=6, W=12, Kp=2, Wp=8):
+    """The batch as one packed micro-batch, and its plans."""
+    lengths = prompt_mask.sum(1)
+    real_first = np.stack([np.roll(t, -(P - n)) for t, n in zip(prompt_tokens, lengths, strict=True)])  # [real | pad]
+    plan_p = plan_packing(lengths, group_size=1, rows=Kp, width=Wp, micro_batches=1)
+    plan_c = plan_packing(completion_mask.sum(1), group_size=G, rows=K, width=W, micro_batches=1)
+    group_p = plan_p.row[0]
+    group_c = np.where(plan_c.row[0] >= 0, plan_c.row[0] // G, -1)
+    j = plan_c.position[0]
+    last = {int(g): i for i, (g, pos) in enumerate(zip(group_p.reshape(-1), plan_p.position[0].reshape(-1),
+                                                       strict=True)) if g >= 0 and pos == lengths[g] - 1}
+    inputs = dict(prompt_tokens=pack(real_first, plan_p)[0], prompt_group=jnp.asarray(group_p),
+                  prompt_positions=jnp.asarray(plan_p.position[0]), completion_tokens=pack(tokens, plan_c)[0],
+                  completion_group=jnp.asarray(group_c), completion_segment=jnp.asarray(plan_c.segment[0]),
+                  completion_positions=jnp.asarray(np.where(group_c >= 0, lengths[np.maximum(group_c, 0)] + j, 0)))
+    prompt_last = jnp.asarray(np.vectorize(lambda g: last.get(int(g), 0))(group_c))
+    return inputs, plan_p, plan_c, jnp.asarray(j), prompt_last
+
+
+def test_the_masks_by_hand():
+    # Prompt block [[p0 p0 | p1]], completions [[c0 c0 c1], [c2 _ _]]: c0, c1 of prompt 0, c2 of prompt 1.
+    prompt_allowed, completion_allowed = packed_masks(
+        jnp.asarray([[0, 0, 1]]), jnp.asarray([[0, 0, 0], [1, -1, -1]]), jnp.asarray([[1, 1, 2], [1, 0, 0]]))
+    np.testing.assert_array_equal(prompt_allowed[0], [[1, 0, 0], [1, 1, 0], [0, 0, 1]])
+    np.testing.assert_array_equal(completion_allowed[0], [[1, 1, 0, 1, 0, 0], [1, 1, 0, 1, 1, 0],
+                                                          [1, 1, 0, 0, 0, 1]])  # c1 sees p0, not c0
+    np.testing.assert_array_equal(completion_allowed[1], [[0, 0, 1, 1, 0, 0], [0] * 6, [0] * 6])
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_hidden_states_predecessors_experts_and_gradients_match_the_padded_forward(name):
+    cfg = CONFIGS[name]
+    graphdef, params = split_model(LLM(cfg, rngs=nnx.Rngs(params=3)))
+    prompt_tokens, prompt_mask, tokens, completion_mask = _batch()
+    inputs, plan_p, plan_c, j, prompt_last = _packed(prompt_tokens, prompt_mask, tokens, completion_mask)
+    assert plan_c.micro_batches == 1 and plan_c.fill > 0.5  # the padded layout's fill: completion_mask.mean()
+    D = cfg.hidden_size
+    weights = jax.random.normal(jax.random.key(1), (PROMPTS * G, N, D)) * completion_mask[..., None]
+    prompt_weights = jax.random.normal(jax.random.key(2), (PROMPTS, P, D)) * prompt_mask[..., None]
+    lengths = prompt_mask.sum(1)
+    real_first_weights = jnp.stack([jnp.roll(w, -(P - n), axis=0) for w, n in zip(prompt_weights, lengths,
+                                                                                  strict=True)])
+
+    def padded(params):
+        prompt, completion, ids = forward_shared_prompts(merge_model(graphdef, params), jnp.asarray(prompt_tokens),
+                                                         jnp.asarray(prompt_mask), jnp.asarray(tokens),
+                                                         jnp.asarray(completion_mask),
+                                                         jnp.asarray(lengths.repeat(G)[:, None] + np.arange(N)))
+        loss = jnp.sum(completion * weights) + jnp.sum(prompt * prompt_weights)
+        before = jnp.concatenate([jnp.repeat(prompt[:, -1:], G, axis=0), completion[:, :-1]], axis=1)
+        return loss, (prompt, completion, before, ids)
+
+    def packed(params):
+        prompt, completion, ids = forward_packed(merge_model(graphdef, params), **inputs)
+        loss = jnp.sum(completion * pack(weights, plan_c)[0]) + jnp.sum(prompt * pack(real_first_weights, plan_p)[0])
+        return loss, (prompt, completion, predecessor_hidden(prompt, completion, j, prompt_last), ids)
+
+    (want_loss, (want_p, want_c, want_before, want_ids)), want_grads = jax.jit(jax.value_and_grad(
+        padded, has_aux=True))(params)
+    (got_loss, (got_p, got_c, got_before, got_ids)), got_grads = jax.jit(jax.value_and_grad(
+        packed, has_aux=True))(params)
+    real = np.asarray(completion_mask)
+    np.testing.assert_allclose(np.asarray(unpack(got_c[None], plan_c, PROMPTS * G, N))[real],
+                               np.asarray(want_c)[real], atol=2e-5)
+    np.testing.assert_allclose(np.asarray(unpack(got_before[None], plan_c, PROMPTS * G, N))[real],
+                               np.asarray(want_before)[real], atol=2e-5)
+    prompt_real_first = np.arange(P)[None] < lengths[:, None]
+    want_p_real_first = np.stack([np.roll(w, -(P - n), axis=0) for w, n in zip(np.asarray(want_p), lengths,
+                                                                              strict=True)])
+    np.testing.assert_allclose(np.asarray(unpack(got_p[None], plan_p, PROMPTS, P))[prompt_real_first],
+                               want_p_real_first[prompt_real_first], atol=2e-5)
+    np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads), strict=True):
+        np.testing.assert_allclose(a, b, atol=2e-4, rtol=2e-4)
+    if cfg.num_experts:
+        got = np.asarray(unpack(got_ids[1][None], plan_c, PROMPTS * G, N))[real]
+        np.testing.assert_array_equal(np.sort(got, -1), np.sort(np.asarray(want_ids[1])[real], -1))
+    else:
+        assert got_ids is None and want_ids is None
