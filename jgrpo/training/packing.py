@@ -14,7 +14,10 @@ field, any trailing dims, with no code of its own). Rules, in this order:
   - groups are dealt to the data shards first (K rows = D shards of K/D rows), to the shard with the fewest
     tokens so far (ties: the lowest), so a group stays on one device and the shards' loads stay even;
   - within a shard and micro-batch, each completion goes to the first of its rows with room (first fit), in the
-    order of the minibatch's rows (which follows the group shuffle), so the plan depends on nothing else.
+    order of the minibatch's rows (which follows the group shuffle), so the plan depends on nothing else;
+  - with `prompt_lengths`, each group's prompt goes once into the micro-batch's prompt block [Kp, Wp] (the
+    shard's Kp/D rows, first fit, positions from 0), and a group fits a micro-batch only if its completions and
+    its prompt both do: the packed forward (models/packed_forward.py) computes the prompt there, once.
 A completion of length 0 (an episode that failed) takes no slot. A group that cannot fit an empty micro-batch of
 its shard (K/D rows of W) is a `ValueError`: the caller sizes K and W so that it never happens (K/D >= G when
 W < 2N).
@@ -35,6 +38,8 @@ class PackingPlan(NamedTuple):
     position: np.ndarray  # int32: its index j in that completion (0 for padding)
     segment: np.ndarray  # int32: 1, 2, ... numbering the completions of a packed row in order; 0 for padding
     micro_batches: int  # how many of the U micro-batches hold tokens (the others are all padding)
+    prompt_group: np.ndarray | None = None  # [U, Kp, Wp] int32: the group whose prompt is there, -1 for padding
+    prompt_position: np.ndarray | None = None  # [U, Kp, Wp] int32: the index in that prompt (its real tokens)
 
     @property
     def fill(self) -> float:
@@ -43,10 +48,12 @@ class PackingPlan(NamedTuple):
         return float((used >= 0).sum() / max(used.size, 1))
 
 
-def plan_packing(lengths, *, group_size: int, rows: int, width: int, micro_batches: int,
-                 shards: int = 1) -> PackingPlan:
+def plan_packing(lengths, *, group_size: int, rows: int, width: int, micro_batches: int, shards: int = 1,
+                 prompt_lengths=None, prompt_rows: int = 0, prompt_width: int = 0) -> PackingPlan:
     """The packing of one minibatch's completions (`lengths` [n], groups of `group_size` consecutive rows) into
-    `micro_batches` blocks of `rows` x `width` slots, the rows split over `shards` data shards (see the module)."""
+    `micro_batches` blocks of `rows` x `width` slots, the rows split over `shards` data shards, and with
+    `prompt_lengths` [n / group_size] the groups' prompts into blocks of `prompt_rows` x `prompt_width` (see the
+    module)."""
     lengths = np.asarray(lengths, np.int64)
     if lengths.ndim != 1 or len(lengths) % group_size:
         raise ValueError(f"{len(lengths)} completions are not whole groups of {group_size}")
@@ -54,6 +61,20 @@ def plan_packing(lengths, *, group_size: int, rows: int, width: int, micro_batch
         raise ValueError(f"{rows} packed rows do not split over {shards} data shards")
     if lengths.max(initial=0) > width:
         raise ValueError(f"a completion of {lengths.max()} tokens is longer than the packed width {width}")
+    prompts = None
+    if prompt_lengths is not None:
+        prompts = np.asarray(prompt_lengths, np.int64)
+        if prompts.shape != (len(lengths) // group_size,):
+            raise ValueError(f"{prompts.size} prompt lengths for {len(lengths) // group_size} groups")
+        if prompt_rows < shards or prompt_rows % shards:
+            raise ValueError(f"{prompt_rows} packed prompt rows do not split over {shards} data shards")
+        if prompts.max(initial=0) > prompt_width:
+            raise ValueError(f"a prompt of {prompts.max()} tokens is longer than the packed prompt width "
+                             f"{prompt_width}")
+        prompt_per_shard = prompt_rows // shards
+        prompt_group = np.full((micro_batches, prompt_rows, prompt_width), -1, np.int32)
+        prompt_position = np.zeros((micro_batches, prompt_rows, prompt_width), np.int32)
+        prompt_used = np.zeros((micro_batches, prompt_rows), np.int64)
     per_shard = rows // shards
     row = np.full((micro_batches, rows, width), -1, np.int32)
     position = np.zeros((micro_batches, rows, width), np.int32)
@@ -66,17 +87,31 @@ def plan_packing(lengths, *, group_size: int, rows: int, width: int, micro_batch
         shard = int(np.argmin(load))
         load[shard] += group.sum()
         block = slice(shard * per_shard, (shard + 1) * per_shard)
-        placed = _first_fit(group, used[current[shard], block], width)
-        if placed is None:  # overflow: the group opens the shard's next micro-batch
+        if prompts is None:
+            prompt, prompt_block = None, None
+        else:
+            prompt = prompts[first // group_size: first // group_size + 1]
+            prompt_block = slice(shard * prompt_per_shard, (shard + 1) * prompt_per_shard)
+        fitted = _fit_group(group, used[current[shard], block], width, prompt,
+                            prompt is not None and prompt_used[current[shard], prompt_block], prompt_width)
+        if fitted is None:  # overflow: the group opens the shard's next micro-batch
             current[shard] += 1
             if current[shard] >= micro_batches:
                 raise ValueError(f"the groups do not fit {micro_batches} micro-batches of {rows} x {width} "
                                  f"(shard {shard} of {shards}); raise the packed rows or width")
-            placed = _first_fit(group, used[current[shard], block], width)
-            if placed is None:
+            fitted = _fit_group(group, used[current[shard], block], width, prompt,
+                                prompt is not None and prompt_used[current[shard], prompt_block], prompt_width)
+            if fitted is None:
                 raise ValueError(f"a group of {group_size} completions ({group.tolist()} tokens) does not fit "
                                  f"{per_shard} empty rows of {width}")
+        placed, prompt_row = fitted
         u = int(current[shard])
+        if prompt_row is not None:
+            g, k = first // group_size, shard * prompt_per_shard + prompt_row
+            start, n = int(prompt_used[u, k]), int(prompts[g])
+            prompt_group[u, k, start:start + n] = g
+            prompt_position[u, k, start:start + n] = np.arange(n)
+            prompt_used[u, k] += n
         for member, n, local_row in zip(range(first, first + group_size), group.tolist(), placed, strict=True):
             if n == 0:
                 continue
@@ -86,7 +121,19 @@ def plan_packing(lengths, *, group_size: int, rows: int, width: int, micro_batch
             position[u, k, start:start + n] = np.arange(n)
             segment[u, k, start:start + n] = segment[u, k, :start].max(initial=0) + 1
             used[u, k] += n
-    return PackingPlan(row, position, segment, int(current.max()) + 1 if len(lengths) else 0)
+    count = int(current.max()) + 1 if len(lengths) else 0
+    if prompts is None:
+        return PackingPlan(row, position, segment, count)
+    return PackingPlan(row, position, segment, count, prompt_group, prompt_position)
+
+
+def _fit_group(group, used, width, prompt, prompt_used, prompt_width):
+    """(the rows of the group's completions, the prompt row of its prompt or None) where both fit, else None."""
+    placed = _first_fit(group, used, width)
+    if placed is None or prompt is None:
+        return None if placed is None else (placed, None)
+    prompt_row = _first_fit(prompt, prompt_used, prompt_width)
+    return None if prompt_row is None else (placed, prompt_row[0])
 
 
 def _first_fit(lengths: np.ndarray, used: np.ndarray, width: int) -> list[int] | None:
@@ -104,9 +151,21 @@ def _first_fit(lengths: np.ndarray, used: np.ndarray, width: int) -> list[int] |
 
 def pack(x, plan: PackingPlan, fill=0):
     """A per-token field [n, N, ...] -> [U, K, W, ...] laid out as `plan` says (padding slots: `fill`)."""
-    x = jnp.asarray(x)
-    real = jnp.asarray(plan.row) >= 0
-    gathered = x[jnp.maximum(jnp.asarray(plan.row), 0), jnp.asarray(plan.position)]
+    return _gather(x, plan.row, plan.position, fill)
+
+
+def pack_prompts(x, plan: PackingPlan, lengths, fill=0):
+    """A per-token prompt field [n / G, P, ...], left-padded (real `lengths` [n / G]), -> the plan's prompt blocks
+    [U, Kp, Wp, ...] (padding slots: `fill`)."""
+    x, group = jnp.asarray(x), jnp.asarray(plan.prompt_group)
+    offset = x.shape[1] - jnp.asarray(lengths, jnp.int32)[jnp.maximum(group, 0)]  # where the real tokens start
+    return _gather(x, plan.prompt_group, offset + jnp.asarray(plan.prompt_position), fill)
+
+
+def _gather(x, row, position, fill):
+    x, row = jnp.asarray(x), jnp.asarray(row)
+    gathered = x[jnp.maximum(row, 0), jnp.asarray(position)]
+    real = row >= 0
     return jnp.where(real.reshape(real.shape + (1,) * (x.ndim - 2)), gathered, jnp.asarray(fill, x.dtype))
 
 

@@ -13,7 +13,7 @@ from flax import nnx
 from jgrpo.models.llm import LLM, merge_model, split_model
 from jgrpo.models.packed_forward import forward_packed, packed_masks, predecessor_hidden
 from jgrpo.models.shared_prompt import forward_shared_prompts
-from jgrpo.training.packing import pack, plan_packing, unpack
+from jgrpo.training.packing import pack, pack_prompts, plan_packing, unpack
 from tests.models.test_model_cache import MOE_CFG
 from tests.models.test_shared_prompt import GQA, PROMPTS, G, N, P, _batch
 
@@ -21,23 +21,20 @@ CONFIGS = {"gqa_bias_qknorm": GQA, "remat_full": dataclasses.replace(GQA, remat=
            "moe": dataclasses.replace(MOE_CFG, vocab_size=128)}
 
 
-def _packed(prompt_tokens, prompt_mask, tokens, completion_mask, K=6, W=12, Kp=2, Wp=8):
-    """The batch as one packed micro-batch, and its plans."""
+def _packed(prompt_tokens, prompt_mask, tokens, completion_mask, K=4, W=12, Kp=2, Wp=8):
+    """The batch as one packed micro-batch (completions and prompts, one plan)."""
     lengths = prompt_mask.sum(1)
-    real_first = np.stack([np.roll(t, -(P - n)) for t, n in zip(prompt_tokens, lengths, strict=True)])  # [real | pad]
-    plan_p = plan_packing(lengths, group_size=1, rows=Kp, width=Wp, micro_batches=1)
-    plan_c = plan_packing(completion_mask.sum(1), group_size=G, rows=K, width=W, micro_batches=1)
-    group_p = plan_p.row[0]
-    group_c = np.where(plan_c.row[0] >= 0, plan_c.row[0] // G, -1)
-    j = plan_c.position[0]
-    last = {int(g): i for i, (g, pos) in enumerate(zip(group_p.reshape(-1), plan_p.position[0].reshape(-1),
+    plan = plan_packing(completion_mask.sum(1), group_size=G, rows=K, width=W, micro_batches=1,
+                        prompt_lengths=lengths, prompt_rows=Kp, prompt_width=Wp)
+    group_p, group_c, j = plan.prompt_group[0], np.where(plan.row[0] >= 0, plan.row[0] // G, -1), plan.position[0]
+    last = {int(g): i for i, (g, pos) in enumerate(zip(group_p.reshape(-1), plan.prompt_position[0].reshape(-1),
                                                        strict=True)) if g >= 0 and pos == lengths[g] - 1}
-    inputs = dict(prompt_tokens=pack(real_first, plan_p)[0], prompt_group=jnp.asarray(group_p),
-                  prompt_positions=jnp.asarray(plan_p.position[0]), completion_tokens=pack(tokens, plan_c)[0],
-                  completion_group=jnp.asarray(group_c), completion_segment=jnp.asarray(plan_c.segment[0]),
+    inputs = dict(prompt_tokens=pack_prompts(prompt_tokens, plan, lengths)[0], prompt_group=jnp.asarray(group_p),
+                  prompt_positions=jnp.asarray(plan.prompt_position[0]), completion_tokens=pack(tokens, plan)[0],
+                  completion_group=jnp.asarray(group_c), completion_segment=jnp.asarray(plan.segment[0]),
                   completion_positions=jnp.asarray(np.where(group_c >= 0, lengths[np.maximum(group_c, 0)] + j, 0)))
     prompt_last = jnp.asarray(np.vectorize(lambda g: last.get(int(g), 0))(group_c))
-    return inputs, plan_p, plan_c, jnp.asarray(j), prompt_last
+    return inputs, plan, jnp.asarray(j), prompt_last
 
 
 def test_the_masks_by_hand():
@@ -55,14 +52,12 @@ def test_hidden_states_predecessors_experts_and_gradients_match_the_padded_forwa
     cfg = CONFIGS[name]
     graphdef, params = split_model(LLM(cfg, rngs=nnx.Rngs(params=3)))
     prompt_tokens, prompt_mask, tokens, completion_mask = _batch()
-    inputs, plan_p, plan_c, j, prompt_last = _packed(prompt_tokens, prompt_mask, tokens, completion_mask)
-    assert plan_c.micro_batches == 1 and plan_c.fill > 0.5  # the padded layout's fill: completion_mask.mean()
+    inputs, plan, j, prompt_last = _packed(prompt_tokens, prompt_mask, tokens, completion_mask)
+    assert plan.micro_batches == 1 and plan.fill > completion_mask.mean()  # the padded layout's fill
     D = cfg.hidden_size
     weights = jax.random.normal(jax.random.key(1), (PROMPTS * G, N, D)) * completion_mask[..., None]
     prompt_weights = jax.random.normal(jax.random.key(2), (PROMPTS, P, D)) * prompt_mask[..., None]
     lengths = prompt_mask.sum(1)
-    real_first_weights = jnp.stack([jnp.roll(w, -(P - n), axis=0) for w, n in zip(prompt_weights, lengths,
-                                                                                  strict=True)])
 
     def padded(params):
         prompt, completion, ids = forward_shared_prompts(merge_model(graphdef, params), jnp.asarray(prompt_tokens),
@@ -75,7 +70,8 @@ def test_hidden_states_predecessors_experts_and_gradients_match_the_padded_forwa
 
     def packed(params):
         prompt, completion, ids = forward_packed(merge_model(graphdef, params), **inputs)
-        loss = jnp.sum(completion * pack(weights, plan_c)[0]) + jnp.sum(prompt * pack(real_first_weights, plan_p)[0])
+        loss = jnp.sum(completion * pack(weights, plan)[0]) + jnp.sum(prompt * pack_prompts(prompt_weights, plan,
+                                                                                               lengths)[0])
         return loss, (prompt, completion, predecessor_hidden(prompt, completion, j, prompt_last), ids)
 
     (want_loss, (want_p, want_c, want_before, want_ids)), want_grads = jax.jit(jax.value_and_grad(
@@ -83,20 +79,18 @@ def test_hidden_states_predecessors_experts_and_gradients_match_the_padded_forwa
     (got_loss, (got_p, got_c, got_before, got_ids)), got_grads = jax.jit(jax.value_and_grad(
         packed, has_aux=True))(params)
     real = np.asarray(completion_mask)
-    np.testing.assert_allclose(np.asarray(unpack(got_c[None], plan_c, PROMPTS * G, N))[real],
+    np.testing.assert_allclose(np.asarray(unpack(got_c[None], plan, PROMPTS * G, N))[real],
                                np.asarray(want_c)[real], atol=2e-5)
-    np.testing.assert_allclose(np.asarray(unpack(got_before[None], plan_c, PROMPTS * G, N))[real],
+    np.testing.assert_allclose(np.asarray(unpack(got_before[None], plan, PROMPTS * G, N))[real],
                                np.asarray(want_before)[real], atol=2e-5)
-    prompt_real_first = np.arange(P)[None] < lengths[:, None]
-    want_p_real_first = np.stack([np.roll(w, -(P - n), axis=0) for w, n in zip(np.asarray(want_p), lengths,
-                                                                              strict=True)])
-    np.testing.assert_allclose(np.asarray(unpack(got_p[None], plan_p, PROMPTS, P))[prompt_real_first],
-                               want_p_real_first[prompt_real_first], atol=2e-5)
+    real_prompt = plan.prompt_group >= 0  # each real prompt token once, against the padded forward's
+    np.testing.assert_allclose(np.asarray(got_p)[real_prompt[0]],
+                               np.asarray(pack_prompts(want_p, plan, lengths))[real_prompt], atol=2e-5)
     np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads), strict=True):
         np.testing.assert_allclose(a, b, atol=2e-4, rtol=2e-4)
     if cfg.num_experts:
-        got = np.asarray(unpack(got_ids[1][None], plan_c, PROMPTS * G, N))[real]
+        got = np.asarray(unpack(got_ids[1][None], plan, PROMPTS * G, N))[real]
         np.testing.assert_array_equal(np.sort(got, -1), np.sort(np.asarray(want_ids[1])[real], -1))
     else:
         assert got_ids is None and want_ids is None

@@ -41,12 +41,29 @@ def test_an_empty_completion_takes_no_slot_and_unused_micro_batches_are_padding(
     assert plan.micro_batches == 1 and (plan.row[1:] == -1).all()
 
 
+def test_a_group_fits_only_where_its_prompt_fits_too():
+    # Groups of 2 into 1 row of 8, prompts (4, 3, 2 tokens) into 1 prompt row of 6. Group 1's completions would fit
+    # micro-batch 0, its prompt would not (4 + 3 > 6): the group opens micro-batch 1, where group 2 joins it.
+    plan = plan_packing([2, 2, 1, 1, 2, 2], group_size=2, rows=1, width=8, micro_batches=3,
+                        prompt_lengths=[4, 3, 2], prompt_rows=1, prompt_width=6)
+    np.testing.assert_array_equal(plan.row[:, 0], [[0, 0, 1, 1, _, _, _, _], [2, 3, 4, 4, 5, 5, _, _], [_] * 8])
+    np.testing.assert_array_equal(plan.prompt_group[:, 0], [[0, 0, 0, 0, _, _], [1, 1, 1, 2, 2, _], [_] * 6])
+    np.testing.assert_array_equal(plan.prompt_position[:2, 0], [[0, 1, 2, 3, 0, 0], [0, 1, 2, 0, 1, 0]])
+    assert plan.micro_batches == 2
+
+
 @pytest.mark.parametrize("lengths,kwargs,message", [
     ([4, 4, 4], dict(group_size=2, rows=2, width=4, micro_batches=2), "not whole groups of 2"),
     ([6, 1], dict(group_size=2, rows=2, width=5, micro_batches=2), "longer than the packed width 5"),
     ([5, 5, 5, 5], dict(group_size=4, rows=2, width=5, micro_batches=3), "does not fit 2 empty rows of 5"),
     ([5, 5, 5, 5], dict(group_size=2, rows=2, width=5, micro_batches=1), "do not fit 1 micro-batches of 2 x 5"),
     ([1, 1], dict(group_size=2, rows=3, width=5, micro_batches=1, shards=2), "3 packed rows do not split over 2"),
+    ([1, 1], dict(group_size=2, rows=2, width=5, micro_batches=1, prompt_lengths=[7], prompt_rows=1, prompt_width=6),
+     "a prompt of 7 tokens is longer than the packed prompt width 6"),
+    ([1, 1], dict(group_size=2, rows=2, width=5, micro_batches=1, prompt_lengths=[2, 2], prompt_rows=1,
+                  prompt_width=6), "2 prompt lengths for 1 groups"),
+    ([1, 1], dict(group_size=2, rows=2, width=5, micro_batches=1, shards=2, prompt_lengths=[2], prompt_rows=1,
+                  prompt_width=6), "1 packed prompt rows do not split over 2"),
 ])
 def test_what_cannot_be_packed_is_named(lengths, kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -60,7 +77,9 @@ def test_unpack_inverts_pack_for_every_field_and_every_token_lands_once():
     G, n, N = 4, 32, 16
     lengths = rng.integers(0, N + 1, n)
     lengths[:G] = N  # a group at full length
-    plan = plan_packing(lengths, group_size=G, rows=8, width=2 * N, micro_batches=4, shards=2)
+    prompt_lengths = rng.integers(1, 13, n // G)
+    plan = plan_packing(lengths, group_size=G, rows=8, width=2 * N, micro_batches=4, shards=2,
+                        prompt_lengths=prompt_lengths, prompt_rows=2, prompt_width=24)
     real = np.arange(N)[None] < lengths[:, None]  # [n, N]
     fields = {"tokens": rng.integers(1, 100, (n, N)), "lp_alpha": rng.normal(size=(n, N)).astype(np.float32),
               "loss_mask": rng.random((n, N)) < 0.5, "routing": rng.integers(0, 8, (n, N, 3, 2)).astype(np.uint8),
@@ -75,6 +94,9 @@ def test_unpack_inverts_pack_for_every_field_and_every_token_lands_once():
     np.testing.assert_array_equal(counts, real.astype(int))
     u, k, _w = np.nonzero(plan.row >= 0)
     group, shard = plan.row[u, k, _w] // G, k // 4  # rows 0-3 are shard 0's, 4-7 shard 1's
-    for g in np.unique(group):  # a group lies in one micro-batch of one shard
+    for g in np.unique(group):  # a group lies in one micro-batch of one shard, and so does its prompt, once
         assert len(set(u[group == g])) == 1 and len(set(shard[group == g])) == 1, g
+        pu, pk, pw = np.nonzero(plan.prompt_group == g)
+        assert set(pu) == set(u[group == g]) and set(pk // 1) == set(shard[group == g])  # 1 prompt row a shard
+        np.testing.assert_array_equal(np.sort(plan.prompt_position[pu, pk, pw]), np.arange(prompt_lengths[g]))
     assert plan.fill == pytest.approx(lengths.sum() / (plan.micro_batches * 8 * 2 * N))
