@@ -69,10 +69,20 @@ class ModelConfig:
     # Trainer forward/backward: compute each prompt once for its G completions instead of once per row
     # (same numbers; the prompt's share of the work drops by G). Off = plain [prompt | completion] rows.
     share_prompts: bool = True
+    # The trainer's log-prob passes (the reference's, pi_k's) over packed micro-batches: completions end to end in
+    # rows of model.packing_width slots instead of each padded to max_new_tokens, each group's prompt once (same
+    # numbers; jgrpo/training/packed_passes.py). The update still runs padded rows (docs/configuration.md).
+    packing: bool = False
+    # The slots of a packed row: 0 = the completion width (max_new_tokens, or env.max_total_tokens) rounded up to 8.
+    packing_width: int = 0
     lora: LoraConfig = LoraConfig()
 
     def __post_init__(self):
         _check(self.logprob_chunk > 0, "model.logprob_chunk", self.logprob_chunk, "a positive integer")
+        _check(not self.packing or self.share_prompts, "model.packing", True,
+               "false with model.share_prompts=false: packing keeps the shared-prompt forward (each group's prompt "
+               "once); set model.share_prompts: true")
+        _check(self.packing_width >= 0, "model.packing_width", self.packing_width, "0 (auto) or a positive integer")
         for name in ("router_aux_loss_coef", "router_z_loss_coef"):
             _check(getattr(self, name) >= 0, f"model.{name}", getattr(self, name), "a number >= 0 (0 = off)")
 
@@ -387,6 +397,10 @@ class Config:
                    "it needs grpo.dynamic_sampling_rounds=0 (the producer's batches are fixed when sampled)")
         if self.env.on:
             self._check_env()
+        if self.model.packing_width:
+            _check(self.model.packing_width >= self.completion_tokens, "model.packing_width", self.model.packing_width,
+                   f">= the completion width {self.completion_tokens} (sampler.max_new_tokens, or env.max_total_tokens "
+                   "with an environment): a packed row must hold the longest completion, or 0 (auto)")
         if self.mesh.rollout_devices:
             _check(self.model.lora.rank == 0, "mesh.rollout_devices", self.mesh.rollout_devices,
                    "0 with LoRA (model.lora.rank > 0): the frozen base would need a copy on the sampler's devices")

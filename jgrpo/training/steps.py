@@ -47,6 +47,8 @@ from jgrpo.rl.objectives import grpo_loss, step_has_signal, step_normaliser
 from jgrpo.rl.routing_replay import forward_metrics, sampler_ran, sequence_routing
 from jgrpo.sampling.methods import SamplingMethod
 from jgrpo.sampling.pool import SampleOutput
+from jgrpo.training.packed_passes import PackedBatch, pack_batch, predicting_states
+from jgrpo.training.packing import PackingPlan, unpack
 
 # Where lp_k (log-probs at the start of the iteration) comes from after the first update of an iteration
 # (at the first update it is always stop_gradient(lp): the params are still pi_k).
@@ -129,6 +131,8 @@ class StepOptions(NamedTuple):
     on_policy: bool | None = None  # the sampling params are always pi_k (`Config.samples_on_policy`)
     routing_replay: bool = False  # a mixture of experts' forwards use the sampler's experts (`model.routing_replay`)
     router_loss_coefs: tuple[float, float] = (0.0, 0.0)  # load balance, z (`model.router_*_loss_coef`)
+    packing: bool = False  # the log-prob passes over packed micro-batches (`model.packing`, `packed_passes`)
+    packing_width: int = 0  # W of a packed row (`model.packing_width`; 0: max_new_tokens rounded up to 8)
 
 
 class StepFunctions:
@@ -149,6 +153,7 @@ class StepFunctions:
         self.method, self.chunk, self.new_tokens = o.method, o.logprob_chunk, o.new_tokens
         self.share_prompts, self.skip_empty_steps, self.rules = o.share_prompts, o.skip_empty_steps, rules
         self.routing_replay, self.router_loss_coefs = o.routing_replay, o.router_loss_coefs
+        self.packing, self.packing_width = o.packing, o.packing_width
         self.chunks = grpo.num_minibatches * grpo.micro_batches
         self.lp_k_source = lp_k_source(grpo, o.on_policy)
         # Log-probs shard the vocabulary over the axes that shard the weights (`token_logprobs`): rows over the
@@ -174,6 +179,8 @@ class StepFunctions:
         self.assemble = jax.jit(self._assemble)
         self.logprobs = _InContext(jax.jit(functools.partial(self._all_logprobs, kind="sampled")), context)
         self.reference_logprobs = _InContext(jax.jit(functools.partial(self._all_logprobs, kind="kl")), context)
+        self.logprobs_packed, self.reference_logprobs_packed = (_InContext(jax.jit(functools.partial(
+            self._all_logprobs_packed, kind=kind), static_argnames="rows"), context) for kind in ("sampled", "kl"))
         self.shuffle_groups = jax.jit(self._shuffle_groups)
         self.m2po_mask = jax.jit(self._m2po_mask)
         self.train_step = _InContext(jax.jit(
@@ -202,13 +209,27 @@ class StepFunctions:
         "computed"), and M2PO's token mask. Every program on the train mesh. With LoRA, `reference` and `current`
         are adapters (the reference may have none) and `frozen` the base they join."""
         batch, _ = self.assemble(prompt_tokens, prompt_mask, samples, rewards)
+        passes = self.grpo.beta > 0 or self.lp_k_source == "computed"
+        packed = self.pack(prompt_tokens, prompt_mask, samples, batch) if self.packing and passes else None
+        rows = samples.tokens.shape[0]
+
+        def logprobs(params, padded, packed_pass):
+            return padded(params, batch) if packed is None else packed_pass(params, packed, rows=rows)
+
         if self.grpo.beta > 0:
-            batch = batch._replace(lp_ref=self.reference_logprobs(join_adapters(reference, frozen), batch))
+            batch = batch._replace(lp_ref=logprobs(join_adapters(reference, frozen), self.reference_logprobs,
+                                                   self.reference_logprobs_packed))
         if self.lp_k_source == "computed":
-            batch = batch._replace(lp_k=self.logprobs(join_adapters(current, frozen), batch))
+            batch = batch._replace(lp_k=logprobs(join_adapters(current, frozen), self.logprobs,
+                                                 self.logprobs_packed))
         if self.grpo.m2po_tau is not None:
             batch = batch._replace(m2po_drop=self.m2po_mask(batch))
         return jax.block_until_ready(batch)
+
+    def pack(self, prompt_tokens, prompt_mask, samples: SampleOutput, batch: StepBatch) -> PackedBatch:
+        """The batch's completions and prompts as packed micro-batches (`packed_passes`), rows on the data shards."""
+        return pack_batch(self.mesh, self.rules, self.chunks, self.packing_width, prompt_tokens, prompt_mask,
+                          samples.tokens, samples.completion_mask, batch.routing if self.routing_replay else None)
 
     def update(self, params, opt_state, batch: StepBatch, shuffle_key=None, frozen=None):
         """grpo.inner_steps passes over `batch`, each grpo.num_minibatches optimiser steps (params and optimiser
@@ -300,10 +321,23 @@ class StepFunctions:
         plus, `with_kl` and a truncating method, the untruncated tempered log-probs for the KL term.
         kind "kl": (untruncated tempered lp, entropy), what the reference contributes to the KL.
         """
-        adapters = any(is_adapter(name) for name in params["layers"])
-        model = merge_model(self.graphdef if adapters or self.base_graphdef is None else self.base_graphdef, params)
+        model = self._model(params)
         targets = micro.targets
         hidden, chosen, router = self._predicting_states(model, micro, targets.shape[1])
+        logprobs = self._token_logprobs(model, hidden, targets, kind, with_kl)
+        if router is None:
+            return logprobs, {}
+        ran = sampler_ran(micro.input_mask, micro.completion_mask[:, -1], micro.inputs.shape[1] + 1 - targets.shape[1])
+        return logprobs, forward_metrics(router, chosen, micro.routing, ran)
+
+    def _model(self, params):
+        """The model of `params` (a LoRA run's reference, without adapters, is the base model)."""
+        adapters = any(is_adapter(name) for name in params["layers"])
+        return merge_model(self.graphdef if adapters or self.base_graphdef is None else self.base_graphdef, params)
+
+    def _token_logprobs(self, model, hidden, targets, kind: str, with_kl: bool = False):
+        """`rl.logprobs.token_logprobs` of `targets` [r, T] from the `hidden` states predicting them [r, T, D] (see
+        `_sequence_logprobs` for `kind`), the vocabulary sharded as the weights."""
         tempered = self.method.tempered_logprobs
         process = tempered if kind == "kl" else self.method.process_logits
         untruncated = tempered if kind == "sampled" and with_kl and self.method.truncates else None
@@ -312,13 +346,28 @@ class StepFunctions:
         shapes = (unembedding.shape, (hidden.shape[0], self.chunk, unembedding.shape[1]))
         vocab_parallel = tuple(NamedSharding(self.mesh, logical_to_spec(names, rules, shape, self.mesh))
                                for names, shape in zip((table, logits), shapes, strict=True))
-        logprobs = token_logprobs(hidden, unembedding, targets, chunk=self.chunk, process_logits=process,
-                                  untruncated=untruncated, compute_dtype=model.cfg.compute_dtype,
-                                  vocab_parallel=vocab_parallel)
-        if router is None:
-            return logprobs, {}
-        ran = sampler_ran(micro.input_mask, micro.completion_mask[:, -1], micro.inputs.shape[1] + 1 - targets.shape[1])
-        return logprobs, forward_metrics(router, chosen, micro.routing, ran)
+        return token_logprobs(hidden, unembedding, targets, chunk=self.chunk, process_logits=process,
+                              untruncated=untruncated, compute_dtype=model.cfg.compute_dtype,
+                              vocab_parallel=vocab_parallel)
+
+    def _all_logprobs_packed(self, params, packed: PackedBatch, rows: int, kind: str):
+        """`_all_logprobs` over packed micro-batches (`training.packed_passes`): [C, r, N], 0 where no token."""
+        model = self._model(params)
+        U, K, W = packed.tokens.shape
+        fields = packed._replace(count=None)
+
+        def one(u):
+            micro = jax.tree.map(lambda x: x[u], fields)
+
+            def run():
+                hidden = predicting_states(model, micro, self.routing_replay)
+                return self._token_logprobs(model, hidden, micro.tokens, kind)[0]
+
+            return jax.lax.cond(u < packed.count, run, lambda: jnp.zeros((K, W), jnp.float32))
+
+        lp = jax.lax.map(one, jnp.arange(U))
+        out = unpack(lp, PackingPlan(packed.row, packed.index, packed.segment, 0), rows, self.new_tokens)
+        return self._rows(out.reshape(self.chunks, rows // self.chunks, self.new_tokens))
 
     def _all_logprobs(self, params, batch: StepBatch, kind: str):
         """[C, r, N] log-probs of every chunk (one chunk at a time: the memory of one micro-batch)."""

@@ -1,0 +1,122 @@
+"""The log-prob passes over packed micro-batches (training/packed_passes.py, `model.packing`) give the padded
+passes' numbers at every real completion token: pi_k's and the reference's, on one device's rows and split over
+data shards, for a mixture of experts replaying the sampler's experts too; `build` takes the packed path."""
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from jgrpo.config import GRPOConfig, MeshConfig
+from jgrpo.models.llm import LLM, split_model
+from jgrpo.parallel.mesh import make_mesh
+from jgrpo.sampling.methods import SamplingMethod
+from jgrpo.training.packed_passes import plan_batch
+from jgrpo.training.steps import StepFunctions, StepOptions
+from tests.helpers import sampled
+from tests.models.test_model_cache import MOE_CFG
+from tests.models.test_shared_prompt import GQA, PROMPTS, G, N, _batch
+
+MESHES = {"fsdp8": MeshConfig(), "data2_fsdp4": MeshConfig(data=2, fsdp=4)}
+
+
+def _steps(cfg, params, graphdef, mesh, packing, micro_batches, replay=False):
+    grpo = GRPOConfig(num_generations=G, beta=0.04, micro_batches=micro_batches)
+    options = StepOptions(grpo=grpo, method=SamplingMethod(temperature=0.7, top_k=100), logprob_chunk=4, new_tokens=N,
+                          packing=packing, routing_replay=replay)
+    return StepFunctions(graphdef=graphdef, params=params, mesh=make_mesh(MESHES[mesh]), options=options,
+                         optimizer=optax.sgd(1.0))
+
+
+@pytest.mark.parametrize("mesh", list(MESHES))
+@pytest.mark.parametrize("micro_batches", [1, 3])
+def test_packed_passes_give_the_padded_log_probs(mesh, micro_batches):
+    graphdef, params = split_model(LLM(GQA, rngs=nnx.Rngs(params=5)))
+    prompt_tokens, prompt_mask, tokens, completion_mask = _batch(seed=1)
+    samples = sampled(tokens, completion_mask, jnp.zeros(tokens.shape, jnp.float32))
+    rewards = jnp.asarray(np.random.default_rng(2).integers(0, 2, PROMPTS * G), jnp.float32)
+    padded, packed = (_steps(GQA, params, graphdef, mesh, p, micro_batches) for p in (False, True))
+    placed = padded.copy_params(params)
+    batch, _ = padded.assemble(prompt_tokens, prompt_mask, samples, rewards)
+    plan = packed.pack(prompt_tokens, prompt_mask, samples, batch)
+    # The packed micro-batches used, of a buffer of one per group: 1 for the 12 rows, no more than the 3 padded ones
+    # for 4-row micro-batches (there a 7-slot prompt block holds one prompt: a group a micro-batch).
+    assert int(plan.count) == (1 if micro_batches == 1 else 3) and plan.tokens.shape[0] == PROMPTS
+    real = np.asarray(completion_mask).reshape(batch.targets.shape)
+    for padded_pass, packed_pass in ((padded.logprobs, packed.logprobs_packed),
+                                     (padded.reference_logprobs, packed.reference_logprobs_packed)):
+        want = np.asarray(padded_pass(placed, batch))
+        got = np.asarray(packed_pass(placed, plan, rows=PROMPTS * G))
+        assert got.shape == want.shape
+        np.testing.assert_allclose(got[real], want[real], atol=2e-5, rtol=0)
+        assert (got[~real] == 0).all()
+    # build: the reference's log-probs from the packed pass, as the padded build's.
+    built = [s.build(prompt_tokens, prompt_mask, samples, rewards, reference=placed, current=placed)
+             for s in (padded, packed)]
+    np.testing.assert_allclose(np.asarray(built[1].lp_ref)[real], np.asarray(built[0].lp_ref)[real], atol=2e-5)
+
+
+def test_a_mixture_of_experts_replays_the_sampled_experts_packed_as_padded():
+    cfg = dataclasses.replace(MOE_CFG, vocab_size=128)
+    graphdef, params = split_model(LLM(cfg, rngs=nnx.Rngs(params=5)))
+    prompt_tokens, prompt_mask, tokens, completion_mask = _batch(seed=1)
+    rng = np.random.default_rng(4)
+    R, P = PROMPTS * G, prompt_tokens.shape[1]
+    experts = rng.integers(0, cfg.num_experts, (R, P + N, cfg.num_layers, 2)).astype(np.uint8)
+    experts[..., 1] = (experts[..., 0] + 1 + rng.integers(0, cfg.num_experts - 1, experts.shape[:-1])) % 8  # 2 distinct
+    experts[:, :P] = experts[::G, :P].repeat(G, axis=0)  # the sampler ran each prompt once
+    samples = sampled(tokens, completion_mask, jnp.zeros(tokens.shape, jnp.float32))._replace(
+        prompt_routing=jnp.asarray(experts[:, :P]), routing=jnp.asarray(experts[:, P:]))
+    rewards = jnp.ones(R, jnp.float32)
+    padded, packed = (_steps(cfg, params, graphdef, "fsdp8", p, 1, replay=True) for p in (False, True))
+    placed = padded.copy_params(params)
+    batch, _ = padded.assemble(prompt_tokens, prompt_mask, samples, rewards)
+    real = np.asarray(completion_mask).reshape(batch.targets.shape)
+    want = np.asarray(padded.logprobs(placed, batch))
+    got = np.asarray(packed.logprobs_packed(placed, packed.pack(prompt_tokens, prompt_mask, samples, batch),
+                                            rows=R))
+    np.testing.assert_allclose(got[real], want[real], atol=2e-5, rtol=0)
+    # The replay matters: without it the same model gives other log-probs (the random experts are not its own).
+    unreplayed = _steps(cfg, params, graphdef, "fsdp8", False, 1, replay=False)
+    assert np.nanmax(np.abs(np.asarray(unreplayed.logprobs(placed, batch))[real] - want[real])) > 1e-3
+
+
+def test_a_packed_run_trains_as_the_padded_one(tmp_path, monkeypatch):
+    # The tiny run, with the reference's pass (beta > 0) and pi_k's (masked IS over 2 minibatches) packed: the
+    # first iteration's loss, KL and masked-IS drops are the padded run's (same keys, same params).
+    import jgrpo.training.packed_passes as passes_module
+    from jgrpo.training.trainer import Trainer
+    from tests.helpers import QUIET, tiny_config
+
+    plans = []
+    monkeypatch.setattr(passes_module, "plan_batch", lambda *a, **k: plans.append(1) or plan_batch(*a, **k))
+    records = {}
+    for packing in (False, True):
+        trainer = Trainer(tiny_config(tmp_path / str(packing), *QUIET, f"model.packing={packing}",
+                                      "grpo.masked_is=token", "grpo.num_minibatches=2", "run.iterations=1"))
+        try:
+            assert trainer.steps.lp_k_source == "computed" and trainer.steps.packing == packing
+            records[packing] = trainer.train_iteration()
+        finally:
+            trainer.close()
+    assert len(plans) == 1  # the packed run's one batch, planned once for both passes
+    for key in ("loss/loss", "loss/kl_loss", "kl/mean", "loss/mis_drop_frac", "loss/grad_norm", "loss/ratio_max"):
+        np.testing.assert_allclose(records[True][key], records[False][key], rtol=1e-4, atol=1e-6, err_msg=key)
+    assert records[False]["kl/mean"] != 0
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["model.packing=true", "model.share_prompts=false"], "model.packing=True is not allowed: false with "
+                                                          "model.share_prompts=false"),
+    (["model.packing=true", "model.packing_width=6"], "model.packing_width=6 is not allowed: >= the completion "
+                                                      "width 8"),
+])
+def test_packing_settings_that_cannot_work_are_config_errors(overrides, message):
+    from jgrpo.config import ConfigError
+    from tests.helpers import tiny_config
+
+    with pytest.raises(ConfigError, match=message):
+        tiny_config(None, *overrides)
