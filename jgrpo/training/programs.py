@@ -12,9 +12,10 @@ import jax
 
 from jgrpo.config import Config, ConfigError
 from jgrpo.parallel.mesh import TRAIN_RULES, Rules
+from jgrpo.rl.lp_k import lp_k_source
 from jgrpo.rollout.sampling_weights import sampling_copy
 from jgrpo.training.optimizer import learning_rate_schedule, make_optimizer
-from jgrpo.training.steps import StepFunctions, StepOptions, lp_k_source
+from jgrpo.training.steps import StepFunctions, StepOptions
 
 
 def step_functions(config: Config, *, graphdef, params, mesh, method, iterations: int, frozen=None,

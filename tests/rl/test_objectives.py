@@ -420,7 +420,7 @@ def test_masked_importance_sampling_drops_tokens_or_sequences_outside_the_range(
 
 
 def test_masked_is_needs_the_trainers_own_pi_k_even_on_policy():
-    from jgrpo.training.steps import lp_k_source
+    from jgrpo.rl.lp_k import lp_k_source
 
     # v = 1 with two updates: without masked IS lp_k may be the sampler's lp_alpha; with it, never (its ratio
     # pi_k / alpha would be exactly 1 and nothing would ever be dropped).
