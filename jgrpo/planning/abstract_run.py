@@ -133,6 +133,10 @@ def abstract_run(config: Config, devices: list, *, train_rules: Rules = TRAIN_RU
                  sample_rules: Rules = SAMPLE_RULES) -> AbstractRun:
     """The run's mesh over `devices`, its abstract params / optimiser state and its StepFunctions (no weights)."""
     c, g, m = config, config.grpo, config.model
+    if m.packing:  # its passes' shapes follow each batch's lengths: planned padded, the numbers would not be its own
+        raise ConfigError("model.packing=true: jgrpo.plan compiles the padded log-prob passes, and the packed ones "
+                          "depend on each batch's completion lengths; plan with model.packing=false (the padded "
+                          "run is the packed one's worst case: every completion at full length)")
     mesh = make_mesh(c.mesh, devices)
     cfg = model_shapes(m.name, **model_options(m, mesh_platform(mesh)))
     if m.lora.rank:

@@ -100,6 +100,8 @@ def test_bad_input_names_the_problem(v5e):
         abstract_run(load_config("configs/tiny.yaml", ["model.name=org/unknown-7b"]), v5e)
     with pytest.raises(ConfigError):
         load_config("configs/tiny.yaml", ["mesh.tensor=0"])
+    with pytest.raises(ConfigError, match=r"model.packing=true: jgrpo.plan compiles the padded log-prob passes"):
+        abstract_run(load_config("configs/tiny.yaml", ["model.packing=true"]), v5e)
 
 
 @pytest.mark.parametrize("name", sorted(KNOWN_SHAPES))
