@@ -84,9 +84,11 @@ def test_a_mixture_of_experts_replays_the_sampled_experts_packed_as_padded():
     assert np.nanmax(np.abs(np.asarray(unreplayed.logprobs(placed, batch))[real] - want[real])) > 1e-3
 
 
-def test_a_packed_run_trains_as_the_padded_one(tmp_path, monkeypatch):
+def test_a_packed_run_trains_as_the_padded_one_and_never_recompiles(tmp_path, monkeypatch, compile_counter):
     # The tiny run, with the reference's pass (beta > 0) and pi_k's (masked IS over 2 minibatches) packed: the
-    # first iteration's loss, KL and masked-IS drops are the padded run's (same keys, same params).
+    # first iteration's loss, KL and masked-IS drops are the padded run's (same keys, same params). Its second
+    # batch (other lengths, another count of packed micro-batches) compiles nothing (of 3 iterations: the last one's
+    # save compiles its checksums).
     import jgrpo.training.packed_passes as passes_module
     from jgrpo.training.trainer import Trainer
     from tests.helpers import QUIET, tiny_config
@@ -96,13 +98,19 @@ def test_a_packed_run_trains_as_the_padded_one(tmp_path, monkeypatch):
     records = {}
     for packing in (False, True):
         trainer = Trainer(tiny_config(tmp_path / str(packing), *QUIET, f"model.packing={packing}",
-                                      "grpo.masked_is=token", "grpo.num_minibatches=2", "run.iterations=1"))
+                                      "grpo.masked_is=token", "grpo.num_minibatches=2", "run.iterations=3"))
         try:
             assert trainer.steps.lp_k_source == "computed" and trainer.steps.packing == packing
             records[packing] = trainer.train_iteration()
+            if packing:
+                compile_counter.count, compile_counter.active = 0, True
+                trainer.train_iteration()
+                compile_counter.active = False
+                assert compile_counter.count == 0, f"iteration 2 compiled {compile_counter.count} programs"
         finally:
+            compile_counter.active = False
             trainer.close()
-    assert len(plans) == 1  # the packed run's one batch, planned once for both passes
+    assert len(plans) == 2  # the packed run's two batches, each planned once for both passes
     for key in ("loss/loss", "loss/kl_loss", "kl/mean", "loss/mis_drop_frac", "loss/grad_norm", "loss/ratio_max"):
         np.testing.assert_allclose(records[True][key], records[False][key], rtol=1e-4, atol=1e-6, err_msg=key)
     assert records[False]["kl/mean"] != 0
