@@ -15,8 +15,9 @@ Parts, most valuable first, each skipped once the time budget is spent:
    prompt once per group) / time / peak. Then the same on SmolLM2-135M's real weights (needs `gguf`);
 3. sampler: 64, 256 and 1024 rows x 200 new tokens (no stop ids: every row decodes to the end) on Qwen2.5-0.5B
    shapes, bf16 weights and cache; tokens/s against the HBM roofline (every step reads the weights and the
-   filled cache once: bytes / bandwidth). Then 256 rows from int8 weights (`sampler.weights_dtype`), and from
-   int8 weights and KV cache (`sampler.kv_cache_dtype`), against the bf16 run;
+   filled cache once: bytes / bandwidth), each with the platform's `sampler.decode_layers`. Then 256 rows from
+   int8 weights (`sampler.weights_dtype`), and from int8 weights and KV cache (`sampler.kv_cache_dtype`), against
+   the bf16 run, and both with the scanned decode (the GPU default before the first run: unrolled was 1.59x);
 4. moe: one Qwen3-30B-A3B MoE block (E = 128, k = 8, hidden 2048, 768 units per expert, bf16), forward +
    backward over 4096 tokens and a 256-token decode-step forward, per `model.moe_impl` (sorted_tiles, ragged,
    dense): the measured reason for `auto`'s GPU choice;
@@ -310,9 +311,9 @@ def main() -> None:
              ("sampler", f"rows_{rows[1]}", lambda: sampler(rows[1], bandwidth, dry)),
              ("sampler", f"rows_{rows[1]}_int8", lambda: sampler(rows[1], bandwidth, dry, "int8")),
              ("sampler", f"rows_{rows[1]}_int8_cache", lambda: sampler(rows[1], bandwidth, dry, "int8", "int8")),
-             ("sampler", f"rows_{rows[1]}_unrolled", lambda: sampler(rows[1], bandwidth, dry, layers="unrolled")),
-             ("sampler", f"rows_{rows[1]}_int8_cache_unrolled",
-              lambda: sampler(rows[1], bandwidth, dry, "int8", "int8", layers="unrolled")),
+             ("sampler", f"rows_{rows[1]}_scanned", lambda: sampler(rows[1], bandwidth, dry, layers="scanned")),
+             ("sampler", f"rows_{rows[1]}_int8_cache_scanned",
+              lambda: sampler(rows[1], bandwidth, dry, "int8", "int8", layers="scanned")),
              ("moe", "qwen3-30b-a3b-block", lambda: moe(dry))]
     parts += [("sampler", f"rows_{r}", lambda r=r: sampler(r, bandwidth, dry)) for r in rows if r != rows[1]]
     parts += [("train", "smollm2", lambda: train(peak, "smollm2", dry))]

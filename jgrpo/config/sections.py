@@ -80,8 +80,8 @@ class ModelConfig:
     def __post_init__(self):
         _check(self.logprob_chunk > 0, "model.logprob_chunk", self.logprob_chunk, "a positive integer")
         _check(not self.packing or self.share_prompts, "model.packing", True,
-               "false with model.share_prompts=false: packing keeps the shared-prompt forward (each group's prompt "
-               "once); set model.share_prompts: true")
+               "it needs model.share_prompts=true (packing keeps the shared-prompt forward: each group's prompt "
+               "once); set model.share_prompts: true, or model.packing: false")
         _check(self.packing_width >= 0, "model.packing_width", self.packing_width, "0 (auto) or a positive integer")
         for name in ("router_aux_loss_coef", "router_z_loss_coef"):
             _check(getattr(self, name) >= 0, f"model.{name}", getattr(self, name), "a number >= 0 (0 = off)")
@@ -397,7 +397,7 @@ class Config:
                    "it needs grpo.dynamic_sampling_rounds=0 (the producer's batches are fixed when sampled)")
         if self.env.on:
             self._check_env()
-        if self.model.packing_width:
+        if self.model.packing and self.model.packing_width:
             _check(self.model.packing_width >= self.completion_tokens, "model.packing_width", self.model.packing_width,
                    f">= the completion width {self.completion_tokens} (sampler.max_new_tokens, or env.max_total_tokens "
                    "with an environment): a packed row must hold the longest completion, or 0 (auto)")

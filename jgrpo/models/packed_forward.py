@@ -7,18 +7,19 @@ one micro-batch is two fixed blocks (`training/packing.py` plans where each toke
     continuing at its prompt's real length, as when it was sampled.
 Every token is tagged with its group (the index of its prompt; -1 on a padding slot), and a completion token
 also with its segment (1, 2, ... within its row; 0 on padding). A prompt query sees the keys of its own prompt
-up to itself. A completion query sees every key of its group's prompt (wherever the prompt sits in the prompt
-block) and the keys of its own segment up to itself: nothing of another completion, of its group or not.
+up to itself. A completion query sees every key of its group's prompt (wherever the prompt sits in its data
+shard's part of the prompt block) and the keys of its own segment up to itself: nothing of another completion,
+of its group or not.
 That is exactly what each token sees in the padded forward, so the hidden states agree to float rounding
 (tests/models/test_packed_forward.py), and the backward sums a prompt's key and value gradients over its
 completions as there.
 
-The completion queries of a row attend to one key sequence [the whole prompt block | the row], masked by group
-and segment: the prompt block is small (by default (r/G)·P slots for r rows), so no gather by group is needed.
-
-Not yet wired into the trainer's passes (the next step of #40): those add the router's statistics (aux and
-z-losses) and, on a TPU, splash's segment ids; here the masks go to the `custom` / `xla` attention (`splash`
-takes `xla`'s path for an arbitrary mask).
+The completion queries of a row attend to one key sequence [its shard's prompt rows | the row], masked by group
+and segment (no gather by group). That costs attention over (Kp/D)·Wp + W keys where a padded row has P + N:
+the prompt block is sized in `training.packed_passes.packed_sizes`. Used by the trainer's log-prob passes
+(`training/packed_passes.py`); the update (and with it the router's statistics, aux and z-losses) still runs
+padded. The masks go to the `custom` / `xla` attention (`splash` takes `xla`'s path for an arbitrary mask:
+splash's segment ids are a later step on TPU).
 """
 
 from __future__ import annotations
@@ -33,15 +34,25 @@ from jgrpo.models.quantize import compute_weights
 from jgrpo.models.rope import rope_cos_sin
 
 
-def packed_masks(prompt_group, completion_group, completion_segment):
+def shard_prompt_block(x, rows: int, shards: int):
+    """A prompt-block array [Kp, Wp, ...] as each of `rows` completion rows sees it: its data shard's Kp/D prompt
+    rows, flattened -> [rows, (Kp/D)·Wp, ...]. The plan keeps a group's prompt on its completions' shard, so a row
+    needs no other shard's prompts (and no all-gather of them)."""
+    per_shard = x.reshape(shards, -1, *x.shape[2:])  # [D, (Kp/D)·Wp, ...]
+    repeated = jnp.broadcast_to(per_shard[:, None], (shards, rows // shards, *per_shard.shape[1:]))
+    return repeated.reshape(rows, *per_shard.shape[1:])
+
+
+def packed_masks(prompt_group, completion_group, completion_segment, shards: int = 1):
     """The attention masks of the two streams: prompt queries [Kp, Wp, Wp] over their row, completion queries
-    [K, W, Kp·Wp + W] over [the flattened prompt block | their row]. Inputs: int32 [Kp, Wp], [K, W], [K, W]."""
+    [K, W, (Kp/D)·Wp + W] over [their shard's prompt rows, flattened | their row]. Inputs: int32 [Kp, Wp], [K, W],
+    [K, W]; D = `shards`."""
     Wp, W = prompt_group.shape[1], completion_group.shape[1]
     causal_p = jnp.arange(Wp)[None, :] <= jnp.arange(Wp)[:, None]  # [query, key]
     real_p = prompt_group >= 0
     prompt_allowed = (prompt_group[:, :, None] == prompt_group[:, None, :]) & real_p[:, None, :] & causal_p[None]
-    flat_group = prompt_group.reshape(-1)
-    to_prompt = (completion_group[:, :, None] == flat_group[None, None, :]) & (flat_group >= 0)[None, None, :]
+    seen = shard_prompt_block(prompt_group, completion_group.shape[0], shards)  # [K, (Kp/D)·Wp]
+    to_prompt = (completion_group[:, :, None] == seen[:, None, :]) & (seen >= 0)[:, None, :]
     causal = jnp.arange(W)[None, :] <= jnp.arange(W)[:, None]
     own = ((completion_segment[:, :, None] == completion_segment[:, None, :])
            & (completion_segment > 0)[:, None, :] & causal[None])
@@ -58,13 +69,14 @@ def forward_packed(
     completion_segment: jax.Array,  # [K, W] int32: 1, 2, ... per completion of a row, 0 on padding
     completion_positions: jax.Array,  # [K, W] int32: its prompt's real length + j
     routing: tuple[jax.Array, jax.Array] | None = None,  # MoE replay: experts [Kp, Wp, L, k] and [K, W, L, k]
+    shards: int = 1,  # D: both blocks' rows split into D data shards, a group's prompt on its completions' shard
 ):
     """Hidden states after the final norm: (prompt [Kp, Wp, D], completion [K, W, D]), and for a mixture of
     experts the experts the router picks for both streams' tokens (where `routing` replayed others too), else
     None. The numbers of `forward_shared_prompts` on the same tokens, laid out as packed."""
     cfg = model.cfg
     cdt = jnp.dtype(cfg.compute_dtype)
-    prompt_allowed, completion_allowed = packed_masks(prompt_group, completion_group, completion_segment)
+    prompt_allowed, completion_allowed = packed_masks(prompt_group, completion_group, completion_segment, shards)
     prompt_real, completion_real = prompt_group >= 0, completion_group >= 0
     prompt_rope = rope_cos_sin(cfg, prompt_positions)
     completion_rope = rope_cos_sin(cfg, completion_positions)
@@ -76,9 +88,7 @@ def forward_packed(
         p = compute_weights(p, cdt)
         qp, kp, vp = layer_qkv(cfg, p, xp, *prompt_rope)
         qc, kc, vc = layer_qkv(cfg, p, xc, *completion_rope)
-        flat = kp.shape[0] * kp.shape[1]  # the whole prompt block, before every row's own keys
-        block_k, block_v = (jnp.broadcast_to(x.reshape(1, flat, *x.shape[2:]), (K, flat, *x.shape[2:]))
-                            for x in (kp, vp))
+        block_k, block_v = (shard_prompt_block(x, K, shards) for x in (kp, vp))  # before every row's own keys
         keys, values = jnp.concatenate([block_k, kc], axis=1), jnp.concatenate([block_v, vc], axis=1)
         xp, ids_p, _ = layer_output(cfg, p, xp, dense_attention(cfg.attention, qp, kp, vp, prompt_allowed),
                                     replay_p, prompt_real)

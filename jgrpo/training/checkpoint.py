@@ -135,7 +135,7 @@ REPLICA_SLICE_MIN_BYTES = 1 << 20
 def _type_handlers():
     """Orbax's standard type handlers, with `REPLICA_SLICE_MIN_BYTES` for jax arrays."""
     standard = ocp.type_handlers.get_type_handler(jax.Array)
-    arrays = ocp.type_handlers.ArrayHandler(array_metadata_store=getattr(standard, "_array_metadata_store", None),
+    arrays = ocp.type_handlers.ArrayHandler(array_metadata_store=standard._array_metadata_store,
                                             min_slice_bytes_for_replica_parallel=REPLICA_SLICE_MIN_BYTES)
     return ocp.type_handlers.create_type_handler_registry(*(
         (ty, arrays if ty is jax.Array else ocp.type_handlers.get_type_handler(ty))

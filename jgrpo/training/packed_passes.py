@@ -8,6 +8,10 @@ the whole prompt block and itself: [Kp·Wp + W] keys where the padded rows have 
 tokens (`lax.cond` skips the rest of a fixed buffer, so nothing recompiles when the count changes) and scatters
 the log-probs back to [C, r, N]. Same numbers as the padded passes (tests/training/test_packed_passes.py).
 
+The buffer holds one micro-batch per group (the worst case: a group a micro-batch), so each packed per-token field
+is r/G times the size of its padded [C, r, N] form: small for token ids and log-probs, not for a mixture of
+experts' replayed routing at r/G >> 1 (a tighter bound, or a few buffer sizes, is left to the update's packing).
+
 Here: the sizes (`packed_sizes`), the host side (`plan_batch`: lengths -> plan -> device arrays, `PackedBatch`)
 and one micro-batch's forward (`predicting_states`). The passes themselves are `StepFunctions`' (steps.py).
 """
@@ -51,8 +55,15 @@ def packed_sizes(*, rows: int, new_tokens: int, prompt_width: int, group_size: i
     if W < new_tokens:
         raise ValueError(f"a packed width of {W} is less than max_new_tokens = {new_tokens}")
     per_shard = max(rows * new_tokens // W // shards, group_size)
-    prompt_rows = max(PROMPT_GROUPS * rows // group_size // shards, 1) * shards
+    prompt_rows = min(max(PROMPT_GROUPS * rows // group_size // shards, 1), -(-groups // shards)) * shards
     return PackedSizes(per_shard * shards, W, prompt_rows, prompt_width, groups, shards)
+
+
+def data_shards(mesh, rules, chunks: int, rows: int) -> int:
+    """D: how many data shards the trainer's [C, r] rows split over (`row_sharding`), 1 where they do not split."""
+    spec = row_sharding(mesh, rules, (chunks, rows // chunks), row_axis=1).spec
+    axes = spec[1] if len(spec) > 1 and spec[1] else ()
+    return math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes))
 
 
 class PackedBatch(NamedTuple):
@@ -78,7 +89,11 @@ def plan_batch(sizes: PackedSizes, prompt_tokens, prompt_mask, tokens, completio
     """Plan a batch's packing from its lengths (on the host) and gather its fields into it (on the device).
     prompt_tokens, prompt_mask [B, P] (left-padded); tokens, completion_mask [R, N] (real tokens first, R = B·G);
     `prompt_routing` [B, P, L, k] and `routing` [R, N, L, k]: experts to replay, if any."""
-    prompt_lengths = np.asarray(jax.device_get(prompt_mask)).sum(1)
+    prompt_real = np.asarray(jax.device_get(prompt_mask)).astype(bool)
+    prompt_lengths = prompt_real.sum(1)
+    P = prompt_real.shape[1]
+    if not (prompt_real == (np.arange(P)[None] >= (P - prompt_lengths)[:, None])).all():
+        raise ValueError("packing needs left-padded prompts (prompt_mask a suffix)")
     real = np.asarray(jax.device_get(completion_mask)).astype(bool)
     lengths = real.sum(1)
     if not (real == (np.arange(real.shape[1])[None] < lengths[:, None])).all():
@@ -115,11 +130,8 @@ def pack_batch(mesh, rules, chunks: int, width: int, prompt_tokens, prompt_mask,
     P+j is completion token j; a completion's last token is never an input), the rows placed on those shards."""
     (R, N), (B, P) = tokens.shape, prompt_tokens.shape
     G = R // B
-    spec = row_sharding(mesh, rules, (chunks, R // chunks), row_axis=1).spec
-    axes = spec[1] if len(spec) > 1 and spec[1] else ()
-    shards = math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes))
-    sizes = packed_sizes(rows=R // chunks, new_tokens=N, prompt_width=P, group_size=G, groups=B, shards=shards,
-                         width=width)
+    sizes = packed_sizes(rows=R // chunks, new_tokens=N, prompt_width=P, group_size=G, groups=B,
+                         shards=data_shards(mesh, rules, chunks, R), width=width)
     prompt_routing = None
     if routing is not None:
         flat = routing.reshape((R,) + routing.shape[2:])
@@ -130,9 +142,11 @@ def pack_batch(mesh, rules, chunks: int, width: int, prompt_tokens, prompt_mask,
                         if x.ndim >= 2 else x, packed)
 
 
-def predicting_states(model, micro: PackedBatch, replay: bool):
-    """One packed micro-batch (fields without the U axis): the hidden states [K, W, D] that predict its tokens."""
+def predicting_states(model, micro: PackedBatch, replay: bool, shards: int):
+    """One packed micro-batch (fields without the U axis, rows in `shards` data shards): the hidden states
+    [K, W, D] that predict its tokens."""
     routing = (micro.prompt_routing, micro.routing) if replay and micro.routing is not None else None
     prompt, completion, _ = forward_packed(model, micro.prompt_tokens, micro.prompt_group, micro.prompt_positions,
-                                           micro.tokens, micro.group, micro.segment, micro.positions, routing)
+                                           micro.tokens, micro.group, micro.segment, micro.positions, routing,
+                                           shards)
     return predecessor_hidden(prompt, completion, micro.index, micro.prompt_last)

@@ -2,13 +2,13 @@
 
 The update and the log-prob passes pad every completion to `sampler.max_new_tokens` N: with the quickstart's
 lengths (mean 70 of 256) three slots in four are padding. Packing puts several completions end to end in a row of
-width W (each one segment), so a micro-batch of r padded rows [r, N] becomes K packed rows [K, W] with K·W = r·N
-(no more memory) and far fewer of them are needed. Shapes stay fixed: a minibatch has a buffer of U micro-batches
-(`grpo.micro_batches`), of which the plan uses 1 to U; the rest are padding the step skips.
+width W (each one segment), so a micro-batch of r padded rows [r, N] becomes K packed rows [K, W], by default with
+K·W = r·N (the caller sizes the blocks: `packed_passes.packed_sizes`), and fewer of them are needed. Shapes stay
+fixed: a buffer of U micro-batches, of which the plan uses 1 to U; the rest are padding the step skips.
 
-The plan is a host function of the completion lengths alone, deterministic, so every process computes the same
-one (the lengths are global), and the gathers that apply it run on the device (`pack`, `unpack`: any per-token
-field, any trailing dims, with no code of its own). Rules, in this order:
+The plan is a host function of the completion lengths alone, deterministic (so every process could compute the
+same one from the global lengths; for now `model.packing` runs in one process), and the gathers that apply it run
+on the device (`pack`, `unpack`: any per-token field, any trailing dims, with no code of its own). Rules, in order:
   - whole groups: a group's G completions share a prompt the packed forward computes once per micro-batch, so a
     group never spans two micro-batches; one that does not fit opens the next (overflow);
   - groups are dealt to the data shards first (K rows = D shards of K/D rows), to the shard with the fewest

@@ -48,7 +48,7 @@ from jgrpo.rl.objectives import grpo_loss, step_has_signal, step_normaliser
 from jgrpo.rl.routing_replay import forward_metrics, sampler_ran, sequence_routing
 from jgrpo.sampling.methods import SamplingMethod
 from jgrpo.sampling.pool import SampleOutput
-from jgrpo.training.packed_passes import PackedBatch, pack_batch, predicting_states
+from jgrpo.training.packed_passes import PackedBatch, data_shards, pack_batch, predicting_states
 from jgrpo.training.packing import PackingPlan, unpack
 
 
@@ -326,6 +326,7 @@ class StepFunctions:
     def _all_logprobs_packed(self, params, packed: PackedBatch, rows: int, kind: str):
         """`_all_logprobs` over packed micro-batches (`training.packed_passes`): [C, r, N], 0 where no token."""
         model = self._model(params)
+        shards = data_shards(self.mesh, self.rules, self.chunks, rows)  # as pack_batch dealt the groups
         U, K, W = packed.tokens.shape
         fields = packed._replace(count=None)
 
@@ -333,7 +334,7 @@ class StepFunctions:
             micro = jax.tree.map(lambda x: x[u], fields)
 
             def run():
-                hidden = predicting_states(model, micro, self.routing_replay)
+                hidden = predicting_states(model, micro, self.routing_replay, shards)
                 return self._token_logprobs(model, hidden, micro.tokens, kind)[0]
 
             return jax.lax.cond(u < packed.count, run, lambda: jnp.zeros((K, W), jnp.float32))

@@ -14,13 +14,13 @@ from jgrpo.config import GRPOConfig, MeshConfig
 from jgrpo.models.llm import LLM, split_model
 from jgrpo.parallel.mesh import make_mesh
 from jgrpo.sampling.methods import SamplingMethod
-from jgrpo.training.packed_passes import plan_batch
+from jgrpo.training.packed_passes import data_shards, plan_batch
 from jgrpo.training.steps import StepFunctions, StepOptions
 from tests.helpers import sampled
 from tests.models.test_model_cache import MOE_CFG
 from tests.models.test_shared_prompt import GQA, PROMPTS, G, N, _batch
 
-MESHES = {"fsdp8": MeshConfig(), "data2_fsdp4": MeshConfig(data=2, fsdp=4)}
+MESHES = {"fsdp8": MeshConfig(), "data2_tensor4": MeshConfig(data=2, fsdp=1, tensor=4)}
 
 
 def _steps(cfg, params, graphdef, mesh, packing, micro_batches, replay=False):
@@ -42,9 +42,14 @@ def test_packed_passes_give_the_padded_log_probs(mesh, micro_batches):
     placed = padded.copy_params(params)
     batch, _ = padded.assemble(prompt_tokens, prompt_mask, samples, rewards)
     plan = packed.pack(prompt_tokens, prompt_mask, samples, batch)
-    # The packed micro-batches used, of a buffer of one per group: 1 for the 12 rows, no more than the 3 padded ones
-    # for 4-row micro-batches (there a 7-slot prompt block holds one prompt: a group a micro-batch).
-    assert int(plan.count) == (1 if micro_batches == 1 else 3) and plan.tokens.shape[0] == PROMPTS
+    shards = data_shards(packed.mesh, packed.rules, packed.chunks, PROMPTS * G)
+    assert shards == (2 if mesh == "data2_tensor4" else 1)  # 12 rows split over data (2), not over fsdp (8)
+    # The packed micro-batches used, of a buffer of one per group. On one shard 1 for the 12 rows (the 3 groups in
+    # one), 3 for 4-row micro-batches (a group's 4 completions fill one); on two, a shard's half-size block can
+    # need more micro-batches than the padded pass (whole groups per shard): the same numbers either way.
+    assert 1 <= int(plan.count) <= plan.tokens.shape[0] == PROMPTS
+    if shards == 1:
+        assert int(plan.count) == (1 if micro_batches == 1 else 3)
     real = np.asarray(completion_mask).reshape(batch.targets.shape)
     for padded_pass, packed_pass in ((padded.logprobs, packed.logprobs_packed),
                                      (padded.reference_logprobs, packed.reference_logprobs_packed)):
@@ -87,8 +92,8 @@ def test_a_mixture_of_experts_replays_the_sampled_experts_packed_as_padded():
 def test_a_packed_run_trains_as_the_padded_one_and_never_recompiles(tmp_path, monkeypatch, compile_counter):
     # The tiny run, with the reference's pass (beta > 0) and pi_k's (masked IS over 2 minibatches) packed: the
     # first iteration's loss, KL and masked-IS drops are the padded run's (same keys, same params). Its second
-    # batch (other lengths, another count of packed micro-batches) compiles nothing (of 3 iterations: the last one's
-    # save compiles its checksums).
+    # batch (other lengths: the plan's arrays and micro-batch count are traced arguments) compiles nothing (of 3
+    # iterations: the last one's save compiles its checksums).
     import jgrpo.training.packed_passes as passes_module
     from jgrpo.training.trainer import Trainer
     from tests.helpers import QUIET, tiny_config
@@ -117,8 +122,8 @@ def test_a_packed_run_trains_as_the_padded_one_and_never_recompiles(tmp_path, mo
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (["model.packing=true", "model.share_prompts=false"], "model.packing=True is not allowed: false with "
-                                                          "model.share_prompts=false"),
+    (["model.packing=true", "model.share_prompts=false"], "model.packing=True is not allowed: it needs "
+                                                          "model.share_prompts=true"),
     (["model.packing=true", "model.packing_width=6"], "model.packing_width=6 is not allowed: >= the completion "
                                                       "width 8"),
 ])
