@@ -17,8 +17,8 @@ from jgrpo.training.packing import pack, pack_prompts, plan_packing, unpack
 from tests.models.test_model_cache import MOE_CFG
 from tests.models.test_shared_prompt import GQA, PROMPTS, G, N, P, _batch
 
-CONFIGS = {"gqa_bias_qknorm": GQA, "remat_full": dataclasses.replace(GQA, remat="full"),
-           "moe": dataclasses.replace(MOE_CFG, vocab_size=128)}
+# Remat is the layer scan's (shared with the padded forward, tested with it in tests/models/test_shared_prompt.py).
+CONFIGS = {"gqa_bias_qknorm": GQA, "moe": dataclasses.replace(MOE_CFG, vocab_size=128)}
 
 
 def _packed(prompt_tokens, prompt_mask, tokens, completion_mask, K=4, W=12, Kp=2, Wp=8):
