@@ -89,12 +89,11 @@ def plan_batch(sizes: PackedSizes, prompt_tokens, prompt_mask, tokens, completio
     """Plan a batch's packing from its lengths (on the host) and gather its fields into it (on the device).
     prompt_tokens, prompt_mask [B, P] (left-padded); tokens, completion_mask [R, N] (real tokens first, R = B·G);
     `prompt_routing` [B, P, L, k] and `routing` [R, N, L, k]: experts to replay, if any."""
-    prompt_real = np.asarray(jax.device_get(prompt_mask)).astype(bool)
+    prompt_real, real = (np.asarray(x).astype(bool) for x in jax.device_get((prompt_mask, completion_mask)))
     prompt_lengths = prompt_real.sum(1)
     P = prompt_real.shape[1]
     if not (prompt_real == (np.arange(P)[None] >= (P - prompt_lengths)[:, None])).all():
         raise ValueError("packing needs left-padded prompts (prompt_mask a suffix)")
-    real = np.asarray(jax.device_get(completion_mask)).astype(bool)
     lengths = real.sum(1)
     if not (real == (np.arange(real.shape[1])[None] < lengths[:, None])).all():
         raise ValueError("packing needs every completion's real tokens first (completion_mask a prefix)")

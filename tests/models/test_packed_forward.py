@@ -13,7 +13,8 @@ from flax import nnx
 from jgrpo.models.llm import LLM, merge_model, split_model
 from jgrpo.models.packed_forward import forward_packed, packed_masks, predecessor_hidden
 from jgrpo.models.shared_prompt import forward_shared_prompts
-from jgrpo.training.packing import pack, pack_prompts, plan_packing, unpack
+from jgrpo.training.packed_passes import PackedSizes, plan_batch
+from jgrpo.training.packing import PackingPlan, pack, pack_prompts, unpack
 from tests.models.test_model_cache import MOE_CFG
 from tests.models.test_shared_prompt import GQA, PROMPTS, G, N, P, _batch
 
@@ -22,19 +23,17 @@ CONFIGS = {"gqa_bias_qknorm": GQA, "moe": dataclasses.replace(MOE_CFG, vocab_siz
 
 
 def _packed(prompt_tokens, prompt_mask, tokens, completion_mask, K=4, W=12, Kp=2, Wp=8):
-    """The batch as one packed micro-batch (completions and prompts, one plan)."""
-    lengths = prompt_mask.sum(1)
-    plan = plan_packing(completion_mask.sum(1), group_size=G, rows=K, width=W, micro_batches=1,
-                        prompt_lengths=lengths, prompt_rows=Kp, prompt_width=Wp)
-    group_p, group_c, j = plan.prompt_group[0], np.where(plan.row[0] >= 0, plan.row[0] // G, -1), plan.position[0]
-    last = {int(g): i for i, (g, pos) in enumerate(zip(group_p.reshape(-1), plan.prompt_position[0].reshape(-1),
-                                                       strict=True)) if g >= 0 and pos == lengths[g] - 1}
-    inputs = dict(prompt_tokens=pack_prompts(prompt_tokens, plan, lengths)[0], prompt_group=jnp.asarray(group_p),
-                  prompt_positions=jnp.asarray(plan.prompt_position[0]), completion_tokens=pack(tokens, plan)[0],
-                  completion_group=jnp.asarray(group_c), completion_segment=jnp.asarray(plan.segment[0]),
-                  completion_positions=jnp.asarray(np.where(group_c >= 0, lengths[np.maximum(group_c, 0)] + j, 0)))
-    prompt_last = jnp.asarray(np.vectorize(lambda g: last.get(int(g), 0))(group_c))
-    return inputs, plan, jnp.asarray(j), prompt_last
+    """The batch as one packed micro-batch, planned as the trainer plans it (`packed_passes.plan_batch`): the
+    forward's inputs, the plan, and the predecessor lookups (each token's index j, its prompt's last slot)."""
+    packed = plan_batch(PackedSizes(K, W, Kp, Wp, micro_batches=1, shards=1), prompt_tokens, prompt_mask, tokens,
+                        completion_mask, G)
+    m = jax.tree.map(lambda x: x[0], packed._replace(count=None))
+    plan = PackingPlan(np.asarray(packed.row), np.asarray(packed.index), np.asarray(packed.segment),
+                       int(packed.count), np.asarray(packed.prompt_group), np.asarray(packed.prompt_positions))
+    inputs = dict(prompt_tokens=m.prompt_tokens, prompt_group=m.prompt_group, prompt_positions=m.prompt_positions,
+                  completion_tokens=m.tokens, completion_group=m.group, completion_segment=m.segment,
+                  completion_positions=m.positions)
+    return inputs, plan, m.index, m.prompt_last
 
 
 def test_the_masks_by_hand():
