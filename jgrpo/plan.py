@@ -105,6 +105,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fit", action="store_true",
                         help="search model.remat, grpo.micro_batches, model.logprob_chunk and the mesh for the "
                              "fastest plan that fits (compiles several candidates: minutes per candidate for 1B+)")
+    parser.add_argument("--packed-micro-batches", type=int, default=None,
+                        help="with model.packing=true: the packed micro-batches per minibatch to cost its programs "
+                             "at (default grpo.micro_batches, as padded: every row at full length; fewer for short "
+                             "completions, e.g. from benchmarks/packing.py); memory is the worst case either way")
     args = parser.parse_intermixed_args(argv)  # overrides before, between or after the flags
     config = load_config(args.config, args.overrides)
     records = []
@@ -112,13 +116,15 @@ def main(argv: list[str] | None = None) -> int:
         devices, chip = topology_devices(topology)
         try:
             cache: dict = {}  # compiled programs, shared with the search below
-            plan = plan_iteration(config, devices, cache=cache)
+            plan = plan_iteration(config, devices, cache=cache, packed_micro_batches=args.packed_micro_batches)
         except UserError as e:  # e.g. a mesh this slice cannot hold: say which topology
             raise type(e)(f"{topology}: {e}") from None
         plan["roofline"] = roofline(plan, chip)
         hbm = args.hbm_gib if args.hbm_gib is not None else chip.hbm_gib
         print("\n".join(report_lines(topology, chip, plan, hbm)), flush=True)
         record = {"topology": topology, "hbm_gib": hbm, "fits": plan["peak_bytes"] <= hbm * GIB, **plan}
+        if config.model.packing:
+            record["packed_micro_batches"] = args.packed_micro_batches or config.grpo.micro_batches
         if args.fit:
             print(f"-- searching for the fastest plan that fits {hbm:g} GiB per chip on {topology}", flush=True)
             best, tried = fit(args.config, args.overrides, devices, chip, hbm, cache=cache,

@@ -69,9 +69,9 @@ class ModelConfig:
     # Trainer forward/backward: compute each prompt once for its G completions instead of once per row
     # (same numbers; the prompt's share of the work drops by G). Off = plain [prompt | completion] rows.
     share_prompts: bool = True
-    # The trainer's log-prob passes (the reference's, pi_k's) over packed micro-batches: completions end to end in
-    # rows of model.packing_width slots instead of each padded to max_new_tokens, each group's prompt once (same
-    # numbers; jgrpo/training/packed_passes.py). The update still runs padded rows (docs/configuration.md).
+    # The trainer's forwards (the reference's and pi_k's log-prob passes, the update) over packed micro-batches:
+    # completions end to end in rows of model.packing_width slots instead of each padded to max_new_tokens, each
+    # group's prompt once (same loss and gradients; jgrpo/training/packed_steps.py, docs/configuration.md).
     packing: bool = False
     # The slots of a packed row: 0 = the completion width (max_new_tokens, or env.max_total_tokens) rounded up to 8.
     packing_width: int = 0

@@ -16,10 +16,9 @@ completions as there.
 
 The completion queries of a row attend to one key sequence [its shard's prompt rows | the row], masked by group
 and segment (no gather by group). That costs attention over (Kp/D)·Wp + W keys where a padded row has P + N:
-the prompt block is sized in `training.packed_passes.packed_sizes`. Used by the trainer's log-prob passes
-(`training/packed_passes.py`); the update (and with it the router's statistics, aux and z-losses) still runs
-padded. The masks go to the `custom` / `xla` attention (`splash` takes `xla`'s path for an arbitrary mask:
-splash's segment ids are a later step on TPU).
+the prompt block is sized in `training.packed_passes.packed_sizes`. Used by the trainer's log-prob passes and
+its update (`training/packed_passes.py`). The masks go to the `custom` / `xla` attention (`splash` takes `xla`'s
+path for an arbitrary mask: splash's segment ids are a later step on TPU).
 """
 
 from __future__ import annotations
@@ -70,14 +69,18 @@ def forward_packed(
     completion_positions: jax.Array,  # [K, W] int32: its prompt's real length + j
     routing: tuple[jax.Array, jax.Array] | None = None,  # MoE replay: experts [Kp, Wp, L, k] and [K, W, L, k]
     shards: int = 1,  # D: both blocks' rows split into D data shards, a group's prompt on its completions' shard
+    router_stats: bool = False,
+    group_size: int = 1,  # G: with `router_stats`, each prompt token counts G times (as in the padded rows)
+    counted: jax.Array | None = None,  # [K, W] bool: the completion tokens `router_stats` counts (default: all real)
 ):
     """Hidden states after the final norm: (prompt [Kp, Wp, D], completion [K, W, D]), and for a mixture of
     experts the experts the router picks for both streams' tokens (where `routing` replayed others too), else
-    None. The numbers of `forward_shared_prompts` on the same tokens, laid out as packed."""
+    None; with `router_stats` a fourth value, each layer's `moe.RouterStats` (as `forward_shared_prompts`'). The
+    numbers of `forward_shared_prompts` on the same tokens, laid out as packed."""
     cfg = model.cfg
     cdt = jnp.dtype(cfg.compute_dtype)
     prompt_allowed, completion_allowed = packed_masks(prompt_group, completion_group, completion_segment, shards)
-    prompt_real, completion_real = prompt_group >= 0, completion_group >= 0
+    prompt_real, completed = prompt_group >= 0, completion_group >= 0 if counted is None else counted
     prompt_rope = rope_cos_sin(cfg, prompt_positions)
     completion_rope = rope_cos_sin(cfg, completion_positions)
     K = completion_tokens.shape[0]
@@ -90,18 +93,22 @@ def forward_packed(
         qc, kc, vc = layer_qkv(cfg, p, xc, *completion_rope)
         block_k, block_v = (shard_prompt_block(x, K, shards) for x in (kp, vp))  # before every row's own keys
         keys, values = jnp.concatenate([block_k, kc], axis=1), jnp.concatenate([block_v, vc], axis=1)
-        xp, ids_p, _ = layer_output(cfg, p, xp, dense_attention(cfg.attention, qp, kp, vp, prompt_allowed),
-                                    replay_p, prompt_real)
-        xc, ids_c, _ = layer_output(cfg, p, xc, dense_attention(cfg.attention, qc, keys, values, completion_allowed),
-                                    replay_c, completion_real)
-        return (xp, xc), None if ids_p is None else (ids_p, ids_c)
+        xp, ids_p, stats_p = layer_output(cfg, p, xp, dense_attention(cfg.attention, qp, kp, vp, prompt_allowed),
+                                          replay_p, prompt_real)
+        xc, ids_c, stats_c = layer_output(cfg, p, xc, dense_attention(cfg.attention, qc, keys, values,
+                                                                      completion_allowed), replay_c, completed)
+        if ids_p is None:
+            return (xp, xc), None
+        return (xp, xc), ((ids_p, ids_c), stats_p.scaled(group_size) + stats_c)
 
     carry = (model.embedded(prompt_tokens), model.embedded(completion_tokens))
     per_layer = None if routing is None else tuple(jnp.moveaxis(r, 2, 0) for r in routing)  # [L, ...]
-    (xp, xc), ids = scan_layers(cfg, layer, carry, model.layers.arrays(), per_layer, cfg.remat)
+    (xp, xc), routed = scan_layers(cfg, layer, carry, model.layers.arrays(), per_layer, cfg.remat)
+    ids, stats = (None, None) if routed is None else routed
     ids = None if ids is None else tuple(jnp.moveaxis(r, 0, 2) for r in ids)
     norm = model.final_norm[...]
-    return rms_norm(xp, norm, cfg.rms_norm_eps), rms_norm(xc, norm, cfg.rms_norm_eps), ids
+    hidden = rms_norm(xp, norm, cfg.rms_norm_eps), rms_norm(xc, norm, cfg.rms_norm_eps)
+    return (*hidden, ids, stats) if router_stats else (*hidden, ids)
 
 
 def predecessor_hidden(prompt_hidden, completion_hidden, completion_positions_j, prompt_last):

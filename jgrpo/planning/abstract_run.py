@@ -46,6 +46,7 @@ from jgrpo.sampling.layout import routing_record
 from jgrpo.sampling.methods import SamplingMethod
 from jgrpo.sampling.pool import SampleOutput
 from jgrpo.sampling.sampler import Prompts, Sampler
+from jgrpo.training.packed_passes import data_shards, packed_shapes, packed_sizes
 from jgrpo.training.programs import iteration_programs, step_functions
 from jgrpo.training.steps import StepFunctions
 
@@ -133,10 +134,6 @@ def abstract_run(config: Config, devices: list, *, train_rules: Rules = TRAIN_RU
                  sample_rules: Rules = SAMPLE_RULES) -> AbstractRun:
     """The run's mesh over `devices`, its abstract params / optimiser state and its StepFunctions (no weights)."""
     c, g, m = config, config.grpo, config.model
-    if m.packing:  # its passes' shapes follow each batch's lengths: planned padded, the numbers would not be its own
-        raise ConfigError("model.packing=true: jgrpo.plan compiles the padded log-prob passes, and the packed ones "
-                          "depend on each batch's completion lengths; plan with model.packing=false (the padded "
-                          "run is the packed one's worst case: every completion at full length)")
     mesh = make_mesh(c.mesh, devices)
     cfg = model_shapes(m.name, **model_options(m, mesh_platform(mesh)))
     if m.lora.rank:
@@ -178,6 +175,9 @@ class Program:
     lowered: object  # jax.stages.Lowered
     resident_argument_bytes: int  # its arguments that are the iteration's resident buffers (not extra)
     runs: float = 1.0  # times per iteration
+    # A packed program's loop over the micro-batches it uses, whose trip count is an argument: the count its cost
+    # is taken at (`hlo_cost.HloCost.traced_trips`); None for the others
+    traced_trips: int | None = None
 
 
 @dataclasses.dataclass
@@ -192,8 +192,11 @@ program_names = iteration_programs  # the planner's older name
 
 
 def lower_iteration(config: Config, devices: list, *, names: tuple[str, ...] | None = None,
-                    train_rules: Rules = TRAIN_RULES, sample_rules: Rules = SAMPLE_RULES) -> Iteration:
-    """Lower the programs of one iteration of `config` over `devices` (all, or those in `names`)."""
+                    train_rules: Rules = TRAIN_RULES, sample_rules: Rules = SAMPLE_RULES,
+                    packed_micro_batches: int | None = None) -> Iteration:
+    """Lower the programs of one iteration of `config` over `devices` (all, or those in `names`). With
+    `model.packing`, the packed programs cost `packed_micro_batches` micro-batches per minibatch (default: as many
+    as padded, grpo.micro_batches); their memory is the worst case whatever the count (a fixed buffer)."""
     c, g = config, config.grpo
     run = abstract_run(config, devices, train_rules=train_rules, sample_rules=sample_rules)
     hosts = len({d.process_index for d in devices})
@@ -206,7 +209,7 @@ def lower_iteration(config: Config, devices: list, *, names: tuple[str, ...] | N
     wanted = [n for n in runs if names is None or n in names]
     resident = _resident(config, run)
     lowered = {**_sampling_programs(config, run, resident, shape, sample_rules, wanted),
-               **_step_programs(config, run, resident, shape, train_rules, wanted)}
+               **_step_programs(config, run, resident, shape, train_rules, wanted, packed_micro_batches)}
     return Iteration(run, resident, [lowered[n] for n in wanted], shape)
 
 
@@ -259,8 +262,10 @@ def _sampling_programs(config, run: AbstractRun, resident, shape, rules, wanted)
     return programs
 
 
-def _step_programs(config, run: AbstractRun, resident, shape, rules, wanted) -> dict[str, Program]:
-    """The step batch's assembly, its log-prob passes, M2PO's mask, the minibatch shuffle and the update."""
+def _step_programs(config, run: AbstractRun, resident, shape, rules, wanted,
+                   packed_micro_batches: int | None = None) -> dict[str, Program]:
+    """The step batch's assembly, its log-prob passes, M2PO's mask, the minibatch shuffle and the update (packed
+    with `model.packing`: `_packed_plans`)."""
     c, g, mesh, steps = config, config.grpo, run.mesh, run.steps
     B, P, N, R = shape["B"], shape["P"], shape["N"], shape["B"] * shape["G"]
     samples = SampleOutput(*(_rows(mesh, rules, s, dtype) for s, dtype in (
@@ -286,12 +291,22 @@ def _step_programs(config, run: AbstractRun, resident, shape, rules, wanted) -> 
     read_only = resident["params"] + resident.get("base", 0) + resident["step_batch"]
     whole = run.whole()
     programs = {"assemble": Program("assemble", assemble, 0)}
+    packed = _packed_plans(config, run, shape, rules, packed_micro_batches) if steps.packing else None
+
+    trips = (None, None) if packed is None else (packed["passes_trips"], packed["update_trips"])
+
+    def logprobs(padded, packed_pass, params, batch):
+        return padded.lower(params, batch) if packed is None else packed_pass.lower(params, packed["passes"], rows=R)
+
     if "ref_logprobs" in wanted:  # with LoRA (and no swap) the reference is the base alone
         reference = run.base if run.base is not None and not g.swap_reference else whole
-        programs["ref_logprobs"] = Program("ref_logprobs", steps.reference_logprobs.lower(reference, assembled),
-                                           resident["step_batch"] + per_chip_bytes(reference))
+        programs["ref_logprobs"] = Program("ref_logprobs", logprobs(steps.reference_logprobs,
+                                                                    steps.reference_logprobs_packed, reference,
+                                                                    assembled),
+                                           resident["step_batch"] + per_chip_bytes(reference), traced_trips=trips[0])
     if "lp_k" in wanted:
-        programs["lp_k"] = Program("lp_k", steps.logprobs.lower(whole, with_ref), read_only)
+        programs["lp_k"] = Program("lp_k", logprobs(steps.logprobs, steps.logprobs_packed, whole, with_ref),
+                                   read_only, traced_trips=trips[0])
     if "m2po_mask" in wanted:
         programs["m2po_mask"] = Program("m2po_mask", steps.m2po_mask.lower(with_lp_k), resident["step_batch"])
     if "shuffle" in wanted:
@@ -299,8 +314,36 @@ def _step_programs(config, run: AbstractRun, resident, shape, rules, wanted) -> 
         programs["shuffle"] = Program("shuffle", steps.shuffle_groups.lower(batch, key), resident["step_batch"],
                                       runs=g.inner_steps - 1)
     if "update" in wanted:
-        update = steps.train_step.lower(run.params, run.opt_state, batch, jnp.int32(0), jnp.bool_(True),
-                                        frozen=run.base)
+        args = run.params, run.opt_state, batch, jnp.int32(0), jnp.bool_(True)
+        update = (steps.train_step.lower(*args, frozen=run.base) if packed is None else
+                  steps.train_step_packed.lower(*args, frozen=run.base, packed=packed["update"]))
         programs["update"] = Program("update", update, read_only + resident["opt_state"],
-                                     runs=g.inner_steps * g.num_minibatches)
+                                     runs=g.inner_steps * g.num_minibatches, traced_trips=trips[1])
     return programs
+
+
+def _packed_plans(config, run: AbstractRun, shape, rules, micro_batches: int | None) -> dict:
+    """`model.packing`'s plans as the programs receive them (`packed_passes.packed_shapes`, placed on the data
+    shards as `pack_batch` / `pack_minibatches` place them): the passes' (the whole batch) and the update's (each
+    minibatch), and the micro-batches each program's loop is costed at: `micro_batches` per minibatch (default
+    grpo.micro_batches, as padded), at most the buffer."""
+    g, mesh, steps = config.grpo, run.mesh, run.steps
+    B, G, P, N = (shape[k] for k in "BGPN")
+    R, M, C = B * G, g.num_minibatches, steps.chunks
+    shards = data_shards(mesh, rules, C, R)
+    record = routing_record(run.cfg)  # (L, k, dtype) of a mixture of experts' record, else None
+
+    def sizes(groups):
+        return packed_sizes(rows=R // C, new_tokens=N, prompt_width=P, group_size=G, groups=groups, shards=shards,
+                            width=config.model.packing_width)
+
+    def placed(plan, row_axis):
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=row_sharding(
+            mesh, rules, x.shape, row_axis=row_axis) if len(x.shape) > row_axis else replicated(mesh)), plan)
+
+    whole, minibatch = sizes(B), sizes(B // M)
+    per_minibatch = micro_batches or g.micro_batches
+    return {"passes": placed(packed_shapes(whole, R, record if steps.routing_replay else None), 1),
+            "update": placed(packed_shapes(minibatch, R // M, record, minibatches=M), 2),
+            "passes_trips": min(per_minibatch * M, whole.micro_batches),
+            "update_trips": min(per_minibatch, minibatch.micro_batches)}

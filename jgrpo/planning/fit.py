@@ -75,10 +75,11 @@ def refused_bytes(message: str) -> int | None:
 
 
 def compile_program(name: str, lowered, resident_argument_bytes: int = 0, runs: float = 1.0,
-                    head_dim: int = 0) -> ProgramReport:
+                    head_dim: int = 0, traced_trips: int | None = None) -> ProgramReport:
     """Compile `lowered` (one of `lower_iteration`'s programs) and measure it (per chip). A program the TPU
     compiler refuses for memory is reported with the temporaries it asked for (and `refused`), not raised.
-    `head_dim`: the model's, to find a sampler's KV cache reads (0: not reported)."""
+    `head_dim`: the model's, to find a sampler's KV cache reads (0: not reported). `traced_trips`: a packed
+    program's micro-batches (`abstract_run.Program.traced_trips`)."""
     start = time.perf_counter()
     try:
         compiled = lowered.compile()
@@ -95,7 +96,7 @@ def compile_program(name: str, lowered, resident_argument_bytes: int = 0, runs: 
         os.makedirs(os.environ["JGRPO_PLAN_DUMP"], exist_ok=True)
         with open(os.path.join(os.environ["JGRPO_PLAN_DUMP"], f"{name}.hlo"), "w") as f:
             f.write(text)
-    cost = HloCost(text)
+    cost = HloCost(text, traced_trips)
     top_level = {ins.name for ins in cost.computations[cost.entry]}
     step_bytes = max((cost.bytes_of(body) for ins, body, _ in loops(cost) if ins.name in top_level), default=0.0)
     return ProgramReport(name, seconds, int(memory.argument_size_in_bytes), int(memory.output_size_in_bytes),
@@ -137,21 +138,25 @@ def _program_key(name: str, config: Config) -> tuple:
 
 
 def plan_iteration(config: Config, devices: list, *, train_rules: Rules = TRAIN_RULES,
-                   sample_rules: Rules = SAMPLE_RULES, cache: dict | None = None) -> dict:
+                   sample_rules: Rules = SAMPLE_RULES, cache: dict | None = None,
+                   packed_micro_batches: int | None = None) -> dict:
     """Compile one iteration's programs of `config` for `devices`: per-chip memory and cost of each, and of the
-    iteration. With `cache` (a dict kept across calls of one search), programs compiled before are reused."""
+    iteration. With `cache` (a dict kept across calls of one search), programs compiled before are reused.
+    `packed_micro_batches`: with `model.packing`, the micro-batches per minibatch its programs are costed at
+    (`lower_iteration`)."""
     cache = {} if cache is None else cache
     todo = tuple(n for n in program_names(config) if _program_key(n, config) not in cache)
-    iteration = lower_iteration(config, devices, names=todo, train_rules=train_rules, sample_rules=sample_rules)
+    iteration = lower_iteration(config, devices, names=todo, train_rules=train_rules, sample_rules=sample_rules,
+                                packed_micro_batches=packed_micro_batches)
     for p in iteration.programs:
         # Programs of other configs can be the very same (the sampler of two GRPO variants): reuse by content.
-        content = (p.name, hashlib.sha1(p.lowered.as_text().encode()).hexdigest())
+        content = (p.name, hashlib.sha1(p.lowered.as_text().encode()).hexdigest(), p.traced_trips)
         if content in cache:
             report = dataclasses.replace(cache[content], resident_argument_bytes=p.resident_argument_bytes,
                                          runs=p.runs)
         else:
             report = cache[content] = compile_program(p.name, p.lowered, p.resident_argument_bytes, p.runs,
-                                                      iteration.run.cfg.head_dim)
+                                                      iteration.run.cfg.head_dim, p.traced_trips)
         cache[_program_key(p.name, config)] = report
     reports = [cache[_program_key(n, config)] for n in program_names(config)]
     return _summarise(config, devices, iteration, reports)

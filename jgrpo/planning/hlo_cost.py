@@ -4,7 +4,9 @@ XLA's `compiled.cost_analysis()` visits a `while` body once, so a scan over 24 l
 loop is undercounted 24x or 4096x (measured: a training step reports the same FLOPs for 2, 12 and 24 layers).
 This module reads `compiled.as_text()` (per-device HLO after SPMD partitioning, so every count is per chip) and
 multiplies each loop body by its trip count, read from the loop's condition (`counter < N`). A loop that may
-stop early (the sampler's decode stops when every row has finished) counts its bound: the worst case.
+stop early (the sampler's decode stops when every row has finished) counts its bound: the worst case. A loop
+whose bound is an argument (the packed micro-batches a step uses, `model.packing`) counts `traced_trips`, which
+its caller chooses (the worst case or an expected count); without it such a loop is an error.
 
 FLOPs are those of `dot` and `convolution` (the MXU's work, which the chip's peak bf16 rate is quoted for);
 TPU HLO expresses batched matmuls as convolutions with padded windows, so a convolution counts only the
@@ -243,8 +245,9 @@ def _convolution_flops(ins: Instruction, types: dict[str, str]) -> int:
 class HloCost:
     """Loop-aware matmul FLOPs and HBM bytes of one compiled program (per device)."""
 
-    def __init__(self, hlo_text: str):
+    def __init__(self, hlo_text: str, traced_trips: int | None = None):
         self.computations, self.entry = parse_hlo(hlo_text)
+        self.traced_trips = traced_trips  # the trips of a loop whose bound is not a constant (see the module)
         self._types = {name: {i.name: i.type for i in body} for name, body in self.computations.items()}
         self._memo: dict[tuple[str, str], float] = {}
 
@@ -265,6 +268,7 @@ class HloCost:
         read from the body (a bidirectional windowed matmul steps by 2)."""
         condition = self.computations[called_computations(ins, "condition")[0]]
         by_name = {i.name: i for i in condition}
+        traced = False
         for c in condition:
             if c.opcode != "compare" or "direction=LT" not in c.attributes:
                 continue
@@ -274,6 +278,9 @@ class HloCost:
                 start = self._initial_constant(computation, ins, index)
                 step = self._counter_step(called_computations(ins, "body")[0], index)
                 return max(-(-(int(bound.operands[0]) - start) // step), 0)
+            traced |= bool(counter and bound and bound.opcode == "get-tuple-element")
+        if traced and self.traced_trips is not None:  # `counter < bound`, the bound carried in from an argument
+            return self.traced_trips
         raise ValueError(f"cannot read the trip count of loop '{ins.name}' (no 'counter < constant' condition)")
 
     def _counter_step(self, body: str, index: int) -> int:

@@ -42,11 +42,12 @@ def _max(x, where) -> jax.Array:
 
 def loss_metrics(*, lp, lp_alpha, lp_k, adv, valid, mask, ratio, clipped_low, clipped_high, dual_clipped, kl,
                  is_weight, pg_loss, kl_loss, entropy, lp_behaviour_trainer, staleness,
-                 sequence_masked=None, mis_dropped=None, m2po_dropped=None) -> dict[str, jax.Array]:
-    """Accumulators for one micro-batch (see module doc). Inputs as inside `objectives.grpo_loss`."""
+                 sequence_masked=None, mis_dropped=None, m2po_dropped=None, rows=None) -> dict[str, jax.Array]:
+    """Accumulators for one micro-batch (see module doc). Inputs as inside `objectives.grpo_loss` (`rows`: the
+    rows it covers, None for all)."""
     sg = jax.lax.stop_gradient
     lp, ratio = sg(lp), sg(ratio)
-    rows = jnp.ones(valid.shape[:1], bool)
+    rows = jnp.ones(valid.shape[:1], bool) if rows is None else rows
     m = {
         "pg_loss": sg(pg_loss).astype(jnp.float32),
         "kl_loss": sg(kl_loss).astype(jnp.float32),

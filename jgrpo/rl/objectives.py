@@ -185,6 +185,7 @@ def grpo_loss(
     staleness: jax.Array | int | None = None,
     lp_kl: jax.Array | None = None,
     m2po_drop: jax.Array | None = None,
+    rows: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The loss to minimise, -(sum over tokens of weight * (surrogate - beta * kl)), and additive metrics.
 
@@ -202,10 +203,15 @@ def grpo_loss(
       (v=1, i=1), or `lp_k` when v=1), for the sampler-vs-trainer mismatch metric.
     - `staleness`: k - version(behaviour), reported as is.
     - `m2po_drop`: [N, T] bool, the tokens M2PO drops (`corrections.m2po_drop` over the whole batch), or None.
+    - `rows`: [N] bool, the rows this call covers (None: all): the others add nothing to the loss or the metrics
+      (a packed micro-batch holds some of its minibatch's rows, `training.packed_passes`).
     Metrics are sums/counts/min/max over this micro-batch: combine micro-batches with
     `diagnostics.combine_metrics` and turn them into means with `diagnostics.finalize_metrics`.
     """
     _check_inputs(lp, lp_alpha, lp_k, lp_ref, adv, completion_mask, config, entropy, lp_behaviour_trainer, lp_kl)
+    if rows is not None:
+        completion_mask = completion_mask.astype(bool) & rows[:, None]
+        adv = adv._replace(in_loss=adv.in_loss.astype(bool) & rows, zero_variance=adv.zero_variance & rows)
     valid = completion_mask.astype(bool)  # [N, T]
     mask = loss_token_mask(valid, adv.in_loss)  # [N, T]
     # Masked positions may hold -inf or garbage (e.g. padding outside a top-k support): zero them before any
@@ -254,6 +260,7 @@ def grpo_loss(
         clipped_low=clipped_low, clipped_high=clipped_high, dual_clipped=dual_clipped, kl=kl, is_weight=is_weight,
         pg_loss=pg_loss, kl_loss=kl_loss, entropy=entropy, lp_behaviour_trainer=lp_behaviour_trainer,
         staleness=staleness, sequence_masked=sequence_masked, mis_dropped=mis_dropped, m2po_dropped=m2po_drop,
+        rows=rows,
     )
     return loss, metrics
 

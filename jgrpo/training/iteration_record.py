@@ -65,6 +65,10 @@ _SECTIONS = {
     "expert_load_max": "moe/expert_load_max",
     "router_aux_loss": "moe/aux_loss",
     "router_z_loss": "moe/z_loss",
+    "packing_fill": "packing/fill",
+    "packing_prompt_fill": "packing/prompt_fill",
+    "packing_micro_batches": "packing/micro_batches",
+    "packing_micro_batches_max": "packing/micro_batches_max",
 }
 _FIRST_UPDATE_ONLY = ("logprob_mismatch_mean", "logprob_mismatch_max", "mismatch_token_count", "outside_support_frac",
                       "routing_mismatch", "routing_count")

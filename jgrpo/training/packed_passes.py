@@ -1,19 +1,19 @@
-"""The log-prob passes (the reference's, pi_k's) over packed micro-batches: `model.packing` (#40).
+"""Packed micro-batches for the trainer's forwards: `model.packing` (#40). Their sizes, the host side, one forward.
 
-The padded passes run C micro-batches of r rows, every completion padded to N tokens. Packed, the completions of
-the whole batch go end to end into blocks of [K, W] slots (K·W = r·N, a padded micro-batch's completion slots)
-and their groups' prompts into blocks of [Kp, Wp] (`PROMPT_GROUPS`·(r/G)·P slots; a completion row attends over
-the whole prompt block and itself: [Kp·Wp + W] keys where the padded rows have P + N), as
-`packing.plan_packing` plans them on the host from the lengths; a pass then runs only the micro-batches that hold
-tokens (`lax.cond` skips the rest of a fixed buffer, so nothing recompiles when the count changes) and scatters
-the log-probs back to [C, r, N]. Same numbers as the padded passes (tests/training/test_packed_passes.py).
+The padded programs run micro-batches of r rows, every completion padded to N tokens. Packed, the completions go
+end to end into blocks of [K, W] slots (K·W = r·N, a padded micro-batch's completion slots) and their groups'
+prompts into blocks of [Kp, Wp] (`PROMPT_GROUPS`·(r/G)·P slots; a completion row attends over its shard's part of
+the prompt block and itself: (Kp/D)·Wp + W keys where the padded rows have P + N), as `packing.plan_packing`
+plans them on the host from the lengths: the whole batch for the log-prob passes (`pack_batch`), each minibatch
+alone for the update (`pack_minibatches`). The programs (packed_steps.py) run only the micro-batches that hold
+tokens of a fixed buffer, so nothing recompiles when the count changes.
 
 The buffer holds one micro-batch per group (the worst case: a group a micro-batch), so each packed per-token field
-is r/G times the size of its padded [C, r, N] form: small for token ids and log-probs, not for a mixture of
-experts' replayed routing at r/G >> 1 (a tighter bound, or a few buffer sizes, is left to the update's packing).
+is r/G times the size of its padded [C, r, N] form: small for token ids, not for a mixture of experts' replayed
+routing at r/G >> 1 (a tighter bound, or a few buffer sizes, is a later step).
 
 Here: the sizes (`packed_sizes`), the host side (`plan_batch`: lengths -> plan -> device arrays, `PackedBatch`)
-and one micro-batch's forward (`predicting_states`). The passes themselves are `StepFunctions`' (steps.py).
+and one micro-batch's forward (`predicting_states`).
 """
 
 from __future__ import annotations
@@ -80,6 +80,7 @@ class PackedBatch(NamedTuple):
     index: jax.Array  # j, its index in that completion
     prompt_last: jax.Array  # for j = 0: where its prompt's last token sits in the flattened prompt block
     count: jax.Array  # int32 scalar
+    owns: jax.Array  # [U, n] bool: the rows (of the n packed) whose group the micro-batch holds, each row in one
     prompt_routing: jax.Array | None = None  # MoE replay: [U, Kp, Wp, L, k]
     routing: jax.Array | None = None  # [U, K, W, L, k]
 
@@ -117,35 +118,97 @@ def plan_batch(sizes: PackedSizes, prompt_tokens, prompt_mask, tokens, completio
         positions=jnp.asarray(np.where(group >= 0, prompt_lengths[np.maximum(group, 0)] + plan.position, 0),
                               jnp.int32),
         row=jnp.asarray(plan.row), index=jnp.asarray(plan.position), prompt_last=jnp.asarray(prompt_last),
-        count=jnp.int32(plan.micro_batches),
+        count=jnp.int32(plan.micro_batches), owns=jnp.asarray(plan.owner[None] == np.arange(U)[:, None]),
         prompt_routing=None if prompt_routing is None else pack_prompts(prompt_routing, plan, prompt_lengths),
         routing=None if routing is None else pack(routing, plan))
+
+
+def packed_shapes(sizes: PackedSizes, rows: int, routing: tuple | None = None,
+                  minibatches: int | None = None) -> PackedBatch:
+    """A `PackedBatch` of `sizes` as `jax.ShapeDtypeStruct`s (the planner's, which has no lengths): `rows` the rows
+    it packs, `routing` (L, k, dtype) of a replayed record or None, `minibatches` M for the update's stack."""
+    lead = () if minibatches is None else (minibatches,)
+    U = sizes.micro_batches
+    block, prompt = lead + (U, sizes.rows, sizes.width), lead + (U, sizes.prompt_rows, sizes.prompt_width)
+
+    def shaped(shape, dtype=jnp.int32):
+        return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype))
+
+    replayed = routing is not None
+    return PackedBatch(*(shaped(prompt) for _ in range(3)), *(shaped(block) for _ in range(7)), shaped(lead),
+                       shaped(lead + (U, rows), bool),
+                       shaped(prompt + routing[:2], routing[2]) if replayed else None,
+                       shaped(block + routing[:2], routing[2]) if replayed else None)
 
 
 def pack_batch(mesh, rules, chunks: int, width: int, prompt_tokens, prompt_mask, tokens, completion_mask,
                routing=None) -> PackedBatch:
     """`plan_batch` for the trainer's batch of C = `chunks` padded micro-batches: the sizes from its shapes and the
-    data shards its rows split over, the experts to replay from its `routing` [C, r, P+N-1, L, k] (input position
-    P+j is completion token j; a completion's last token is never an input), the rows placed on those shards."""
+    data shards its rows split over, the experts to replay from its `routing` [C, r, P+N-1, L, k], the rows placed
+    on those shards. For the log-prob passes, which run over the whole batch."""
     (R, N), (B, P) = tokens.shape, prompt_tokens.shape
     G = R // B
     sizes = packed_sizes(rows=R // chunks, new_tokens=N, prompt_width=P, group_size=G, groups=B,
                          shards=data_shards(mesh, rules, chunks, R), width=width)
+    flat = None if routing is None else routing.reshape((R,) + routing.shape[2:])
+    packed = _plan_rows(sizes, prompt_tokens, prompt_mask, tokens, completion_mask, G, flat)
+    return _placed(mesh, rules, packed, row_axis=1)
+
+
+def pack_minibatches(mesh, rules, minibatches: int, width: int, group_size: int, inputs, input_mask, targets,
+                     lengths, routing=None) -> PackedBatch:
+    """The update's packing: each of the `minibatches` minibatches (its chunks of the trainer's [C, r] rows, as
+    dealt: after a group shuffle, the shuffled rows) planned alone, as `pack_batch` plans the whole batch, its
+    row ids local to it; fields stacked [M, U, ...] (U: a minibatch's groups), `count` [M].
+    From the update's batch: `inputs`, `input_mask` [C, r, P+N-1], `targets` [C, r, N], `lengths` [C, r] (each
+    completion's real tokens), `routing` [C, r, P+N-1, L, k] or None."""
+    C, r, N = targets.shape
+    G, P = group_size, inputs.shape[2] + 1 - N
+    rows = C // minibatches * r  # a minibatch's
+    sizes = packed_sizes(rows=r, new_tokens=N, prompt_width=P, group_size=G, groups=rows // G,
+                         shards=data_shards(mesh, rules, C, C * r), width=width)
+    real = np.arange(N)[None] < np.asarray(jax.device_get(lengths)).reshape(C * r, 1)
+    flat_inputs, flat_mask = (x.reshape(C * r, -1) for x in (inputs, input_mask))
+    flat_targets = targets.reshape(C * r, N)
+    flat_routing = None if routing is None else routing.reshape((C * r,) + routing.shape[2:])
+    packed = [_plan_rows(sizes, flat_inputs[m * rows:(m + 1) * rows:G, :P], flat_mask[m * rows:(m + 1) * rows:G, :P],
+                         flat_targets[m * rows:(m + 1) * rows], real[m * rows:(m + 1) * rows], G,
+                         None if flat_routing is None else flat_routing[m * rows:(m + 1) * rows])
+              for m in range(minibatches)]
+    return _placed(mesh, rules, jax.tree.map(lambda *x: jnp.stack(x), *packed), row_axis=2)
+
+
+def _plan_rows(sizes: PackedSizes, prompt_tokens, prompt_mask, tokens, completion_mask, group_size: int,
+               routing=None) -> PackedBatch:
+    """`plan_batch` of rows whose experts to replay are `routing` [R, P+N-1, L, k] (input position P+j is
+    completion token j; a completion's last token is never an input, its slot gets expert 0)."""
     prompt_routing = None
     if routing is not None:
-        flat = routing.reshape((R,) + routing.shape[2:])
-        prompt_routing = flat[::G, :P]
-        routing = jnp.pad(flat[:, P:], ((0, 0), (0, 1)) + ((0, 0),) * (flat.ndim - 2))
-    packed = plan_batch(sizes, prompt_tokens, prompt_mask, tokens, completion_mask, G, prompt_routing, routing)
-    return jax.tree.map(lambda x: jax.device_put(x, row_sharding(mesh, rules, x.shape, row_axis=1))
-                        if x.ndim >= 2 else x, packed)
+        P = prompt_tokens.shape[1]
+        prompt_routing = routing[::group_size, :P]
+        routing = jnp.pad(routing[:, P:], ((0, 0), (0, 1)) + ((0, 0),) * (routing.ndim - 2))
+    return plan_batch(sizes, prompt_tokens, prompt_mask, tokens, completion_mask, group_size, prompt_routing,
+                      routing)
 
 
-def predicting_states(model, micro: PackedBatch, replay: bool, shards: int):
+def _placed(mesh, rules, packed: PackedBatch, row_axis: int) -> PackedBatch:
+    """The packed rows (axis `row_axis`) on the data shards the plan dealt them to."""
+    return jax.tree.map(lambda x: jax.device_put(x, row_sharding(mesh, rules, x.shape, row_axis=row_axis))
+                        if x.ndim > row_axis else x, packed)
+
+
+def predicting_states(model, micro: PackedBatch, replay: bool, shards: int, group_size: int = 1,
+                      new_tokens: int | None = None):
     """One packed micro-batch (fields without the U axis, rows in `shards` data shards): the hidden states
-    [K, W, D] that predict its tokens."""
+    [K, W, D] that predict its tokens. With `new_tokens` N (the update, a mixture of experts): also the experts
+    the router picks (prompt [Kp, Wp, L, k], completion [K, W, L, k]) and each layer's `moe.RouterStats`, over
+    the tokens the padded forward runs (prompts G = `group_size` times; a completion's token N-1 is never an
+    input there)."""
     routing = (micro.prompt_routing, micro.routing) if replay and micro.routing is not None else None
-    prompt, completion, _ = forward_packed(model, micro.prompt_tokens, micro.prompt_group, micro.prompt_positions,
-                                           micro.tokens, micro.group, micro.segment, micro.positions, routing,
-                                           shards)
-    return predecessor_hidden(prompt, completion, micro.index, micro.prompt_last)
+    stats = new_tokens is not None
+    counted = (micro.group >= 0) & (micro.index < new_tokens - 1) if stats else None
+    prompt, completion, chosen, *router = forward_packed(
+        model, micro.prompt_tokens, micro.prompt_group, micro.prompt_positions, micro.tokens, micro.group,
+        micro.segment, micro.positions, routing, shards, router_stats=stats, group_size=group_size, counted=counted)
+    hidden = predecessor_hidden(prompt, completion, micro.index, micro.prompt_last)
+    return (hidden, chosen, router[0]) if stats else hidden

@@ -40,6 +40,7 @@ class PackingPlan(NamedTuple):
     micro_batches: int  # how many of the U micro-batches hold tokens (the others are all padding)
     prompt_group: np.ndarray | None = None  # [U, Kp, Wp] int32: the group whose prompt is there, -1 for padding
     prompt_position: np.ndarray | None = None  # [U, Kp, Wp] int32: the index in that prompt (its real tokens)
+    owner: np.ndarray | None = None  # [n] int32: the micro-batch holding each row's group (a row of length 0 too)
 
     @property
     def fill(self) -> float:
@@ -82,6 +83,7 @@ def plan_packing(lengths, *, group_size: int, rows: int, width: int, micro_batch
     load = np.zeros(shards, np.int64)  # tokens dealt to each shard so far
     current = np.zeros(shards, np.int64)  # the micro-batch each shard is filling
     used = np.zeros((micro_batches, rows), np.int64)  # slots taken in each packed row
+    owner = np.zeros(len(lengths), np.int32)
     for first in range(0, len(lengths), group_size):
         group = lengths[first:first + group_size]
         shard = int(np.argmin(load))
@@ -106,6 +108,7 @@ def plan_packing(lengths, *, group_size: int, rows: int, width: int, micro_batch
                                  f"{per_shard} empty rows of {width}")
         placed, prompt_row = fitted
         u = int(current[shard])
+        owner[first:first + group_size] = u
         if prompt_row is not None:
             g, k = first // group_size, shard * prompt_per_shard + prompt_row
             start, n = int(prompt_used[u, k]), int(prompts[g])
@@ -123,8 +126,8 @@ def plan_packing(lengths, *, group_size: int, rows: int, width: int, micro_batch
             used[u, k] += n
     count = int(current.max()) + 1 if len(lengths) else 0
     if prompts is None:
-        return PackingPlan(row, position, segment, count)
-    return PackingPlan(row, position, segment, count, prompt_group, prompt_position)
+        return PackingPlan(row, position, segment, count, owner=owner)
+    return PackingPlan(row, position, segment, count, prompt_group, prompt_position, owner)
 
 
 def _fit_group(group, used, width, prompt, prompt_used, prompt_width):
@@ -170,9 +173,9 @@ def _gather(x, row, position, fill):
 
 
 def unpack(packed, plan: PackingPlan, n_rows: int, n_tokens: int, fill=0):
-    """The inverse of `pack`: [U, K, W, ...] -> [n_rows, n_tokens, ...]; slots no packed token came from
-    (positions past a completion's length) hold `fill`."""
+    """The inverse of `pack`: [U, K, W, ...] (or one micro-batch's [K, W, ...], with its plan's [K, W] arrays) ->
+    [n_rows, n_tokens, ...]; slots no packed token came from (positions past a completion's length) hold `fill`."""
     packed = jnp.asarray(packed)
     rows = jnp.where(jnp.asarray(plan.row) >= 0, jnp.asarray(plan.row), n_rows)  # padding: out of range, dropped
-    out = jnp.full((n_rows, n_tokens) + packed.shape[3:], fill, packed.dtype)
+    out = jnp.full((n_rows, n_tokens) + packed.shape[rows.ndim:], fill, packed.dtype)
     return out.at[rows, jnp.asarray(plan.position)].set(packed, mode="drop")

@@ -48,8 +48,7 @@ from jgrpo.rl.objectives import grpo_loss, step_has_signal, step_normaliser
 from jgrpo.rl.routing_replay import forward_metrics, sampler_ran, sequence_routing
 from jgrpo.sampling.methods import SamplingMethod
 from jgrpo.sampling.pool import SampleOutput
-from jgrpo.training.packed_passes import PackedBatch, data_shards, pack_batch, predicting_states
-from jgrpo.training.packing import PackingPlan, unpack
+from jgrpo.training.packed_steps import PackedSteps
 
 
 class StepBatch(NamedTuple):
@@ -68,6 +67,7 @@ class StepBatch(NamedTuple):
     # [C, r, P+N-1, L, k] uint8 / int16 (a mixture of experts): the experts the sampler ran each input position through
     # (`rl.routing_replay`); replayed by every forward with `routing_replay`, else only compared with.
     routing: jax.Array | None = None
+    lengths: jax.Array | None = None  # [C, r] int32: each completion's real tokens (the packed update plans by them)
 
 
 def _stack_sum(metrics: dict[str, jax.Array]) -> dict[str, jax.Array]:
@@ -108,7 +108,7 @@ class StepOptions(NamedTuple):
     packing_width: int = 0  # W of a packed row (`model.packing_width`; 0: max_new_tokens rounded up to 8)
 
 
-class StepFunctions:
+class StepFunctions(PackedSteps):
     """The jitted functions of one run, closed over its static configuration and shardings.
 
     Shapes (B, P) come from the arguments, so a new prompt width compiles new programs once; the trainer
@@ -156,11 +156,9 @@ class StepFunctions:
             self._all_logprobs_packed, kind=kind), static_argnames="rows"), context) for kind in ("sampled", "kl"))
         self.shuffle_groups = jax.jit(self._shuffle_groups)
         self.m2po_mask = jax.jit(self._m2po_mask)
-        self.train_step = _InContext(jax.jit(
-            self._train_step,
-            out_shardings=(self.param_shardings, self.opt_shardings, None),
-            donate_argnums=(0, 1),
-        ), context)
+        self.train_step, self.train_step_packed = (_InContext(jax.jit(
+            step, out_shardings=(self.param_shardings, self.opt_shardings, None), donate_argnums=(0, 1),
+        ), context) for step in (self._train_step, self._train_step_packed))
 
     def check_rows(self, rows: int) -> None:
         if rows % self.chunks:
@@ -199,11 +197,6 @@ class StepFunctions:
             batch = batch._replace(m2po_drop=self.m2po_mask(batch))
         return jax.block_until_ready(batch)
 
-    def pack(self, prompt_tokens, prompt_mask, samples: SampleOutput, batch: StepBatch) -> PackedBatch:
-        """The batch's completions and prompts as packed micro-batches (`packed_passes`), rows on the data shards."""
-        return pack_batch(self.mesh, self.rules, self.chunks, self.packing_width, prompt_tokens, prompt_mask,
-                          samples.tokens, samples.completion_mask, batch.routing if self.routing_replay else None)
-
     def update(self, params, opt_state, batch: StepBatch, shuffle_key=None, frozen=None):
         """grpo.inner_steps passes over `batch`, each grpo.num_minibatches optimiser steps (params and optimiser
         state donated to each); with `shuffle_key`, whole groups are re-dealt to the minibatches at every inner
@@ -214,10 +207,13 @@ class StepFunctions:
             dealt = batch
             if inner and shuffle_key is not None:
                 dealt = self.shuffle_groups(batch, jax.random.fold_in(shuffle_key, inner))
+            packed = self.pack_minibatches(dealt) if self.packing else None
             for minibatch in range(g.num_minibatches):
                 first = inner == 0 and minibatch == 0
-                params, opt_state, m = self.train_step(params, opt_state, dealt, jnp.int32(minibatch),
-                                                       jnp.bool_(first), frozen=frozen)
+                step = self.train_step if packed is None else functools.partial(self.train_step_packed,
+                                                                                   packed=packed)
+                params, opt_state, m = step(params, opt_state, dealt, jnp.int32(minibatch), jnp.bool_(first),
+                                            frozen=frozen)
                 metrics.append(m)
         return params, opt_state, jax.device_get(metrics)
 
@@ -258,6 +254,7 @@ class StepFunctions:
             lp_alpha=chunked(samples.logprobs.astype(jnp.float32)),
             adv=GroupAdvantages(*(chunked(x) for x in adv)),
             routing=routing,
+            lengths=chunked(samples.completion_mask.sum(axis=1).astype(jnp.int32)) if self.packing else None,
         )
         return batch, adv
 
@@ -323,26 +320,6 @@ class StepFunctions:
                               untruncated=untruncated, compute_dtype=model.cfg.compute_dtype,
                               vocab_parallel=vocab_parallel)
 
-    def _all_logprobs_packed(self, params, packed: PackedBatch, rows: int, kind: str):
-        """`_all_logprobs` over packed micro-batches (`training.packed_passes`): [C, r, N], 0 where no token."""
-        model = self._model(params)
-        shards = data_shards(self.mesh, self.rules, self.chunks, rows)  # as pack_batch dealt the groups
-        U, K, W = packed.tokens.shape
-        fields = packed._replace(count=None)
-
-        def one(u):
-            micro = jax.tree.map(lambda x: x[u], fields)
-
-            def run():
-                hidden = predicting_states(model, micro, self.routing_replay, shards)
-                return self._token_logprobs(model, hidden, micro.tokens, kind)[0]
-
-            return jax.lax.cond(u < packed.count, run, lambda: jnp.zeros((K, W), jnp.float32))
-
-        lp = jax.lax.map(one, jnp.arange(U))
-        out = unpack(lp, PackingPlan(packed.row, packed.index, packed.segment, 0), rows, self.new_tokens)
-        return self._rows(out.reshape(self.chunks, rows // self.chunks, self.new_tokens))
-
     def _all_logprobs(self, params, batch: StepBatch, kind: str):
         """[C, r, N] log-probs of every chunk (one chunk at a time: the memory of one micro-batch)."""
         return self._rows(jax.lax.map(lambda micro: self._sequence_logprobs(params, micro, kind=kind)[0][0], batch))
@@ -367,9 +344,15 @@ class StepFunctions:
     # ------------------------------------------------------------------ update
 
     def _loss(self, params, micro: StepBatch, norm, first_update, frozen=None):
-        with_kl = self.grpo.beta > 0
         (lp, entropy, *lp_kl), routing = self._sequence_logprobs(join_adapters(params, frozen), micro,
-                                                                 with_kl=with_kl)
+                                                                 with_kl=self.grpo.beta > 0)
+        return self._objective(lp, entropy, lp_kl, routing, micro, norm, first_update, self.grpo.micro_batches)
+
+    def _objective(self, lp, entropy, lp_kl, routing, micro: StepBatch, norm, first_update, micro_batches,
+                   rows=None):
+        """The loss of one micro-batch given its forward's log-probs [r, N] (`lp` with gradient, `entropy`, and in
+        a list the KL's if any) and router metrics, with `micro`'s fields (its `rows` only, None for all); the
+        router losses count as a share of the step's `micro_batches`."""
         own = jax.lax.stop_gradient(lp)
         if self.lp_k_source == "computed":
             later = micro.lp_k
@@ -382,28 +365,27 @@ class StepFunctions:
         # for updates where the current params are the behaviour params (first update after a refresh).
         loss, metrics = grpo_loss(lp, micro.lp_alpha, lp_k, micro.lp_ref, micro.adv, micro.completion_mask, norm,
                                   self.grpo, entropy=entropy, lp_behaviour_trainer=lp,
-                                  lp_kl=lp_kl[0] if lp_kl else None, m2po_drop=micro.m2po_drop)
+                                  lp_kl=lp_kl[0] if lp_kl else None, m2po_drop=micro.m2po_drop, rows=rows)
         if "router_aux_loss" in routing:  # a micro-batch's share: the step's value is the micro-batches' mean
             for name, coef in zip(("router_aux_loss", "router_z_loss"), self.router_loss_coefs, strict=True):
-                routing[name] = routing[name] / self.grpo.micro_batches
+                routing[name] = routing[name] / micro_batches
                 loss = loss + coef * routing[name] if coef else loss
         return loss, {**metrics, **routing}
+
+    def _minibatch(self, batch: StepBatch, minibatch):
+        """Minibatch `minibatch`'s chunks [U, r, ...] of the batch, and its `step_normaliser`."""
+        U = self.grpo.micro_batches
+        mb = jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, minibatch * U, U, axis=0), batch)
+        norm = step_normaliser(mb.completion_mask.reshape(-1, mb.completion_mask.shape[-1]),
+                               mb.adv.in_loss.reshape(-1), self.grpo, max_new_tokens=self.new_tokens)
+        return mb, norm
 
     def _train_step(self, params, opt_state, batch: StepBatch, minibatch, first_update, frozen=None):
         """One optimiser step on minibatch `minibatch` (traced), accumulating gradients over its micro-batches.
 
         Gradients and the optimiser cover `params` only; `frozen` (the LoRA base) goes into the forward unchanged.
-
-        A non-finite loss or gradient norm leaves params and optimiser state untouched (the step is skipped
-        and reported in the metrics as `nonfinite` = 1). So does, with `skip_empty_steps`, a step with nothing
-        in the loss (`empty` = 1; `objectives.step_has_signal`): its gradient is 0, but AdamW would still move
-        along its momentum and count the step in its schedule.
-        `lp_k_exact` = 1 flags the updates whose lp_k is the real pi_k (see `lp_k_source`).
         """
-        U = self.grpo.micro_batches
-        mb = jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, minibatch * U, U, axis=0), batch)
-        norm = step_normaliser(mb.completion_mask.reshape(-1, mb.completion_mask.shape[-1]),
-                               mb.adv.in_loss.reshape(-1), self.grpo, max_new_tokens=self.new_tokens)
+        mb, norm = self._minibatch(batch, minibatch)
         grad_fn = jax.value_and_grad(self._loss, has_aux=True)
 
         def micro_step(grads, micro):
@@ -412,7 +394,17 @@ class StepFunctions:
 
         zeros = jax.tree.map(jnp.zeros_like, params)
         grads, (losses, metrics) = jax.lax.scan(micro_step, zeros, mb)
-        loss = losses.sum()
+        return self._apply(params, opt_state, grads, losses.sum(), _stack_sum(metrics), mb, norm, first_update)
+
+    def _apply(self, params, opt_state, grads, loss, metrics, mb: StepBatch, norm, first_update):
+        """The optimiser step with a minibatch's summed gradients, loss and metric accumulators.
+
+        A non-finite loss or gradient norm leaves params and optimiser state untouched (the step is skipped
+        and reported in the metrics as `nonfinite` = 1). So does, with `skip_empty_steps`, a step with nothing
+        in the loss (`empty` = 1; `objectives.step_has_signal`): its gradient is 0, but AdamW would still move
+        along its momentum and count the step in its schedule.
+        `lp_k_exact` = 1 flags the updates whose lp_k is the real pi_k (see `lp_k_source`).
+        """
         grad_norm = optax.tree.norm(grads)
         updates, new_opt_state = self.optimizer.update(grads, opt_state, params)
         new_params = optax.apply_updates(params, updates)
@@ -422,7 +414,7 @@ class StepFunctions:
         keep = functools.partial(jnp.where, apply)
         params = jax.tree.map(keep, new_params, params)
         opt_state = jax.tree.map(keep, new_opt_state, opt_state)
-        out = finalize_metrics(_stack_sum(metrics))
+        out = finalize_metrics(metrics)
         lp_k_exact = jnp.logical_or(first_update, self.lp_k_source != "self")
         out.update(grad_norm=grad_norm, nonfinite=(~finite).astype(jnp.float32),
                    empty=(~has_signal).astype(jnp.float32), lp_k_exact=lp_k_exact.astype(jnp.float32))
