@@ -9,7 +9,8 @@ batches drawn from the rollout benchmark's histogram (benchmarks/packing.py, sca
 max_new_tokens; prompts of half to all of the prompt width), each planned with the shipped planner at the
 config's packed sizes. Per chip: matmul TFLOPs, HBM GB, the roofline seconds (the largest of compute, HBM and
 ICI time at the chip's peaks, `jgrpo.planning.roofline`), the packed one averaged over the drawn batches, and
-the live memory (the packed one is its buffer's: the same at any count). Prints a table, then one JSON line.
+the live memory (the packed one is its buffer's: the same at any count; a program the compiler refuses for
+memory shows what it asked for, and no cost). Prints a table, then one JSON line.
 """
 
 from __future__ import annotations
@@ -56,12 +57,19 @@ def update_cost(config, devices, chip, counts=(None,)) -> dict:
     """The update compiled once for `devices`: per-chip cost and roofline seconds (averaged over the packed
     micro-batch `counts`; None: a padded update), and its live bytes (the same at any count)."""
     from jgrpo.planning.abstract_run import lower_iteration
+    from jgrpo.planning.fit import refused_bytes
     from jgrpo.planning.hlo_cost import HloCost
     from jgrpo.planning.hlo_inspect import summary
     from jgrpo.planning.roofline import bounds
 
     (program,) = lower_iteration(config, devices, names=("update",)).programs
-    compiled = program.lowered.compile()
+    try:
+        compiled = program.lowered.compile()
+    except Exception as e:  # noqa: BLE001 - XLA's runtime error: a refusal for memory is a result here
+        if refused_bytes(str(e)) is None:
+            raise
+        return {"flops": float("nan"), "hbm_bytes": float("nan"), "seconds": float("nan"),
+                "live_bytes": refused_bytes(str(e)), "refused": str(e).strip().splitlines()[0]}
     text, memory = compiled.as_text(), compiled.memory_analysis()
     costs = {}
     for n in sorted(set(counts), key=str):

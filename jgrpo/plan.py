@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.fit:
             print(f"-- searching for the fastest plan that fits {hbm:g} GiB per chip on {topology}", flush=True)
             best, tried = fit(args.config, args.overrides, devices, chip, hbm, cache=cache,
-                              log=lambda line: print(line, flush=True))
+                              log=lambda line: print(line, flush=True), packed_micro_batches=args.packed_micro_batches)
             if best is None:
                 print(f"no plan fits: the smallest peak tried is {min(c.peak_gib for c in tried):.2f} GiB "
                       f"({len(tried)} candidates)")

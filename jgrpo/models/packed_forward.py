@@ -6,19 +6,19 @@ one micro-batch is two fixed blocks (`training/packing.py` plans where each toke
   - completions [K, W]: each completion one segment of its real length, several to a row, positions
     continuing at its prompt's real length, as when it was sampled.
 Every token is tagged with its group (the index of its prompt; -1 on a padding slot), and a completion token
-also with its segment (1, 2, ... within its row; 0 on padding). A prompt query sees the keys of its own prompt
-up to itself. A completion query sees every key of its group's prompt (wherever the prompt sits in its data
-shard's part of the prompt block) and the keys of its own segment up to itself: nothing of another completion,
-of its group or not.
+also with its segment (1, 2, ... within its row; 0 on padding). A completion row holds one group's completions,
+and `prompt_row` says which prompt row holds that group's prompt. A prompt query sees the keys of its own prompt
+up to itself. A completion query sees every key of its group's prompt and the keys of its own segment up to
+itself: nothing of another completion, of its group or not, nor another prompt of the prompt row.
 That is exactly what each token sees in the padded forward, so the hidden states agree to float rounding
 (tests/models/test_packed_forward.py), and the backward sums a prompt's key and value gradients over its
 completions as there.
 
-The completion queries of a row attend to one key sequence [its shard's prompt rows | the row], masked by group
-and segment (no gather by group). That costs attention over (Kp/D)·Wp + W keys where a padded row has P + N:
-the prompt block is sized in `training.packed_passes.packed_sizes`. Used by the trainer's log-prob passes and
-its update (`training/packed_passes.py`). The masks go to the `custom` / `xla` attention (`splash` takes `xla`'s
-path for an arbitrary mask: splash's segment ids are a later step on TPU).
+The completion queries of a row attend to one key sequence [its group's prompt row | the row] (the prompt row's keys
+and values gathered per completion row, as the padded forward repeats a prompt's for its G rows), masked by group
+and segment: Wp + W keys where a padded row has P + N, the same number at Wp = P and W = N. Used by the trainer's
+log-prob passes and its update (`training/packed_passes.py`). The masks go to the `custom` / `xla` attention
+(`splash` takes `xla`'s path for an arbitrary mask: splash's segment ids are a later step on TPU).
 """
 
 from __future__ import annotations
@@ -33,24 +33,25 @@ from jgrpo.models.quantize import compute_weights
 from jgrpo.models.rope import rope_cos_sin
 
 
-def shard_prompt_block(x, rows: int, shards: int):
-    """A prompt-block array [Kp, Wp, ...] as each of `rows` completion rows sees it: its data shard's Kp/D prompt
-    rows, flattened -> [rows, (Kp/D)·Wp, ...]. The plan keeps a group's prompt on its completions' shard, so a row
-    needs no other shard's prompts (and no all-gather of them)."""
-    per_shard = x.reshape(shards, -1, *x.shape[2:])  # [D, (Kp/D)·Wp, ...]
-    repeated = jnp.broadcast_to(per_shard[:, None], (shards, rows // shards, *per_shard.shape[1:]))
-    return repeated.reshape(rows, *per_shard.shape[1:])
+def rows_prompt(x, prompt_row, shards: int = 1):
+    """A prompt-block array [Kp, ...] as the K completion rows see it: each row's group's prompt row, [K, ...].
+    Both blocks' rows split into `shards` data shards, and a row's prompt row lies in its own shard (the plan keeps
+    a group on one): gathered shard by shard (a gather batched over the shards), so no device reads another's."""
+    K = prompt_row.shape[0]
+    blocks = x.reshape(shards, x.shape[0] // shards, *x.shape[1:])
+    local = (prompt_row % blocks.shape[1]).reshape(shards, K // shards)
+    return jax.vmap(lambda block, rows: block[rows])(blocks, local).reshape(K, *x.shape[1:])
 
 
-def packed_masks(prompt_group, completion_group, completion_segment, shards: int = 1):
+def packed_masks(prompt_group, completion_group, completion_segment, prompt_row, shards: int = 1):
     """The attention masks of the two streams: prompt queries [Kp, Wp, Wp] over their row, completion queries
-    [K, W, (Kp/D)·Wp + W] over [their shard's prompt rows, flattened | their row]. Inputs: int32 [Kp, Wp], [K, W],
-    [K, W]; D = `shards`."""
+    [K, W, Wp + W] over [their group's prompt row | their row]. Inputs: int32 [Kp, Wp], [K, W], [K, W], and
+    `prompt_row` [K] the prompt row of each completion row's group (`rows_prompt`, `shards`)."""
     Wp, W = prompt_group.shape[1], completion_group.shape[1]
     causal_p = jnp.arange(Wp)[None, :] <= jnp.arange(Wp)[:, None]  # [query, key]
     real_p = prompt_group >= 0
     prompt_allowed = (prompt_group[:, :, None] == prompt_group[:, None, :]) & real_p[:, None, :] & causal_p[None]
-    seen = shard_prompt_block(prompt_group, completion_group.shape[0], shards)  # [K, (Kp/D)·Wp]
+    seen = rows_prompt(prompt_group, prompt_row, shards)  # [K, Wp]
     to_prompt = (completion_group[:, :, None] == seen[:, None, :]) & (seen >= 0)[:, None, :]
     causal = jnp.arange(W)[None, :] <= jnp.arange(W)[:, None]
     own = ((completion_segment[:, :, None] == completion_segment[:, None, :])
@@ -67,6 +68,7 @@ def forward_packed(
     completion_group: jax.Array,  # [K, W] int32: the index of the completion's prompt, -1 on padding
     completion_segment: jax.Array,  # [K, W] int32: 1, 2, ... per completion of a row, 0 on padding
     completion_positions: jax.Array,  # [K, W] int32: its prompt's real length + j
+    prompt_row: jax.Array,  # [K] int32: the prompt row of each completion row's group (0 for an empty row)
     routing: tuple[jax.Array, jax.Array] | None = None,  # MoE replay: experts [Kp, Wp, L, k] and [K, W, L, k]
     shards: int = 1,  # D: both blocks' rows split into D data shards, a group's prompt on its completions' shard
     router_stats: bool = False,
@@ -79,11 +81,11 @@ def forward_packed(
     numbers of `forward_shared_prompts` on the same tokens, laid out as packed."""
     cfg = model.cfg
     cdt = jnp.dtype(cfg.compute_dtype)
-    prompt_allowed, completion_allowed = packed_masks(prompt_group, completion_group, completion_segment, shards)
+    prompt_allowed, completion_allowed = packed_masks(prompt_group, completion_group, completion_segment, prompt_row,
+                                                      shards)
     prompt_real, completed = prompt_group >= 0, completion_group >= 0 if counted is None else counted
     prompt_rope = rope_cos_sin(cfg, prompt_positions)
     completion_rope = rope_cos_sin(cfg, completion_positions)
-    K = completion_tokens.shape[0]
 
     def layer(carry, p, index, replay):
         xp, xc = carry  # [Kp, Wp, D], [K, W, D]
@@ -91,8 +93,9 @@ def forward_packed(
         p = compute_weights(p, cdt)
         qp, kp, vp = layer_qkv(cfg, p, xp, *prompt_rope)
         qc, kc, vc = layer_qkv(cfg, p, xc, *completion_rope)
-        block_k, block_v = (shard_prompt_block(x, K, shards) for x in (kp, vp))  # before every row's own keys
-        keys, values = jnp.concatenate([block_k, kc], axis=1), jnp.concatenate([block_v, vc], axis=1)
+        # Each row's group's prompt before the row's own keys (the backward sums a prompt's gradients over its rows).
+        keys, values = (jnp.concatenate([rows_prompt(x, prompt_row, shards), own], axis=1)
+                        for x, own in ((kp, kc), (vp, vc)))
         xp, ids_p, stats_p = layer_output(cfg, p, xp, dense_attention(cfg.attention, qp, kp, vp, prompt_allowed),
                                           replay_p, prompt_real)
         xc, ids_c, stats_c = layer_output(cfg, p, xc, dense_attention(cfg.attention, qc, keys, values,

@@ -214,7 +214,7 @@ def _mesh_candidates(config: Config, chips: int) -> list[tuple[int, int, int, in
 
 def fit(path: str, overrides: list[str], devices: list, chip: Chip, hbm_gib: float, *,
         meshes: list[tuple[int, int, int, int]] | None = None, cache: dict | None = None,
-        log=print) -> tuple[Candidate | None, list[Candidate]]:
+        log=print, packed_micro_batches: int | None = None) -> tuple[Candidate | None, list[Candidate]]:
     """The fastest plan (by roofline iteration time) that fits in `hbm_gib` per chip, over model.remat,
     grpo.micro_batches, model.logprob_chunk and the mesh; and every candidate tried. The config's own mesh
     comes first; other meshes (`meshes`, default `_mesh_candidates`) are searched only when no plan fits on
@@ -244,7 +244,7 @@ def fit(path: str, overrides: list[str], devices: list, chip: Chip, hbm_gib: flo
                              f"model.remat={remat}", f"grpo.micro_batches={u}", f"model.logprob_chunk={chunk}")
                     try:
                         config = load_config(path, [*overrides, *knobs])
-                        plan = plan_iteration(config, devices, cache=cache)
+                        plan = plan_iteration(config, devices, cache=cache, packed_micro_batches=packed_micro_batches)
                     except ValueError as e:  # e.g. rows that do not split, heads the tensor axis cannot divide
                         log(f"  skip {' '.join(knobs)}: {e}")
                         break

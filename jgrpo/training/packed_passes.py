@@ -2,9 +2,9 @@
 
 The padded programs run micro-batches of r rows, every completion padded to N tokens. Packed, the completions go
 end to end into blocks of [K, W] slots (K·W = r·N, a padded micro-batch's completion slots) and their groups'
-prompts into blocks of [Kp, Wp] (`PROMPT_GROUPS`·(r/G)·P slots; a completion row attends over its shard's part of
-the prompt block and itself: (Kp/D)·Wp + W keys where the padded rows have P + N), as `packing.plan_packing`
-plans them on the host from the lengths: the whole batch for the log-prob passes (`pack_batch`), each minibatch
+prompts into blocks of [Kp, Wp] (`PROMPT_GROUPS`·(r/G)·P slots; a completion row holds one group and attends
+over its group's prompt row and itself: Wp + W keys, as the padded rows' P + N), as `packing.plan_packing` plans
+them on the host from the lengths: the whole batch for the log-prob passes (`pack_batch`), each minibatch
 alone for the update (`pack_minibatches`). The programs (packed_steps.py) run only the micro-batches that hold
 tokens of a fixed buffer, so nothing recompiles when the count changes.
 
@@ -39,11 +39,13 @@ class PackedSizes(NamedTuple):
     shards: int  # D: data shards the rows split over (a group stays on one)
 
 
-# A packed micro-batch holds the groups whose completions fit it: with short completions several times a padded
-# micro-batch's r / G groups, whose prompts must fit its prompt block too. Sized for PROMPT_GROUPS times r / G
-# prompts (the arithmetic lengths' bound is 3.7x): at G = 8 and P = N / 4, 1/8 more slots than the padded
-# micro-batch's. Too small a block opens micro-batches the completions did not need.
-PROMPT_GROUPS = 4
+# A packed micro-batch holds the groups whose completions fit it: with short completions more than a padded
+# micro-batch's r / G groups, whose prompts must fit its prompt block too. Every prompt slot is computed, used or
+# not, so the block costs: sized for PROMPT_GROUPS times r / G prompts. 2, because a row holds one group: at the
+# arithmetic lengths (mean 70-82 of 256) a group of 8 fills 3 rows of N, so K = r rows hold 2 groups' completions
+# (benchmarks/packing.py); a larger block only adds prompt work (4 cost 7-10% a micro-batch, benchmarks/
+# packed_step.py). Too small a block opens micro-batches the completions did not need.
+PROMPT_GROUPS = 2
 
 
 def packed_sizes(*, rows: int, new_tokens: int, prompt_width: int, group_size: int, groups: int, shards: int,
@@ -79,6 +81,7 @@ class PackedBatch(NamedTuple):
     row: jax.Array  # the completion (row of the batch) it belongs to, -1 on padding
     index: jax.Array  # j, its index in that completion
     prompt_last: jax.Array  # for j = 0: where its prompt's last token sits in the flattened prompt block
+    prompt_row: jax.Array  # [U, K]: the prompt row of each packed row's group (`packing.PackingPlan.prompt_row`)
     count: jax.Array  # int32 scalar
     owns: jax.Array  # [U, n] bool: the rows (of the n packed) whose group the micro-batch holds, each row in one
     prompt_routing: jax.Array | None = None  # MoE replay: [U, Kp, Wp, L, k]
@@ -118,6 +121,7 @@ def plan_batch(sizes: PackedSizes, prompt_tokens, prompt_mask, tokens, completio
         positions=jnp.asarray(np.where(group >= 0, prompt_lengths[np.maximum(group, 0)] + plan.position, 0),
                               jnp.int32),
         row=jnp.asarray(plan.row), index=jnp.asarray(plan.position), prompt_last=jnp.asarray(prompt_last),
+        prompt_row=jnp.asarray(plan.prompt_row),
         count=jnp.int32(plan.micro_batches), owns=jnp.asarray(plan.owner[None] == np.arange(U)[:, None]),
         prompt_routing=None if prompt_routing is None else pack_prompts(prompt_routing, plan, prompt_lengths),
         routing=None if routing is None else pack(routing, plan))
@@ -135,7 +139,8 @@ def packed_shapes(sizes: PackedSizes, rows: int, routing: tuple | None = None,
         return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype))
 
     replayed = routing is not None
-    return PackedBatch(*(shaped(prompt) for _ in range(3)), *(shaped(block) for _ in range(7)), shaped(lead),
+    return PackedBatch(*(shaped(prompt) for _ in range(3)), *(shaped(block) for _ in range(7)),
+                       shaped(lead + (U, sizes.rows)), shaped(lead),
                        shaped(lead + (U, rows), bool),
                        shaped(prompt + routing[:2], routing[2]) if replayed else None,
                        shaped(block + routing[:2], routing[2]) if replayed else None)
@@ -200,15 +205,16 @@ def _placed(mesh, rules, packed: PackedBatch, row_axis: int) -> PackedBatch:
 def predicting_states(model, micro: PackedBatch, replay: bool, shards: int, group_size: int = 1,
                       new_tokens: int | None = None):
     """One packed micro-batch (fields without the U axis, rows in `shards` data shards): the hidden states
-    [K, W, D] that predict its tokens. With `new_tokens` N (the update, a mixture of experts): also the experts
-    the router picks (prompt [Kp, Wp, L, k], completion [K, W, L, k]) and each layer's `moe.RouterStats`, over
-    the tokens the padded forward runs (prompts G = `group_size` times; a completion's token N-1 is never an
-    input there)."""
+    [K, W, D] that predict its tokens. With
+    `new_tokens` N (the update, a mixture of experts): also the experts the router picks (prompt [Kp, Wp, L, k],
+    completion [K, W, L, k]) and each layer's `moe.RouterStats`, over the tokens the padded forward runs
+    (prompts G = `group_size` times; a completion's token N-1 is never an input there)."""
     routing = (micro.prompt_routing, micro.routing) if replay and micro.routing is not None else None
     stats = new_tokens is not None
     counted = (micro.group >= 0) & (micro.index < new_tokens - 1) if stats else None
     prompt, completion, chosen, *router = forward_packed(
         model, micro.prompt_tokens, micro.prompt_group, micro.prompt_positions, micro.tokens, micro.group,
-        micro.segment, micro.positions, routing, shards, router_stats=stats, group_size=group_size, counted=counted)
+        micro.segment, micro.positions, micro.prompt_row, routing, shards, router_stats=stats, group_size=group_size,
+        counted=counted)
     hidden = predecessor_hidden(prompt, completion, micro.index, micro.prompt_last)
     return (hidden, chosen, router[0]) if stats else hidden

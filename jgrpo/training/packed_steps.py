@@ -84,8 +84,7 @@ class PackedSteps:
     def _packed_loss(self, params, rows, micro: PackedBatch, count, norm, first_update, frozen=None):
         """One packed micro-batch's loss over the minibatch's `rows` (`_objective` of the rows it holds)."""
         model = self._model(join_adapters(params, frozen))
-        batch_rows = rows.targets.shape[0] * self.grpo.num_minibatches
-        shards = data_shards(self.mesh, self.rules, self.chunks, batch_rows)  # as pack_minibatches dealt the groups
+        shards = data_shards(self.mesh, self.rules, self.chunks, rows.targets.shape[0] * self.grpo.num_minibatches)
         moe = bool(self.num_experts)
         out = predicting_states(model, micro, self.routing_replay, shards, self.grpo.num_generations,
                                 self.new_tokens if moe else None)

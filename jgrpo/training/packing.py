@@ -13,8 +13,10 @@ on the device (`pack`, `unpack`: any per-token field, any trailing dims, with no
     group never spans two micro-batches; one that does not fit opens the next (overflow);
   - groups are dealt to the data shards first (K rows = D shards of K/D rows), to the shard with the fewest
     tokens so far (ties: the lowest), so a group stays on one device and the shards' loads stay even;
-  - within a shard and micro-batch, each completion goes to the first of its rows with room (first fit), in the
-    order of the minibatch's rows (which follows the group shuffle), so the plan depends on nothing else;
+  - within a shard and micro-batch, each completion goes to the first of its rows with room that is empty or
+    holds its group's completions (first fit), in the order of the minibatch's rows (which follows the group
+    shuffle), so the plan depends on nothing else. A row holds one group: its completions attend to one prompt,
+    whose keys the packed forward gathers for the row (`prompt_row`), as many as a padded row's;
   - with `prompt_lengths`, each group's prompt goes once into the micro-batch's prompt block [Kp, Wp] (the
     shard's Kp/D rows, first fit, positions from 0), and a group fits a micro-batch only if its completions and
     its prompt both do: the packed forward (models/packed_forward.py) computes the prompt there, once.
@@ -41,6 +43,7 @@ class PackingPlan(NamedTuple):
     prompt_group: np.ndarray | None = None  # [U, Kp, Wp] int32: the group whose prompt is there, -1 for padding
     prompt_position: np.ndarray | None = None  # [U, Kp, Wp] int32: the index in that prompt (its real tokens)
     owner: np.ndarray | None = None  # [n] int32: the micro-batch holding each row's group (a row of length 0 too)
+    prompt_row: np.ndarray | None = None  # [U, K] int32: the prompt-block row of each packed row's group (0: none)
 
     @property
     def fill(self) -> float:
@@ -84,6 +87,7 @@ def plan_packing(lengths, *, group_size: int, rows: int, width: int, micro_batch
     current = np.zeros(shards, np.int64)  # the micro-batch each shard is filling
     used = np.zeros((micro_batches, rows), np.int64)  # slots taken in each packed row
     owner = np.zeros(len(lengths), np.int32)
+    row_prompt = np.zeros((micro_batches, rows), np.int32)
     for first in range(0, len(lengths), group_size):
         group = lengths[first:first + group_size]
         shard = int(np.argmin(load))
@@ -115,6 +119,7 @@ def plan_packing(lengths, *, group_size: int, rows: int, width: int, micro_batch
             prompt_group[u, k, start:start + n] = g
             prompt_position[u, k, start:start + n] = np.arange(n)
             prompt_used[u, k] += n
+            row_prompt[u, [shard * per_shard + r for r, length in zip(placed, group, strict=True) if length]] = k
         for member, n, local_row in zip(range(first, first + group_size), group.tolist(), placed, strict=True):
             if n == 0:
                 continue
@@ -127,23 +132,25 @@ def plan_packing(lengths, *, group_size: int, rows: int, width: int, micro_batch
     count = int(current.max()) + 1 if len(lengths) else 0
     if prompts is None:
         return PackingPlan(row, position, segment, count, owner=owner)
-    return PackingPlan(row, position, segment, count, prompt_group, prompt_position, owner)
+    return PackingPlan(row, position, segment, count, prompt_group, prompt_position, owner, row_prompt)
 
 
 def _fit_group(group, used, width, prompt, prompt_used, prompt_width):
     """(the rows of the group's completions, the prompt row of its prompt or None) where both fit, else None."""
-    placed = _first_fit(group, used, width)
+    placed = _first_fit(group, used, width, exclusive=True)
     if placed is None or prompt is None:
         return None if placed is None else (placed, None)
     prompt_row = _first_fit(prompt, prompt_used, prompt_width)
     return None if prompt_row is None else (placed, prompt_row[0])
 
 
-def _first_fit(lengths: np.ndarray, used: np.ndarray, width: int) -> list[int] | None:
-    """The row each completion goes to (first with room), filling a copy of `used`; None if one does not fit."""
+def _first_fit(lengths: np.ndarray, used: np.ndarray, width: int, exclusive: bool = False) -> list[int] | None:
+    """The row each item goes to (first with room), filling a copy of `used`; None if one does not fit.
+    `exclusive`: rows others already use are closed (the items share rows only among themselves)."""
+    closed = used > 0 if exclusive else np.zeros(len(used), bool)
     used, placed = used.copy(), []
     for n in lengths:
-        room = np.flatnonzero(used + n <= width)
+        room = np.flatnonzero((used + n <= width) & ~closed)
         if n and not len(room):
             return None
         k = int(room[0]) if n else 0

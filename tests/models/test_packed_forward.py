@@ -22,7 +22,7 @@ from tests.models.test_shared_prompt import GQA, PROMPTS, G, N, P, _batch
 CONFIGS = {"gqa_bias_qknorm": GQA, "moe": dataclasses.replace(MOE_CFG, vocab_size=128)}
 
 
-def _packed(prompt_tokens, prompt_mask, tokens, completion_mask, K=4, W=12, Kp=2, Wp=8):
+def _packed(prompt_tokens, prompt_mask, tokens, completion_mask, K=3, W=24, Kp=2, Wp=8):
     """The batch as one packed micro-batch, planned as the trainer plans it (`packed_passes.plan_batch`): the
     forward's inputs, the plan, and the predecessor lookups (each token's index j, its prompt's last slot)."""
     packed = plan_batch(PackedSizes(K, W, Kp, Wp, micro_batches=1, shards=1), prompt_tokens, prompt_mask, tokens,
@@ -32,18 +32,60 @@ def _packed(prompt_tokens, prompt_mask, tokens, completion_mask, K=4, W=12, Kp=2
                        int(packed.count), np.asarray(packed.prompt_group), np.asarray(packed.prompt_positions))
     inputs = dict(prompt_tokens=m.prompt_tokens, prompt_group=m.prompt_group, prompt_positions=m.prompt_positions,
                   completion_tokens=m.tokens, completion_group=m.group, completion_segment=m.segment,
-                  completion_positions=m.positions)
+                  completion_positions=m.positions, prompt_row=m.prompt_row)
     return inputs, plan, m.index, m.prompt_last
 
 
 def test_the_masks_by_hand():
-    # Prompt block [[p0 p0 | p1]], completions [[c0 c0 c1], [c2 _ _]]: c0, c1 of prompt 0, c2 of prompt 1.
+    # Prompt block [[p0 p0 | p1]], completions [[c0 c0 c1], [c2 _ _]]: c0, c1 of prompt 0, c2 of prompt 1; both
+    # rows' groups' prompts sit in prompt row 0.
     prompt_allowed, completion_allowed = packed_masks(
-        jnp.asarray([[0, 0, 1]]), jnp.asarray([[0, 0, 0], [1, -1, -1]]), jnp.asarray([[1, 1, 2], [1, 0, 0]]))
+        jnp.asarray([[0, 0, 1]]), jnp.asarray([[0, 0, 0], [1, -1, -1]]), jnp.asarray([[1, 1, 2], [1, 0, 0]]),
+        jnp.asarray([0, 0]))
     np.testing.assert_array_equal(prompt_allowed[0], [[1, 0, 0], [1, 1, 0], [0, 0, 1]])
     np.testing.assert_array_equal(completion_allowed[0], [[1, 1, 0, 1, 0, 0], [1, 1, 0, 1, 1, 0],
                                                           [1, 1, 0, 0, 0, 1]])  # c1 sees p0, not c0
     np.testing.assert_array_equal(completion_allowed[1], [[0, 0, 1, 1, 0, 0], [0] * 6, [0] * 6])
+
+
+def test_a_completion_sees_nothing_of_another(monkeypatch):
+    # Another completion's tokens (even of its own group, in its own row) and another group's prompt leave every
+    # other completion's hidden states bit for bit; without the segment restriction the first no longer holds.
+    import jgrpo.models.packed_forward as module
+
+    graphdef, params = split_model(LLM(GQA, rngs=nnx.Rngs(params=3)))
+    model = merge_model(graphdef, params)
+    prompt_tokens, prompt_mask, tokens, completion_mask = _batch()
+    completion_mask[:G] = np.arange(N) < 3  # group 0's four completions share one row
+    inputs, plan, _, _ = _packed(prompt_tokens, prompt_mask, tokens, completion_mask)
+    assert len(set(plan.segment[0, 0])) > 2  # row 0 holds several of group 0's completions
+
+    def hidden(**changed):
+        _, completion, _ = forward_packed(model, **{**inputs, **changed})  # traced anew: masks as patched
+        return np.asarray(unpack(completion[None], plan, PROMPTS * G, N))
+
+    before = hidden()
+    other = np.asarray(inputs["completion_tokens"]).copy()
+    other[plan.row[0] == 0] = (other[plan.row[0] == 0] + 1) % 128  # completion 0's tokens
+    others = np.ones(PROMPTS * G, bool)
+    others[0] = False
+    real = np.asarray(completion_mask)
+    after = hidden(completion_tokens=jnp.asarray(other))
+    np.testing.assert_array_equal(after[others][real[others]], before[others][real[others]])
+    prompt = np.asarray(inputs["prompt_tokens"]).copy()
+    prompt[plan.prompt_group[0] == 2] += 1  # group 2's prompt
+    after = hidden(prompt_tokens=jnp.asarray(prompt))
+    np.testing.assert_array_equal(after[: 2 * G][real[: 2 * G]], before[: 2 * G][real[: 2 * G]])
+    assert not np.array_equal(after[2 * G:][real[2 * G:]], before[2 * G:][real[2 * G:]])
+
+    def without_segments(prompt_group, completion_group, completion_segment, *rest):
+        return packed_masks(prompt_group, completion_group, (completion_segment > 0).astype(jnp.int32), *rest)
+
+    monkeypatch.setattr(module, "packed_masks", without_segments)
+    before = hidden()
+    after = hidden(completion_tokens=jnp.asarray(other))
+    same_row = (np.arange(PROMPTS * G) > 0) & (np.arange(PROMPTS * G) < G)  # completions 1-3: after it in row 0
+    assert not np.array_equal(after[same_row][real[same_row]], before[same_row][real[same_row]])
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -52,7 +94,8 @@ def test_hidden_states_predecessors_experts_and_gradients_match_the_padded_forwa
     graphdef, params = split_model(LLM(cfg, rngs=nnx.Rngs(params=3)))
     prompt_tokens, prompt_mask, tokens, completion_mask = _batch()
     inputs, plan, j, prompt_last = _packed(prompt_tokens, prompt_mask, tokens, completion_mask)
-    assert plan.micro_batches == 1 and plan.fill > completion_mask.mean()  # the padded layout's fill
+    assert plan.micro_batches == 1  # each group's 4 completions (<= 24 tokens) in one row of 24: a row a group
+    assert all(len(set(plan.row[0, k][plan.row[0, k] >= 0] // G)) == 1 for k in range(3))
     D = cfg.hidden_size
     weights = jax.random.normal(jax.random.key(1), (PROMPTS * G, N, D)) * completion_mask[..., None]
     prompt_weights = jax.random.normal(jax.random.key(2), (PROMPTS, P, D)) * prompt_mask[..., None]

@@ -102,9 +102,9 @@ def test_the_packed_update_is_the_padded_update(case, compile_counter):
     assert clipped > 0 or case == "seq_mean_cispo_mis_m2po"  # (CISPO keeps every token's gradient)
     if case != next(iter(CASES)):
         return
-    # All rows at full length (a group a packed micro-batch: 3, the overflow path), then all 1-token rows (one):
-    # the same numbers again, and the packed programs compile nothing more.
-    for length, micro_batches in ((N, 3), (1, 1)):
+    # All rows at full length (a group a packed micro-batch: 3, the overflow path), then all 1-token rows (2: a
+    # micro-batch's prompt block holds 2 groups' prompts): the same numbers again, and nothing compiles again.
+    for length, micro_batches in ((N, 3), (1, 2)):
         inputs = _off_policy_samples(padded, placed, seed=1, length=length)
         want = _updated(padded, placed, reference, inputs)
         compile_counter.count, compile_counter.active = 0, True

@@ -9,8 +9,8 @@ _ = -1  # a padding slot
 
 
 def test_first_fit_within_a_micro_batch_and_whole_groups_overflow_to_the_next():
-    # Groups of 2 into 2 rows of 5: group 0 (3, 1) shares row 0; group 1 (4, 4) fits row 1 with its first
-    # completion only, so the whole group opens micro-batch 1; group 2 (2, 2) finds no room left there.
+    # Groups of 2 into 2 rows of 5, a row one group's: group 0 (3, 1) shares row 0; group 1 (4, 4) fits row 1 with
+    # its first completion only, so the whole group opens micro-batch 1; group 2 (2, 2) finds no room left there.
     plan = plan_packing([3, 1, 4, 4, 2, 2], group_size=2, rows=2, width=5, micro_batches=3)
     np.testing.assert_array_equal(plan.row, [
         [[0, 0, 0, 1, _], [_, _, _, _, _]],
@@ -35,21 +35,26 @@ def test_groups_are_dealt_to_the_least_loaded_shard_and_stay_on_it():
     assert plan.micro_batches == 2
 
 
-def test_an_empty_completion_takes_no_slot_and_unused_micro_batches_are_padding():
+def test_an_empty_completion_takes_no_slot_and_a_row_holds_one_group():
+    # One row of 8: group 1's completion (3 tokens) would fit beside group 0's (2), but a row holds one group (its
+    # completions attend to one prompt): it opens micro-batch 1. Unused micro-batches are padding.
     plan = plan_packing([2, 0, 0, 3], group_size=2, rows=1, width=8, micro_batches=4)
-    np.testing.assert_array_equal(plan.row[0, 0], [0, 0, 3, 3, 3, _, _, _])
-    assert plan.micro_batches == 1 and (plan.row[1:] == -1).all()
+    np.testing.assert_array_equal(plan.row[:2, 0], [[0, 0, _, _, _, _, _, _], [3, 3, 3, _, _, _, _, _]])
+    assert plan.micro_batches == 2 and (plan.row[2:] == -1).all()
+    np.testing.assert_array_equal(plan.owner, [0, 0, 1, 1])  # the empty completions' micro-batches too
 
 
 def test_a_group_fits_only_where_its_prompt_fits_too():
-    # Groups of 2 into 1 row of 8, prompts (4, 3, 2 tokens) into 1 prompt row of 6. Group 1's completions would fit
-    # micro-batch 0, its prompt would not (4 + 3 > 6): the group opens micro-batch 1, where group 2 joins it.
-    plan = plan_packing([2, 2, 1, 1, 2, 2], group_size=2, rows=1, width=8, micro_batches=3,
+    # Groups of 2 into 2 rows of 8, prompts (4, 3, 2 tokens) into 1 prompt row of 6. Group 1's completions would fit
+    # micro-batch 0's free row, its prompt would not (4 + 3 > 6): the group opens micro-batch 1, where group 2
+    # joins it (its own row, its prompt beside group 1's). Every row's prompt row is 0, the only one.
+    plan = plan_packing([2, 2, 1, 1, 2, 2], group_size=2, rows=2, width=8, micro_batches=3,
                         prompt_lengths=[4, 3, 2], prompt_rows=1, prompt_width=6)
-    np.testing.assert_array_equal(plan.row[:, 0], [[0, 0, 1, 1, _, _, _, _], [2, 3, 4, 4, 5, 5, _, _], [_] * 8])
+    np.testing.assert_array_equal(plan.row[:2], [[[0, 0, 1, 1, _, _, _, _], [_] * 8],
+                                                 [[2, 3, _, _, _, _, _, _], [4, 4, 5, 5, _, _, _, _]]])
     np.testing.assert_array_equal(plan.prompt_group[:, 0], [[0, 0, 0, 0, _, _], [1, 1, 1, 2, 2, _], [_] * 6])
     np.testing.assert_array_equal(plan.prompt_position[:2, 0], [[0, 1, 2, 3, 0, 0], [0, 1, 2, 0, 1, 0]])
-    assert plan.micro_batches == 2
+    assert plan.micro_batches == 2 and (plan.prompt_row == 0).all()
 
 
 @pytest.mark.parametrize("lengths,kwargs,message", [
@@ -98,5 +103,9 @@ def test_unpack_inverts_pack_for_every_field_and_every_token_lands_once():
         assert len(set(u[group == g])) == 1 and len(set(shard[group == g])) == 1, g
         pu, pk, pw = np.nonzero(plan.prompt_group == g)
         assert set(pu) == set(u[group == g]) and set(pk // 1) == set(shard[group == g])  # 1 prompt row a shard
+        # Its rows hold it alone, and point at its prompt's row.
+        rows = plan.row[u[group == g], k[group == g]]  # [its slots, W]: the whole rows its tokens are in
+        assert ((rows < 0) | (rows // G == g)).all(), g
+        assert set(plan.prompt_row[u[group == g], k[group == g]]) == set(pk), g
         np.testing.assert_array_equal(np.sort(plan.prompt_position[pu, pk, pw]), np.arange(prompt_lengths[g]))
     assert plan.fill == pytest.approx(lengths.sum() / (plan.micro_batches * 8 * 2 * N))
