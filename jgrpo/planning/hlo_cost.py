@@ -294,6 +294,8 @@ class HloCost:
         for operand in update.operands:
             value = self._value(body, by_name, operand, depth=0)
             other = by_name.get(next((o for o in update.operands if o != operand), ""))
+            while other is not None and other.opcode in ("copy", "bitcast", "convert"):  # add(copy(gte), 2)
+                other = by_name.get(other.operands[0])
             if value is not None and value > 0 and other is not None and other.opcode == "get-tuple-element" \
                     and f"index={index}" in other.attributes:
                 return value

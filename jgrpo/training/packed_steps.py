@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from jgrpo.models.lora import join_adapters
 from jgrpo.models.moe import RouterStats
+from jgrpo.parallel.mesh import row_sharding
 from jgrpo.rl.diagnostics import combine_metrics, extreme_kind
 from jgrpo.rl.routing_replay import forward_metrics, routing_metrics
 from jgrpo.training.packed_passes import PackedBatch, data_shards, pack_batch, pack_minibatches, predicting_states
@@ -49,7 +50,7 @@ class PackedSteps:
         fields = packed._replace(count=None)
 
         def one(u, lp):
-            micro = jax.tree.map(lambda x: x[u], fields)
+            micro = self._micro(fields, u)
             hidden = predicting_states(model, micro, self.routing_replay, shards)
             return lp.at[u].set(self._token_logprobs(model, hidden, micro.tokens, kind)[0])
 
@@ -57,6 +58,15 @@ class PackedSteps:
         lp = jax.lax.fori_loop(0, packed.count, one, jnp.zeros(packed.tokens.shape, jnp.float32))
         out = unpack(lp, PackingPlan(packed.row, packed.index, packed.segment, 0), rows, self.new_tokens)
         return self._rows(out.reshape(self.chunks, rows // self.chunks, self.new_tokens))
+
+    def _micro(self, fields: PackedBatch, u) -> PackedBatch:
+        """Packed micro-batch `u` of a plan's fields, its rows (axis 0) on the data shards the plan dealt them to.
+        Constrained: left to itself, XLA kept the FSDP-split weights whole and replicated the rows instead (a TPU plan
+        of the GSM8K config, which then ran out of memory)."""
+        micro = jax.tree.map(lambda x: x[u], fields._replace(owns=None))
+        placed = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(
+            x, row_sharding(self.mesh, self.rules, x.shape, row_axis=0)), micro)
+        return placed._replace(owns=fields.owns[u])
 
     def _train_step_packed(self, params, opt_state, batch, minibatch, first_update, frozen=None, packed=None):
         """`_train_step` over minibatch `minibatch`'s packed micro-batches (`packed`: `pack_minibatches`)."""
@@ -68,7 +78,7 @@ class PackedSteps:
 
         def micro_step(u, carry):
             grads, loss, metrics = carry
-            micro = jax.tree.map(lambda x: x[u], fields)
+            micro = self._micro(fields, u)
             (micro_loss, micro_metrics), g = grad_fn(params, rows, micro, count, norm, first_update, frozen)
             return jax.tree.map(jnp.add, grads, g), loss + micro_loss, combine_metrics(metrics, micro_metrics)
 

@@ -140,6 +140,10 @@ ENTRY %main (a: f32[4], big: f32[1024]) -> f32[4] {
     assert cost.bytes == 5 * 16 + 16 + 16 + 5 * 3 * 4
     (loop, _, trips), = loops(cost)
     assert trips == 5  # 0, 2, ..., 8: the counter is operand 5 and steps by 2
+    # XLA's windowed einsum loops copy the counter before the add (`add(copy(gte), 2)`): still a step of 2 (read as
+    # 1, a packed update's LM-head loops counted twice their trips).
+    copied = text.replace("%next = s32[] add(%j, %two)", "%jc = s32[] copy(%j)\n  %next = s32[] add(%jc, %two)")
+    assert "copy(%j)" in copied and loops(HloCost(copied))[0][2] == 5
 
 
 def test_a_ragged_all_to_all_counts_as_a_collective_at_its_buffer_size():
