@@ -61,8 +61,8 @@ class PackedSteps:
 
     def _micro(self, fields: PackedBatch, u) -> PackedBatch:
         """Packed micro-batch `u` of a plan's fields, its rows (axis 0) on the data shards the plan dealt them to.
-        Constrained: left to itself, XLA kept the FSDP-split weights whole and replicated the rows instead (a TPU plan
-        of the GSM8K config, which then ran out of memory)."""
+        (A TPU plan of the GSM8K config still replicates the rows inside the packed layer stack, and runs out of
+        memory, with this constraint too: the open step of #40, docs/benchmarks.md#packed-train-step.)"""
         micro = jax.tree.map(lambda x: x[u], fields._replace(owns=None))
         placed = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(
             x, row_sharding(self.mesh, self.rules, x.shape, row_axis=0)), micro)
