@@ -74,6 +74,7 @@ def forward_packed(
     router_stats: bool = False,
     group_size: int = 1,  # G: with `router_stats`, each prompt token counts G times (as in the padded rows)
     counted: jax.Array | None = None,  # [K, W] bool: the completion tokens `router_stats` counts (default: all real)
+    on_rows=None,  # a sharding constraint for activations [rows, T, D]: keeps both streams' rows on their shards
 ):
     """Hidden states after the final norm: (prompt [Kp, Wp, D], completion [K, W, D]), and for a mixture of
     experts the experts the router picks for both streams' tokens (where `routing` replayed others too), else
@@ -100,11 +101,15 @@ def forward_packed(
                                           replay_p, prompt_real)
         xc, ids_c, stats_c = layer_output(cfg, p, xc, dense_attention(cfg.attention, qc, keys, values,
                                                                       completion_allowed), replay_c, completed)
+        xp, xc = constrain(xp), constrain(xc)
         if ids_p is None:
             return (xp, xc), None
         return (xp, xc), ((ids_p, ids_c), stats_p.scaled(group_size) + stats_c)
 
-    carry = (model.embedded(prompt_tokens), model.embedded(completion_tokens))
+    def constrain(x):
+        return x if on_rows is None else on_rows(x)
+
+    carry = (constrain(model.embedded(prompt_tokens)), constrain(model.embedded(completion_tokens)))
     per_layer = None if routing is None else tuple(jnp.moveaxis(r, 2, 0) for r in routing)  # [L, ...]
     (xp, xc), routed = scan_layers(cfg, layer, carry, model.layers.arrays(), per_layer, cfg.remat)
     ids, stats = (None, None) if routed is None else routed

@@ -203,7 +203,7 @@ def _placed(mesh, rules, packed: PackedBatch, row_axis: int) -> PackedBatch:
 
 
 def predicting_states(model, micro: PackedBatch, replay: bool, shards: int, group_size: int = 1,
-                      new_tokens: int | None = None):
+                      new_tokens: int | None = None, on_rows=None):
     """One packed micro-batch (fields without the U axis, rows in `shards` data shards): the hidden states
     [K, W, D] that predict its tokens. With
     `new_tokens` N (the update, a mixture of experts): also the experts the router picks (prompt [Kp, Wp, L, k],
@@ -215,6 +215,6 @@ def predicting_states(model, micro: PackedBatch, replay: bool, shards: int, grou
     prompt, completion, chosen, *router = forward_packed(
         model, micro.prompt_tokens, micro.prompt_group, micro.prompt_positions, micro.tokens, micro.group,
         micro.segment, micro.positions, micro.prompt_row, routing, shards, router_stats=stats, group_size=group_size,
-        counted=counted)
+        counted=counted, on_rows=on_rows)
     hidden = predecessor_hidden(prompt, completion, micro.index, micro.prompt_last)
     return (hidden, chosen, router[0]) if stats else hidden

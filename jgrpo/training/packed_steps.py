@@ -51,7 +51,7 @@ class PackedSteps:
 
         def one(u, lp):
             micro = self._micro(fields, u)
-            hidden = predicting_states(model, micro, self.routing_replay, shards)
+            hidden = predicting_states(model, micro, self.routing_replay, shards, on_rows=self._on_rows)
             return lp.at[u].set(self._token_logprobs(model, hidden, micro.tokens, kind)[0])
 
         # Only the micro-batches that hold tokens: a loop with a traced trip count over the fixed buffer.
@@ -59,10 +59,14 @@ class PackedSteps:
         out = unpack(lp, PackingPlan(packed.row, packed.index, packed.segment, 0), rows, self.new_tokens)
         return self._rows(out.reshape(self.chunks, rows // self.chunks, self.new_tokens))
 
+    def _on_rows(self, x):
+        """Activations [rows, ...] of a packed micro-batch with their rows on the data shards. Without it XLA kept
+        the FSDP-split hidden dimension split and replicated the rows in the packed layer stack (a TPU plan of the
+        GSM8K config: 45.5 GiB of temporaries on a 16 GiB v5e; with it 12.4 GiB live, benchmarks/packed_plan.py)."""
+        return jax.lax.with_sharding_constraint(x, row_sharding(self.mesh, self.rules, x.shape, row_axis=0))
+
     def _micro(self, fields: PackedBatch, u) -> PackedBatch:
-        """Packed micro-batch `u` of a plan's fields, its rows (axis 0) on the data shards the plan dealt them to.
-        (A TPU plan of the GSM8K config still replicates the rows inside the packed layer stack, and runs out of
-        memory, with this constraint too: the open step of #40, docs/benchmarks.md#packed-train-step.)"""
+        """Packed micro-batch `u` of a plan's fields, its rows (axis 0) on the data shards the plan dealt them to."""
         micro = jax.tree.map(lambda x: x[u], fields._replace(owns=None))
         placed = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(
             x, row_sharding(self.mesh, self.rules, x.shape, row_axis=0)), micro)
@@ -97,7 +101,7 @@ class PackedSteps:
         shards = data_shards(self.mesh, self.rules, self.chunks, rows.targets.shape[0] * self.grpo.num_minibatches)
         moe = bool(self.num_experts)
         out = predicting_states(model, micro, self.routing_replay, shards, self.grpo.num_generations,
-                                self.new_tokens if moe else None)
+                                self.new_tokens if moe else None, self._on_rows)
         hidden, chosen, router = out if moe else (out, None, None)
         logprobs = self._token_logprobs(model, hidden, micro.tokens, "sampled", self.grpo.beta > 0)
         n, N = rows.targets.shape
