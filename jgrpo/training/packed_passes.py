@@ -172,14 +172,17 @@ def pack_minibatches(mesh, rules, minibatches: int, width: int, group_size: int,
     rows = C // minibatches * r  # a minibatch's
     sizes = packed_sizes(rows=r, new_tokens=N, prompt_width=P, group_size=G, groups=rows // G,
                          shards=data_shards(mesh, rules, C, C * r), width=width)
-    real = np.arange(N)[None] < np.asarray(jax.device_get(lengths)).reshape(C * r, 1)
-    flat_inputs, flat_mask = (x.reshape(C * r, -1) for x in (inputs, input_mask))
+    # The masks on the host in one round trip (each minibatch's plan reads them there).
+    lengths, prompt_mask = (np.asarray(x) for x in jax.device_get((lengths, input_mask[..., :P])))
+    real = np.arange(N)[None] < lengths.reshape(C * r, 1)
+    flat_inputs, flat_prompt_mask = inputs.reshape(C * r, -1), prompt_mask.reshape(C * r, P)
     flat_targets = targets.reshape(C * r, N)
     flat_routing = None if routing is None else routing.reshape((C * r,) + routing.shape[2:])
-    packed = [_plan_rows(sizes, flat_inputs[m * rows:(m + 1) * rows:G, :P], flat_mask[m * rows:(m + 1) * rows:G, :P],
-                         flat_targets[m * rows:(m + 1) * rows], real[m * rows:(m + 1) * rows], G,
-                         None if flat_routing is None else flat_routing[m * rows:(m + 1) * rows])
-              for m in range(minibatches)]
+    packed = []
+    for m in range(minibatches):
+        own, groups = slice(m * rows, (m + 1) * rows), slice(m * rows, (m + 1) * rows, G)
+        packed.append(_plan_rows(sizes, flat_inputs[groups, :P], flat_prompt_mask[groups], flat_targets[own],
+                                 real[own], G, None if flat_routing is None else flat_routing[own]))
     return _placed(mesh, rules, jax.tree.map(lambda *x: jnp.stack(x), *packed), row_axis=2)
 
 

@@ -67,10 +67,8 @@ class PackedSteps:
 
     def _micro(self, fields: PackedBatch, u) -> PackedBatch:
         """Packed micro-batch `u` of a plan's fields, its rows (axis 0) on the data shards the plan dealt them to."""
-        micro = jax.tree.map(lambda x: x[u], fields._replace(owns=None))
-        placed = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(
-            x, row_sharding(self.mesh, self.rules, x.shape, row_axis=0)), micro)
-        return placed._replace(owns=fields.owns[u])
+        micro = jax.tree.map(lambda x: self._on_rows(x[u]), fields._replace(owns=None))
+        return micro._replace(owns=fields.owns[u])
 
     def _train_step_packed(self, params, opt_state, batch, minibatch, first_update, frozen=None, packed=None):
         """`_train_step` over minibatch `minibatch`'s packed micro-batches (`packed`: `pack_minibatches`)."""
