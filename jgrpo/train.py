@@ -19,6 +19,7 @@ from jgrpo.config.errors import exits_on_user_error
 from jgrpo.parallel.startup import enable_compilation_cache, setup_logging
 
 EXIT_DIVERGED = 3
+EXIT_ROLLOUT_LOST = 4  # two jobs: the rollout job stayed away past rollout.wait_timeout_s (saved first)
 
 
 def _report_config_change(run_dir: Path, config_dict: dict) -> None:
@@ -59,6 +60,9 @@ def main(argv: list[str] | None = None) -> int:
 
     distributed.initialize()
     check_before_loading(config)
+    if config.rollout.role == "rollout":  # two jobs: this one samples for the trainer job (it writes no files)
+        return _rollout_job(config)
+    from jgrpo.rollout.remote import RolloutJobLost
     from jgrpo.training.trainer import (  # the heavy imports (flax, orbax, optax) after the checks
         Trainer,
         TrainingDiverged,
@@ -74,6 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     except TrainingDiverged as e:
         logging.getLogger("jgrpo.train").error("%s", e)
         return EXIT_DIVERGED
+    except RolloutJobLost as e:
+        logging.getLogger("jgrpo.train").error("%s", e)
+        return EXIT_ROLLOUT_LOST
     finally:
         trainer.close()
     logging.getLogger("jgrpo.train").info("%s after iteration %d; run directory %s", status,
@@ -81,6 +88,19 @@ def main(argv: list[str] | None = None) -> int:
     if jax.process_index() == 0:
         report_run(run_dir)
     return 0
+
+
+def _rollout_job(config) -> int:
+    """`rollout.role: rollout`: sample for the trainer job at `rollout.endpoint` until it ends."""
+    from jgrpo.rollout.remote import check_processes
+    from jgrpo.rollout.rollout_job import RolloutJob
+
+    check_processes(config)
+    job = RolloutJob(config)
+    try:
+        return job.run()
+    finally:
+        job.close()
 
 
 def report_run(run_dir) -> None:

@@ -190,9 +190,32 @@ class RolloutConfig:
     # async: the most iterations a batch's sampling params may lag the params it trains (0 = on-policy: the
     # producer waits for every publish, which is exactly sync at v = 1). Older batches are dropped, counted.
     max_staleness: int = 1
+    # both: one job samples and trains (the modes above). trainer / rollout: two jobs, each its own jax.distributed
+    # world, joined by a TCP channel (rollout.mode: async): the trainer job listens on rollout.endpoint, the
+    # rollout job connects, samples with the weights the trainer sends and sends the scored batches back.
+    # docs/tpu.md "Two jobs"; jgrpo/rollout/remote.py.
+    role: Literal["both", "trainer", "rollout"] = "both"
+    # trainer / rollout: host:port where the trainer's process 0 listens (both jobs give the same value).
+    endpoint: str = ""
+    # How weights reach the rollout job: host = serialized buckets over the channel (auto: host).
+    weight_transfer: Literal["auto", "host"] = "auto"
+    # The host memory one bucket of weights takes on either side (a larger tensor is split over buckets).
+    sync_bucket_mb: int = 512
+    # How long either job waits for the other (a restart, a preemption) before it gives up, naming the endpoint.
+    wait_timeout_s: float = 1800.0
 
     def __post_init__(self):
         _check(self.publish_every >= 1, "rollout.publish_every", self.publish_every, "a positive integer")
+        _check(self.sync_bucket_mb >= 1, "rollout.sync_bucket_mb", self.sync_bucket_mb, "a positive integer (MiB)")
+        _check(self.wait_timeout_s > 0, "rollout.wait_timeout_s", self.wait_timeout_s, "> 0 seconds")
+        if self.role != "both":
+            host, _, port = self.endpoint.rpartition(":")
+            _check(bool(host) and port.isdigit(), "rollout.endpoint", self.endpoint,
+                   f"host:port with rollout.role={self.role} (where the trainer job's process 0 listens, e.g. "
+                   "10.0.0.2:8477)")
+            _check(self.mode == "async", "rollout.mode", self.mode,
+                   f"async with rollout.role={self.role}: the rollout job samples while the trainer trains "
+                   "(rollout.max_staleness: 0 is on-policy)")
         _check(self.max_staleness >= 0, "rollout.max_staleness", self.max_staleness, ">= 0")
         _check(self.max_staleness >= self.publish_every - 1, "rollout.max_staleness", self.max_staleness,
                f">= rollout.publish_every - 1 = {self.publish_every - 1}: params published every "
@@ -401,6 +424,11 @@ class Config:
             _check(self.model.packing_width >= self.completion_tokens, "model.packing_width", self.model.packing_width,
                    f">= the completion width {self.completion_tokens} (sampler.max_new_tokens, or env.max_total_tokens "
                    "with an environment): a packed row must hold the longest completion, or 0 (auto)")
+        if self.rollout.role != "both":
+            _check(self.model.lora.rank == 0, "rollout.role", self.rollout.role,
+                   "both with LoRA (model.lora.rank > 0): the rollout job would need the frozen base sent as well")
+            _check(not self.mesh.rollout_devices, "mesh.rollout_devices", self.mesh.rollout_devices,
+                   f"0 with rollout.role={self.rollout.role}: each job samples or trains on all of its own devices")
         if self.mesh.rollout_devices:
             _check(self.model.lora.rank == 0, "mesh.rollout_devices", self.mesh.rollout_devices,
                    "0 with LoRA (model.lora.rank > 0): the frozen base would need a copy on the sampler's devices")

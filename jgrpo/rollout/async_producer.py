@@ -46,16 +46,58 @@ class Produced(NamedTuple):
     data_state: dict  # the prompt iterator's state right after this batch
 
 
-class AsyncRollouts:
-    """The producer thread and its queue. `publish` before the first `take`; `close` when done."""
+class Intake:
+    """The trainer's side of batches sampled elsewhere (a producer thread here, or a rollout job over a channel):
+    taken in order, each judged against the staleness bound, too stale ones dropped and counted. Subclasses give
+    `_next` (the next batch, blocking) and `_count_drop` (a drop the sampling side must hear of)."""
 
-    def __init__(self, source, *, max_staleness: int, first_index: int, dropped: int, prompt_width: int):
-        self.source, self.max_staleness = source, max_staleness
-        self._next = first_index  # the index of the next batch to draw
-        self.taken = first_index  # batches the trainer took from the queue, trained or dropped
+    def __init__(self, *, max_staleness: int, first_index: int, dropped: int):
+        self.max_staleness = max_staleness
+        self.taken = first_index  # batches the trainer took, trained or dropped
         self.taken_data_state = None  # the prompt iterator's state after the last of them
         self.dropped = dropped  # batches dropped as too stale, over the run (checkpointed)
         self.staleness_counts: collections.Counter = collections.Counter()  # staleness -> batches trained
+
+    def _next(self) -> tuple[Produced | BaseException, int, float]:
+        """(the next batch or the error that ended its sampling, batches queued before it, sampler idle seconds)."""
+        raise NotImplementedError
+
+    def _count_drop(self) -> None:
+        self.dropped += 1
+
+    def take(self, iteration: int) -> tuple[Produced, dict]:
+        """The next batch for iteration `iteration` (blocks until sampled) and the rollout metrics."""
+        start, idle = time.perf_counter(), 0.0
+        while True:
+            item, depth, idle_before = self._next()
+            idle += idle_before
+            if isinstance(item, BaseException):
+                raise item
+            self.taken, self.taken_data_state = item.index + 1, item.data_state
+            staleness = iteration - item.version
+            if staleness <= self.max_staleness:
+                break
+            self._count_drop()
+            log.warning("iteration %d: dropped a batch sampled by version %d (%d iterations stale > "
+                        "rollout.max_staleness=%d)", iteration + 1, item.version, staleness, self.max_staleness)
+        self.staleness_counts[staleness] += 1
+        metrics = {"rollout/staleness": float(staleness), "rollout/queue_depth": float(depth),
+                   "rollout/producer_idle": idle, "rollout/trainer_wait": time.perf_counter() - start,
+                   "rollout/dropped": float(self.dropped)}
+        return item, metrics
+
+    def histogram(self) -> str:
+        """'staleness: batches' over this process's run, e.g. '0: 3, 1: 57'."""
+        return ", ".join(f"{s}: {n}" for s, n in sorted(self.staleness_counts.items()))
+
+
+class AsyncRollouts(Intake):
+    """The producer thread and its queue. `publish` before the first `take`; `close` when done."""
+
+    def __init__(self, source, *, max_staleness: int, first_index: int, dropped: int, prompt_width: int):
+        super().__init__(max_staleness=max_staleness, first_index=first_index, dropped=dropped)
+        self.source = source
+        self._next_index = first_index  # the index of the next batch to draw
         self.idle_seconds = 0.0  # the producer's waits for a newer publish since the last `take`
         self._queue: collections.deque = collections.deque()
         self._cond = threading.Condition()
@@ -67,44 +109,43 @@ class AsyncRollouts:
 
     # ------------------------------------------------------------------ trainer side
 
-    def publish(self, params, version: int) -> None:
-        """Newer params for the producer (a copy the trainer never donates); the older ones are released."""
+    def publish(self, params, version: int, dropped: int | None = None) -> None:
+        """Newer params for the producer (a copy the trainer never donates); the older ones are released.
+        `dropped`: the batches the trainer dropped so far, where it is not this object (a rollout job's)."""
         with self._cond:
             self._params, self._version = params, version
+            if dropped is not None:
+                self.dropped = dropped
             self._cond.notify_all()
 
-    def take(self, iteration: int) -> tuple[Produced, dict]:
-        """The next batch for iteration `iteration` (blocks until sampled) and the rollout metrics."""
-        start = time.perf_counter()
-        while True:
-            with self._cond:
-                while not self._queue:
-                    self._cond.wait()
-                depth = len(self._queue)
-                item = self._queue.popleft()
-                self._cond.notify_all()
-            if isinstance(item, BaseException):
-                raise item
-            self.taken, self.taken_data_state = item.index + 1, item.data_state
-            staleness = iteration - item.version
-            if staleness <= self.max_staleness:
-                break
-            with self._cond:
-                self.dropped += 1
-                self._cond.notify_all()
-            log.warning("iteration %d: dropped a batch sampled by version %d (%d iterations stale > "
-                        "rollout.max_staleness=%d)", iteration + 1, item.version, staleness, self.max_staleness)
-        self.staleness_counts[staleness] += 1
+    def _next(self):
         with self._cond:
+            while not self._queue:
+                self._cond.wait()
+            depth = len(self._queue)
+            item = self._queue.popleft()
             idle, self.idle_seconds = self.idle_seconds, 0.0
-        metrics = {"rollout/staleness": float(staleness), "rollout/queue_depth": float(depth),
-                   "rollout/producer_idle": idle, "rollout/trainer_wait": time.perf_counter() - start,
-                   "rollout/dropped": float(self.dropped)}
-        return item, metrics
+            self._cond.notify_all()
+        return item, depth, idle
 
-    def histogram(self) -> str:
-        """'staleness: batches' over this process's run, e.g. '0: 3, 1: 57'."""
-        return ", ".join(f"{s}: {n}" for s, n in sorted(self.staleness_counts.items()))
+    def next_sampled(self, timeout: float | None = None):
+        """A rollout job's forwarding: the next batch as queued (no staleness judged: the trainer does that), or
+        None after `timeout` seconds; (item, queued behind it, idle seconds)."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._queue, timeout):
+                return None
+        return self._next()
+
+    @property
+    def drawn(self) -> int:
+        """The index after the last batch drawn from the data (sampled, or being sampled)."""
+        with self._cond:
+            return self._next_index
+
+    def _count_drop(self) -> None:
+        with self._cond:
+            self.dropped += 1
+            self._cond.notify_all()
 
     def close(self) -> None:
         """Stop the producer (after the batch it is sampling, if any) and wait for it."""
@@ -117,7 +158,7 @@ class AsyncRollouts:
 
     def _may_sample(self) -> bool:
         """The next batch would be trained at iteration next - dropped: sample it only with fresh enough params."""
-        return self._params is not None and self._next - self.dropped - self._version <= self.max_staleness
+        return self._params is not None and self._next_index - self.dropped - self._version <= self.max_staleness
 
     def _produce(self) -> None:
         while True:
@@ -128,8 +169,8 @@ class AsyncRollouts:
                 self.idle_seconds += time.perf_counter() - waited
                 if self._stopping:
                     return
-                params, version, index = self._params, self._version, self._next
-                self._next += 1
+                params, version, index = self._params, self._version, self._next_index
+                self._next_index += 1
             try:
                 batch = self.source.next_batch(index)
                 data_state = self.source.data.get_state()

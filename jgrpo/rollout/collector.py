@@ -26,6 +26,7 @@ from jgrpo.parallel.mesh import SAMPLE_RULES, TRAIN_RULES, row_sharding
 from jgrpo.rollout.async_producer import AsyncRollouts
 from jgrpo.rollout.dynamic_sampling import fill_batch
 from jgrpo.rollout.records import Rollout
+from jgrpo.rollout.remote import RemoteRollouts
 from jgrpo.rollout.sampling_weights import Refresh, SamplingWeights
 from jgrpo.rollout.sources import DataExhausted, RolloutSource
 from jgrpo.sampling.pool import SampleOutput
@@ -62,7 +63,8 @@ class Collector:
     def __init__(self, config, *, source: RolloutSource, weights: SamplingWeights, train_mesh):
         self.config, self.source, self.weights, self.train_mesh = config, source, weights, train_mesh
         self.rows = config.data.batch_size * config.grpo.num_generations
-        self.producer: AsyncRollouts | None = None  # rollout.mode=async: started at the first iteration
+        # rollout.mode=async: started at the first iteration (two jobs: the channel to the rollout job).
+        self.producer: AsyncRollouts | RemoteRollouts | None = None
         self._taken_data_state = None
 
     def collect(self, state, timings: dict) -> Collected:
@@ -159,9 +161,15 @@ class Collector:
         """Async rollouts from the state's data position, the current params published as their version."""
         if self._taken_data_state is not None:  # restarted after `stop`: the batches sampled ahead are dropped
             self.source.set_data_state(self._taken_data_state)
-        self.producer = AsyncRollouts(self.source, max_staleness=self.config.rollout.max_staleness,
-                                      first_index=state.counters.batches_drawn, dropped=state.counters.stale_dropped,
-                                      prompt_width=state.counters.prompt_width)
+        counters = state.counters
+        if self.config.rollout.role == "trainer":  # two jobs: the batches come from the rollout job
+            self.producer = RemoteRollouts(self.config, first_index=counters.batches_drawn,
+                                           dropped=counters.stale_dropped, data_state=self.data_state(),
+                                           prompt_width=counters.prompt_width, train_mesh=self.train_mesh)
+        else:
+            self.producer = AsyncRollouts(self.source, max_staleness=self.config.rollout.max_staleness,
+                                          first_index=counters.batches_drawn, dropped=counters.stale_dropped,
+                                          prompt_width=counters.prompt_width)
         self.producer.publish(self.weights.published(state), state.iteration)
 
     def data_state(self) -> dict:

@@ -28,24 +28,15 @@ from etils import epath
 
 from jgrpo.config import Config, ConfigError
 from jgrpo.config.loading import to_dict
-from jgrpo.data import build_prompt_iterator, pad_id_for
-from jgrpo.models.frozen_base import FrozenBase
-from jgrpo.models.hf import load_model, load_tokenizer, model_options
-from jgrpo.parallel.mesh import (
-    TRAIN_RULES,
-    make_meshes,
-    mesh_platform,
-    replicated,
-    replicated_key,
-)
-from jgrpo.rewards import RewardScorer
+from jgrpo.parallel.mesh import make_meshes, replicated, replicated_key
 from jgrpo.rollout.collect import Scoring
 from jgrpo.rollout.collector import Collected, Collector
 from jgrpo.rollout.episodes import EpisodeRunner
 from jgrpo.rollout.evaluator import Evaluator
+from jgrpo.rollout.remote import RolloutJobLost, check_processes
+from jgrpo.rollout.run_parts import load_run_parts
 from jgrpo.rollout.sampling_weights import Refresh, SamplingWeights
 from jgrpo.rollout.sources import DataExhausted, RolloutSource, sample_root
-from jgrpo.sampling.sampler import Sampler, stop_ids_for
 from jgrpo.training.checkpoint import Checkpointer, PreemptionFlag, RunCounters, TrainState, latest_data_state
 from jgrpo.training.fingerprint import fingerprint
 from jgrpo.training.iteration_record import IterationFacts, count_updates, iteration_metrics, sample_dump
@@ -70,9 +61,11 @@ class Trainer:
         self.run_dir = epath.Path(config.run.output_dir)  # a local folder or a bucket (gs://...)
         # The trainer's mesh, and the sampler's: the same one, or disjoint sub-meshes (`mesh.rollout_devices`).
         self.mesh, self.sample_mesh = make_meshes(config.mesh)
-        if config.rollout.mode == "async" and jax.process_count() > 1:
-            raise ConfigError(f"rollout.mode=async needs one process (this run has {jax.process_count()}): the "
-                              "producer thread's programs would reach the processes in different orders")
+        if config.rollout.mode == "async" and config.rollout.role == "both" and jax.process_count() > 1:
+            raise ConfigError(f"rollout.mode=async in one job needs one process (this run has "
+                              f"{jax.process_count()}): the producer thread's programs would reach the processes in "
+                              "different orders. Run two jobs instead (rollout.role: trainer and rollout)")
+        check_processes(config)
         params = self._load()
         g = config.grpo
         self.total_iterations = min(config.run.iterations, len(self.data))
@@ -113,26 +106,19 @@ class Trainer:
                                        episodes=self.episodes)
 
     def _load(self):
-        """Tokenizer, data, rewards, then the model and its sampler; returns the params that train."""
-        c, m = self.config, self.config.model
-        # Tokenizer, data and rewards before the weights: a bad data row or a resume onto other data fails in
-        # seconds, not after the model has loaded.
-        self.tokenizer = load_tokenizer(m.name)
-        self.data = build_prompt_iterator(c, self.tokenizer)
-        if c.checkpoint.resume and (saved := latest_data_state(self.run_dir)) is not None:
-            self.data.check_state(saved)
-        self.scorer = RewardScorer(c.reward)
-        self.graphdef, params, self.model_config = load_model(
-            m.name, **model_options(m, mesh_platform(self.mesh)), mesh=self.mesh, rules=TRAIN_RULES,
-            lora=(m.lora.rank, m.lora.alpha, m.lora.targets), seed=c.run.seed,
-        )
-        # With LoRA the params that train (and every policy's own copy) are the adapters; the base is frozen.
-        params, self.frozen = FrozenBase.split(params, m.lora.rank > 0, self.mesh, c.sampler, m.compute_dtype)
-        self.sampler = Sampler.from_config(c.sampler, graphdef=self.graphdef, num_samples=c.grpo.num_generations,
-                                           stop_ids=stop_ids_for(self.tokenizer, c.sampler.stop_token_ids),
-                                           pad_id=pad_id_for(self.tokenizer), mesh=self.sample_mesh,
-                                           cfg=self.model_config)
-        return params
+        """Tokenizer, data, rewards, then the model and its sampler (`load_run_parts`); returns the params that
+        train."""
+        c = self.config
+
+        def check_resume(data):
+            if c.checkpoint.resume and (saved := latest_data_state(self.run_dir)) is not None:
+                data.check_state(saved)
+
+        parts = load_run_parts(c, self.mesh, self.sample_mesh, check_resume)
+        self.tokenizer, self.data, self.scorer = parts.tokenizer, parts.data, parts.scorer
+        self.graphdef, self.model_config, self.frozen, self.sampler = (parts.graphdef, parts.model_config,
+                                                                       parts.frozen, parts.sampler)
+        return parts.params
 
     # ---------------------------------------------------------------- state
 
@@ -185,6 +171,9 @@ class Trainer:
                 except DataExhausted as e:  # dynamic sampling draws extra batches: the data may end early
                     logger.write(f"stopping: {e}")
                     break
+                except RolloutJobLost:  # two jobs: the rollout job stayed away; nothing trained is lost
+                    self._save(force=True)
+                    raise
                 logger.log(self.state.iteration, record)
             self._save(force=True)
         finally:

@@ -1,0 +1,282 @@
+"""A TCP channel between two jobs: length-prefixed frames, a reader thread, heartbeats both ways.
+
+The two-job mode (`rollout.role: trainer|rollout`) joins two separate `jax.distributed` worlds with nothing but
+this socket: records flow one way, weights the other. A frame is
+
+    8 bytes   big-endian length of the rest
+    4 bytes   big-endian length of the header
+    header    UTF-8 JSON: {"kind": ..., "body": the message with every array replaced by a reference}
+    arrays    the arrays' raw bytes, one after another (their dtype and shape are in the header)
+
+so a message is any tree of dicts, lists, tuples, strings, numbers, numpy arrays and the dataclasses or
+NamedTuples the caller registers by name (`Codec`): nothing is unpickled, a peer can only send data.
+
+Each side's reader thread reads the frames and hands on all but heartbeats, one message at a time: it reads the
+next only once its owner took the last, so a side's host holds one message (a weights bucket, a record) and a
+busy side slows its peer's sends down instead of buffering them (TCP's backpressure). Heartbeats go out every
+`HEARTBEAT_S` from a thread of their own; a peer that sends nothing at all for `SILENCE_S` while its bytes are
+awaited (a hung or paused host: a killed process closes its socket at once) is taken for dead, as a closed
+socket is: `recv` raises `ChannelClosed` naming why.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import select
+import socket
+import struct
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+HEARTBEAT_S = 5.0  # a frame at least this often, also when there is nothing to say
+SILENCE_S = 30.0  # a peer silent this long is gone
+_HEARTBEAT = "heartbeat"
+_SIZE = struct.Struct(">QI")
+
+
+class ChannelClosed(ConnectionError):
+    """The peer closed the channel, died, or went silent for SILENCE_S."""
+
+
+class Codec:
+    """Messages <-> (JSON header, arrays), for plain data and the registered dataclass / NamedTuple types."""
+
+    def __init__(self, *types: type):
+        self.types = {t.__name__: t for t in types}
+
+    def encode(self, obj, arrays: list[np.ndarray]):
+        if isinstance(obj, np.ndarray | np.generic) or hasattr(obj, "__array__") and not isinstance(obj, str):
+            array = np.ascontiguousarray(np.asarray(obj))
+            arrays.append(array)
+            return {"__array__": len(arrays) - 1, "dtype": array.dtype.name, "shape": list(array.shape)}
+        if obj is None or isinstance(obj, bool | int | float | str):
+            return obj
+        name = type(obj).__name__
+        if name in self.types and type(obj) is self.types[name]:
+            fields = (obj._asdict() if hasattr(obj, "_asdict")
+                      else {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)})
+            return {"__type__": name, "fields": {k: self.encode(v, arrays) for k, v in fields.items()}}
+        if isinstance(obj, dict):
+            if not all(isinstance(k, str) for k in obj):
+                raise TypeError(f"a channel message's dict keys must be strings: {list(obj)[:5]}")
+            return {"__dict__": {k: self.encode(v, arrays) for k, v in obj.items()}}
+        if isinstance(obj, tuple) and not hasattr(obj, "_fields"):  # a NamedTuple must be registered
+            return {"__tuple__": [self.encode(v, arrays) for v in obj]}
+        if isinstance(obj, list):
+            return [self.encode(v, arrays) for v in obj]
+        raise TypeError(f"{type(obj).__qualname__} cannot go over the channel (register it with Codec)")
+
+    def decode(self, tree, arrays: list[np.ndarray]):
+        if isinstance(tree, list):
+            return [self.decode(v, arrays) for v in tree]
+        if not isinstance(tree, dict):
+            return tree
+        if "__array__" in tree:
+            return arrays[tree["__array__"]]
+        if "__tuple__" in tree:
+            return tuple(self.decode(v, arrays) for v in tree["__tuple__"])
+        if "__dict__" in tree:
+            return {k: self.decode(v, arrays) for k, v in tree["__dict__"].items()}
+        kind = self.types.get(tree.get("__type__"))
+        if kind is None:
+            raise ValueError(f"the peer sent an unknown type {tree.get('__type__')!r}")
+        return kind(**{k: self.decode(v, arrays) for k, v in tree["fields"].items()})
+
+
+def _dtype(name: str) -> np.dtype:
+    """A dtype by name, bfloat16 and the other ml_dtypes too."""
+    try:
+        return np.dtype(name)
+    except TypeError:
+        import ml_dtypes
+
+        return np.dtype(getattr(ml_dtypes, name))
+
+
+class Channel:
+    """One connected socket: `send(kind, body)`, `recv(timeout) -> (kind, body)`, `close()`."""
+
+    def __init__(self, sock: socket.socket, codec: Codec, peer: str):
+        self.sock, self.codec, self.peer = sock, codec, peer
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.settimeout(None)  # sends block while the peer's reader waits (backpressure); see _read_exactly
+        self._send_lock = threading.Lock()
+        self._inbox: collections.deque = collections.deque()  # at most one message: the reader waits for `recv`
+        self._inbox_changed = threading.Condition()
+        self.closed_because: str | None = None
+        self._closing = threading.Event()
+        self.bytes_sent = self.bytes_received = 0
+        self._reader = threading.Thread(target=self._read_loop, name="jgrpo-channel-reader", daemon=True)
+        self._beater = threading.Thread(target=self._heartbeat_loop, name="jgrpo-channel-heartbeat", daemon=True)
+        self._reader.start()
+        self._beater.start()
+
+    # ------------------------------------------------------------------ sending
+
+    def send(self, kind: str, body: Any = None) -> int:
+        """Send one message; returns its size in bytes. Raises ChannelClosed if the peer is gone."""
+        arrays: list[np.ndarray] = []
+        header = json.dumps({"kind": kind, "body": self.codec.encode(body, arrays)}).encode()
+        size = 4 + len(header) + sum(a.nbytes for a in arrays)
+        raw = (memoryview(a.reshape(-1).view(np.uint8)) for a in arrays if a.nbytes)  # any dtype, as bytes
+        parts = [_SIZE.pack(size, len(header)), header, *raw]
+        try:
+            with self._send_lock:
+                for part in parts:
+                    self.sock.sendall(part)
+        except OSError as e:
+            self._close(f"sending to {self.peer} failed: {e}")
+            raise ChannelClosed(self.closed_because) from None
+        self.bytes_sent += 8 + size
+        return 8 + size
+
+    def _heartbeat_loop(self) -> None:
+        while not self._closing.wait(HEARTBEAT_S):
+            try:
+                self.send(_HEARTBEAT)
+            except ChannelClosed:
+                return
+
+    # ------------------------------------------------------------------ receiving
+
+    def recv(self, timeout: float | None = None) -> tuple[str, Any]:
+        """The next message (kind, body); raises ChannelClosed once the peer is gone and every message it sent
+        is read, or TimeoutError after `timeout` seconds without one."""
+        with self._inbox_changed:
+            if not self._inbox_changed.wait_for(lambda: self._inbox or self.is_closed, timeout):
+                raise TimeoutError(f"no message from {self.peer} in {timeout:.0f} s")
+            if not self._inbox:
+                raise ChannelClosed(self.closed_because)
+            item = self._inbox.popleft()
+            self._inbox_changed.notify_all()
+        return item
+
+    def _read_exactly(self, n: int) -> bytearray:
+        buf, view, got = bytearray(n), None, 0
+        view = memoryview(buf)
+        while got < n:
+            if not select.select([self.sock], [], [], SILENCE_S)[0]:
+                raise ChannelClosed(f"{self.peer} sent nothing for {SILENCE_S:.0f} s (no heartbeat either)")
+            k = self.sock.recv_into(view[got:], n - got)
+            if k == 0:
+                raise ChannelClosed(f"{self.peer} closed the connection")
+            got += k
+        return buf
+
+    def _read_loop(self) -> None:
+        try:
+            while True:
+                size, header_size = _SIZE.unpack(self._read_exactly(_SIZE.size))
+                frame = self._read_exactly(size - 4)
+                self.bytes_received += 8 + size
+                message = json.loads(bytes(frame[:header_size]))
+                if message["kind"] == _HEARTBEAT:
+                    continue
+                arrays, offset = [], header_size
+                for spec in _array_specs(message["body"]):
+                    dtype = _dtype(spec["dtype"])
+                    count = int(np.prod(spec["shape"], dtype=np.int64))
+                    arrays.append(np.frombuffer(frame, dtype, count, offset).reshape(spec["shape"]))
+                    offset += count * dtype.itemsize
+                item = (message["kind"], self.codec.decode(message["body"], arrays))
+                with self._inbox_changed:
+                    # Host memory stays at one message: the next is read (and the peer's send goes on) only once
+                    # this one is taken. Silence is not judged meanwhile: the peer's bytes wait in the socket.
+                    self._inbox.append(item)
+                    self._inbox_changed.notify_all()
+                    self._inbox_changed.wait_for(lambda: not self._inbox or self.is_closed)
+                    if self.is_closed:
+                        return
+        except (ChannelClosed, OSError) as e:
+            self._close(str(e) if isinstance(e, ChannelClosed) else f"reading from {self.peer} failed: {e}")
+        except (ValueError, KeyError, TypeError) as e:  # a malformed frame: the peer is not a jgrpo job of ours
+            self._close(f"{self.peer} sent a malformed message ({e})")
+
+    # ------------------------------------------------------------------ closing
+
+    def _close(self, why: str) -> None:
+        if self.closed_because is None:
+            self.closed_because = why
+            self._closing.set()
+            try:
+                self.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            self.sock.close()
+            with self._inbox_changed:
+                self._inbox_changed.notify_all()
+
+    @property
+    def is_closed(self) -> bool:
+        return self.closed_because is not None
+
+    def close(self, why: str = "closed by this side") -> None:
+        self._close(why)
+
+
+def _array_specs(tree) -> list[dict]:
+    """The array references of a decoded header, in the order of their index."""
+    found = []
+
+    def walk(node):
+        if isinstance(node, list):
+            for v in node:
+                walk(v)
+        elif isinstance(node, dict):
+            if "__array__" in node:
+                found.append(node)
+                return
+            for v in node.values():
+                walk(v)
+
+    walk(tree)
+    return sorted(found, key=lambda spec: spec["__array__"])
+
+
+def parse_endpoint(endpoint: str) -> tuple[str, int]:
+    host, _, port = endpoint.rpartition(":")
+    return host, int(port)
+
+
+class Listener:
+    """The trainer's side: a listening socket on `endpoint` (host:port; host 0.0.0.0 for every interface)."""
+
+    def __init__(self, endpoint: str, codec: Codec):
+        host, port = parse_endpoint(endpoint)
+        self.codec = codec
+        self.sock = socket.create_server((host, port), reuse_port=False)
+        self.sock.settimeout(1.0)
+        self.port = self.sock.getsockname()[1]
+
+    def accept(self, timeout: float) -> Channel | None:
+        """The next connection within `timeout` seconds, or None."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                sock, address = self.sock.accept()
+            except TimeoutError:
+                continue
+            return Channel(sock, self.codec, f"{address[0]}:{address[1]}")
+        return None
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def connect(endpoint: str, codec: Codec, *, wait_s: float, retry_s: float = 1.0) -> Channel:
+    """Connect to `endpoint`, retrying for up to `wait_s` seconds (the peer may be starting or restarting)."""
+    host, port = parse_endpoint(endpoint)
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            sock = socket.create_connection((host, port), timeout=min(SILENCE_S, max(wait_s, 1.0)))
+            return Channel(sock, codec, endpoint)
+        except OSError as e:
+            if time.monotonic() + retry_s > deadline:
+                raise ChannelClosed(f"no trainer at {endpoint} after {wait_s:.0f} s ({e})") from None
+            time.sleep(retry_s)

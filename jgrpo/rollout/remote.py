@@ -1,0 +1,224 @@
+"""Two jobs (`rollout.role: trainer|rollout`): the trainer's side of the channel to the rollout job.
+
+The trainer job listens on `rollout.endpoint`; the rollout job (`jgrpo.rollout.rollout_job`) connects and says
+hello with its config. Configs that differ in any key but `rollout.role` are refused, naming the keys. Then the
+trainer sends where to start (the first batch it has not received: its index j, the prompt iterator's state
+after the batch before, the batches dropped so far, the prompt width) and its newest published weights; from
+then on each publish sends weights (`weight_buckets`, in buckets of `rollout.sync_bucket_mb`) and the rollout
+job sends each batch it sampled and scored, with the version of the weights that sampled it, as a record. The
+trainer judges staleness as with the producer thread (`async_producer.Intake`): one-job async's rules, other
+transport.
+
+Failures: a rollout job that closes its socket (killed) or goes silent (`channel.SILENCE_S`) is waited for, up to
+`rollout.wait_timeout_s`; a restarted one connects and is told to start at the first batch not received (batches
+received and not yet trained stay queued here). Past the wait the trainer raises `RolloutJobLost`, and the loop
+saves before it stops. A trainer that dies restarts from its checkpoint; the rollout job then discards what it
+sampled ahead and starts where the checkpoint's batch count says (jgrpo.rollout.rollout_job).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import jax
+import numpy as np
+
+from jgrpo.config import ConfigError
+from jgrpo.config.loading import to_dict
+from jgrpo.data.pipeline import PromptBatch
+from jgrpo.parallel.channel import Channel, ChannelClosed, Codec, Listener
+from jgrpo.parallel.host_arrays import to_global_rows
+from jgrpo.parallel.mesh import SAMPLE_RULES
+from jgrpo.parallel.weight_buckets import send_weights
+from jgrpo.rewards.scorer import RewardResult
+from jgrpo.rollout.async_producer import Intake, Produced
+from jgrpo.rollout.records import Rollout
+from jgrpo.rollout.sources import DataExhausted
+from jgrpo.sampling.pool import SampleOutput
+
+log = logging.getLogger(__name__)
+
+CODEC = Codec(Rollout, PromptBatch, RewardResult, SampleOutput)  # what a record is made of
+HELLO_TIMEOUT_S = 60.0  # a connection that says no hello in this long is not a rollout job
+
+
+class RolloutJobLost(RuntimeError):
+    """The rollout job was gone for longer than rollout.wait_timeout_s."""
+
+
+def config_differences(ours: dict, theirs: dict) -> list[str]:
+    """The dotted keys (all but rollout.role) in which two resolved configs differ."""
+    differ = []
+    for section in sorted(set(ours) | set(theirs)):
+        a, b = ours.get(section), theirs.get(section)
+        if isinstance(a, dict) and isinstance(b, dict):
+            differ += [f"{section}.{key}" for key in sorted(set(a) | set(b))
+                       if (section, key) != ("rollout", "role") and _plain(a.get(key)) != _plain(b.get(key))]
+        elif _plain(a) != _plain(b):
+            differ.append(section)
+    return differ
+
+
+def _plain(value):
+    """Tuples and lists alike (a config that went over JSON has lists)."""
+    if isinstance(value, tuple | list):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
+class RemoteRollouts(Intake):
+    """The trainer's intake from a rollout job: `publish` weights, `take` batches (as `AsyncRollouts`)."""
+
+    def __init__(self, config, *, first_index: int, dropped: int, data_state: dict, prompt_width: int, train_mesh):
+        super().__init__(max_staleness=config.rollout.max_staleness, first_index=first_index, dropped=dropped)
+        self.config, self.train_mesh = config, train_mesh
+        self.rows = config.data.batch_size * config.grpo.num_generations
+        self.endpoint = config.rollout.endpoint
+        self._resolved = to_dict(config)
+        # Where a (re)connecting rollout job starts: after the last batch received, trained or not.
+        self._received, self._received_state, self._prompt_width = first_index, data_state, prompt_width
+        self._latest = None  # (params, version): the newest published weights, sent on every (re)connection
+        self._channel: Channel | None = None
+        self._pending: list[Channel] = []  # connections that passed the hello, for the trainer's thread to start
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self.sync_bytes = 0  # weights sent since the last take (rollout/weight_sync_gb)
+        self._listener = Listener(self.endpoint, CODEC)
+        self._acceptor = threading.Thread(target=self._accept_loop, name="jgrpo-rollout-listener", daemon=True)
+        self._acceptor.start()
+        log.info("two jobs: the trainer listens for the rollout job on %s", self.endpoint)
+
+    # ------------------------------------------------------------------ connections
+
+    def _accept_loop(self) -> None:
+        while not self._stopping.is_set():
+            channel = self._listener.accept(timeout=1.0)
+            if channel is None:
+                continue
+            try:
+                kind, body = channel.recv(timeout=HELLO_TIMEOUT_S)
+                differ = config_differences(self._resolved, body["config"]) if kind == "hello" else ["(no hello)"]
+            except (ChannelClosed, TimeoutError, KeyError, TypeError) as e:
+                log.warning("a connection from %s said no hello (%s): closed", channel.peer, e)
+                channel.close()
+                continue
+            if differ:
+                reason = (f"the rollout job's config differs from the trainer's in {', '.join(differ)} (all keys but "
+                          "rollout.role must agree: start both jobs from the same config file)")
+                log.warning("refused the rollout job at %s: %s", channel.peer, reason)
+                try:
+                    channel.send("refused", {"reason": reason})
+                except ChannelClosed:
+                    pass
+                channel.close("refused")
+                continue
+            with self._lock:
+                self._pending.append(channel)
+
+    def _connected(self) -> Channel:
+        """The live channel; a newly connected rollout job is told where to start and given the newest weights
+        first. Waits up to rollout.wait_timeout_s for one, else raises RolloutJobLost."""
+        deadline = time.monotonic() + self.config.rollout.wait_timeout_s
+        announced = False
+        while True:
+            if self._channel is not None and self._channel.is_closed:
+                log.warning("two jobs: lost the rollout job (%s)", self._channel.closed_because)
+                self._channel = None
+            with self._lock:
+                pending, self._pending = self._pending, []
+            for channel in pending[:-1]:  # only the newest connection counts
+                channel.close("superseded by a newer connection")
+            if pending:
+                if self._channel is not None:
+                    self._channel.close("a restarted rollout job connected")
+                self._channel = pending[-1]
+                try:
+                    self._start_job(self._channel)
+                except ChannelClosed:
+                    pass  # closed: said and dropped at the loop's top
+            if self._channel is not None and not self._channel.is_closed:
+                return self._channel
+            if not announced:
+                announced = True
+                log.warning("two jobs: waiting up to %.0f s (rollout.wait_timeout_s) for the rollout job to connect "
+                            "to %s", self.config.rollout.wait_timeout_s, self.endpoint)
+            if time.monotonic() > deadline:
+                raise RolloutJobLost(f"no rollout job connected to {self.endpoint} for "
+                                     f"{self.config.rollout.wait_timeout_s:.0f} s (rollout.wait_timeout_s): the "
+                                     "trainer saved and stopped. Start the rollout job (rollout.role: rollout, the "
+                                     "same config) and run the trainer again to resume")
+            time.sleep(0.2)
+
+    def _start_job(self, channel: Channel) -> None:
+        log.info("two jobs: the rollout job at %s starts at batch %d", channel.peer, self._received)
+        channel.send("start", {"first_index": self._received, "data_state": self._received_state,
+                               "dropped": self.dropped, "prompt_width": self._prompt_width})
+        if self._latest is not None:
+            self._send_weights(channel, *self._latest)
+
+    # ------------------------------------------------------------------ weights and batches
+
+    def publish(self, params, version: int) -> None:
+        """Newer weights for the rollout job: sent now if it is connected, else when it connects."""
+        self._latest = (params, version)
+        channel = self._channel
+        if channel is not None and not channel.is_closed:
+            try:
+                self._send_weights(channel, params, version)
+            except ChannelClosed as e:
+                log.warning("two jobs: the rollout job is gone (%s); the weights go out when it reconnects", e)
+
+    def _send_weights(self, channel: Channel, params, version: int) -> None:
+        sent = send_weights(channel, params, version=version, bucket_bytes=self.config.rollout.sync_bucket_mb << 20,
+                            extra={"dropped": self.dropped})
+        self.sync_bytes += sent["bytes"]
+
+    def _next(self):
+        while True:
+            channel = self._connected()
+            try:
+                kind, body = channel.recv()
+            except ChannelClosed:  # `_connected` says so and waits for the job to come back
+                continue
+            if kind == "error":
+                error = DataExhausted if body["type"] == "DataExhausted" else RuntimeError
+                return error(f"the rollout job stopped: {body['message']}"), 0, 0.0
+            if kind != "record":
+                log.warning("two jobs: ignored a %r message from the rollout job", kind)
+                continue
+            self._received, self._received_state = body["index"] + 1, body["data_state"]
+            rollout = body["rollout"]
+            samples = rollout.samples.map(lambda x: to_global_rows(np.asarray(x), self.train_mesh, SAMPLE_RULES,
+                                                                   self.rows))
+            rollout.samples = samples
+            rollout.rewards = np.asarray(rollout.rewards)
+            return (Produced(rollout, body["version"], body["index"], body["data_state"]), body["queued"],
+                    body["idle"])
+
+    def take(self, iteration: int):
+        produced, metrics = super().take(iteration)
+        metrics["rollout/weight_sync_gb"], self.sync_bytes = self.sync_bytes / 1e9, 0
+        return produced, metrics
+
+    def close(self) -> None:
+        """Tell the rollout job the run is over (it exits 0) and stop listening."""
+        self._stopping.set()
+        if self._channel is not None and not self._channel.is_closed:
+            try:
+                self._channel.send("stop")
+            except ChannelClosed:
+                pass
+            self._channel.close("the trainer is done")
+        self._acceptor.join()
+        self._listener.close()
+
+
+def check_processes(config) -> None:
+    """Two jobs run one process each, for now."""
+    if config.rollout.role != "both" and jax.process_count() > 1:
+        raise ConfigError(f"rollout.role={config.rollout.role} runs in one process per job for now (this job has "
+                          f"{jax.process_count()}); give the job one host")

@@ -1,0 +1,192 @@
+"""Two jobs (`rollout.role: trainer|rollout`): a trainer job and a rollout job joined by a TCP channel, each its own
+process with 2 CPU devices, as on two slices. The one-job reference is async with `mesh.rollout_devices` of the
+same sizes (2 + 2 devices), run alongside.
+
+At max_staleness 0 the rollout job samples batch j only with the weights of version j (the trainer's publish
+after iteration j), with the key fold_in(sample_root, j): so the two-job run's tokens are the one-job run's, and
+its params end within rounding of them, also with the rollout job killed (-9) in the middle and restarted.
+"""
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from jgrpo.config import ConfigError
+from jgrpo.config.loading import to_dict
+from jgrpo.parallel.channel import connect
+from jgrpo.rollout.remote import CODEC, RemoteRollouts, RolloutJobLost, config_differences
+from jgrpo.training.metrics_log import read_jsonl, read_metrics
+from jgrpo.training.trainer import Trainer
+from tests.helpers import ROOT, tiny_config
+from tests.parallel.test_multihost import _finish, _params
+
+ASYNC = ["reward.functions=[tests.helpers:space_fraction]", "rollout.mode=async", "rollout.max_staleness=0",
+         "grpo.beta=0.04", "optim.learning_rate=1e-2", "checkpoint.every=5", "logging.samples_every=1"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["rollout.role=trainer", "rollout.mode=async"], r"rollout.endpoint='' is not allowed: host:port"),
+    (["rollout.role=rollout", "rollout.endpoint=h:1"], r"rollout.mode='sync' is not allowed: async with rollout.role"),
+    (["rollout.role=trainer", "rollout.endpoint=h:1", "rollout.mode=async", "mesh.rollout_devices=2"],
+     r"mesh.rollout_devices=2 is not allowed: 0 with rollout.role=trainer"),
+    (["rollout.role=trainer", "rollout.endpoint=h:1", "rollout.mode=async", "model.lora.rank=4"],
+     r"rollout.role='trainer' is not allowed: both with LoRA"),
+    (["rollout.sync_bucket_mb=0"], r"rollout.sync_bucket_mb=0"),
+    (["rollout.wait_timeout_s=0"], r"rollout.wait_timeout_s=0"),
+])
+def test_two_job_config_errors(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        tiny_config(None, *overrides)
+
+
+def test_a_rollout_job_with_another_config_is_refused_naming_the_keys():
+    port = _free_port()
+    trainer = tiny_config(None, *ASYNC, "rollout.role=trainer", f"rollout.endpoint=127.0.0.1:{port}")
+    rollout = tiny_config(None, *ASYNC, "rollout.role=rollout", f"rollout.endpoint=127.0.0.1:{port}", "grpo.beta=0.1",
+                          "sampler.temperature=0.7")
+    assert config_differences(to_dict(trainer), to_dict(rollout)) == ["grpo.beta", "sampler.temperature"]
+    mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
+    intake = RemoteRollouts(trainer, first_index=0, dropped=0, data_state={}, prompt_width=16, train_mesh=mesh)
+    try:
+        channel = connect(f"127.0.0.1:{port}", CODEC, wait_s=10)
+        channel.send("hello", {"config": to_dict(rollout)})
+        kind, body = channel.recv(timeout=30)
+        assert kind == "refused"
+        assert "differs from the trainer's in grpo.beta, sampler.temperature (all keys but" in body["reason"]
+    finally:
+        intake.close()
+
+
+def test_a_trainer_without_its_rollout_job_saves_and_stops_naming_the_endpoint(tmp_path):
+    port = _free_port()
+    config = tiny_config(tmp_path, *ASYNC, "rollout.role=trainer", f"rollout.endpoint=127.0.0.1:{port}",
+                         "rollout.wait_timeout_s=1", "run.iterations=2")
+    trainer = Trainer(config)
+    try:
+        with pytest.raises(RolloutJobLost, match=f"no rollout job connected to 127.0.0.1:{port} for 1 s"):
+            trainer.run()
+    finally:
+        trainer.close()
+    assert (tmp_path / "checkpoints" / "0").is_dir()  # saved before it stopped
+
+
+def _job(run_dir, role, *overrides, devices=2):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JGRPO_")}
+    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+               PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
+    cmd = [sys.executable, "-m", "jgrpo.train", "configs/tiny.yaml", f"run.output_dir={run_dir}", "run.iterations=5",
+           *ASYNC, f"rollout.role={role}", *overrides]
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _wait_for_record(run_dir, iteration, procs, timeout=300):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (run_dir / "metrics.jsonl").is_file() and len(read_metrics(run_dir)) >= iteration:
+            return
+        for proc in procs:
+            if proc.poll() is not None:
+                out, _ = proc.communicate()
+                pytest.fail(f"a job exited with {proc.returncode} before iteration {iteration}:\n{out[-4000:]}")
+        time.sleep(0.2)
+    pytest.fail(f"no record of iteration {iteration} in {timeout} s")
+
+
+def _prompts_by_iteration(run_dir) -> list[list[str]]:
+    rows = read_jsonl(run_dir / "samples.jsonl")
+    by = {}
+    for row in rows:
+        by.setdefault(row["iteration"], []).append(row["prompt"])
+    return [sorted(set(by[k])) for k in sorted(by)]
+
+
+def test_two_jobs_match_one_job_and_survive_a_killed_rollout_job(tmp_path):
+    one, two = tmp_path / "one_job", tmp_path / "two_jobs"
+    endpoint = f"rollout.endpoint=127.0.0.1:{_free_port()}"
+    reference = _job(one, "both", "mesh.rollout_devices=2", devices=4)
+    trainer = _job(two, "trainer", endpoint)
+    rollout = _job(two, "rollout", endpoint)
+    _wait_for_record(two, 2, [trainer, rollout])
+    rollout.kill()  # -9: no goodbye, the socket just closes
+    rollout.communicate()
+    restarted = _job(two, "rollout", endpoint)
+    _finish([restarted, reference], timeout=600)
+    log, _ = trainer.communicate(timeout=600)
+    assert trainer.returncode == 0, log[-4000:]
+    # The trainer saw the job go, and told the new one to start at the first batch it had not received.
+    assert "lost the rollout job" in log, log[-4000:]
+    starts = re.findall(r"the rollout job at \S+ starts at batch (\d+)", log)
+    assert len(starts) == 2 and starts[0] == "0" and int(starts[1]) >= 2, starts
+
+    # Each prompt trained once, in the one-job run's order, and the same tokens: the same params up to rounding.
+    assert _prompts_by_iteration(two) == _prompts_by_iteration(one)
+    assert len({p for it in _prompts_by_iteration(two) for p in it}) == 5 * 4
+    got, want = _params(two, 5), _params(one, 5)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(g, w, rtol=0, atol=1e-6)
+    for r, ref in zip(read_metrics(two), read_metrics(one), strict=True):
+        for key in ("reward/mean", "loss/loss", "kl/mean", "optim/steps", "completion/length_mean"):
+            np.testing.assert_allclose(r[key], ref[key], rtol=1e-5, atol=1e-7, err_msg=f"{key} at {r['iteration']}")
+    assert read_metrics(two)[-1]["kl/mean"] > 0  # the params moved away from the reference
+    records = read_metrics(two)
+    assert [r["iteration"] for r in records] == [1, 2, 3, 4, 5]
+    assert all(r["rollout/staleness"] == 0 and r["rollout/dropped"] == 0 for r in records)
+    assert all(r["rollout/weight_sync_gb"] > 0 for r in records)
+    # The rollout job writes nothing of its own under run.output_dir.
+    assert sorted(p.name for p in two.iterdir()) == sorted(p.name for p in one.iterdir())
+    assert json.loads((two / "metrics.jsonl").read_text().splitlines()[0])["iteration"] == 1
+
+
+# ---------------------------------------------------------------- pod: `python -m pytest tests -m pod` (not in CI)
+
+
+@pytest.mark.pod
+@pytest.mark.slow
+def test_two_jobs_at_staleness_1_keep_the_bound_and_train_each_prompt_once(tmp_path):
+    one, two = tmp_path / "one_job", tmp_path / "two_jobs"
+    endpoint = f"rollout.endpoint=127.0.0.1:{_free_port()}"
+    stale = ["rollout.max_staleness=1", "run.iterations=6"]
+    reference = _job(one, "both", "mesh.rollout_devices=2", *stale, devices=4)
+    jobs = [_job(two, "trainer", endpoint, *stale), _job(two, "rollout", endpoint, *stale)]
+    _finish([*jobs, reference], timeout=600)
+    records = read_metrics(two)
+    assert [r["iteration"] for r in records] == [1, 2, 3, 4, 5, 6]
+    assert all(r["rollout/staleness"] <= 1 for r in records) and records[-1]["rollout/dropped"] == 0
+    assert _prompts_by_iteration(two) == _prompts_by_iteration(one)
+    assert len({p for it in _prompts_by_iteration(two) for p in it}) == 6 * 4
+
+
+@pytest.mark.pod
+@pytest.mark.slow
+def test_a_killed_trainer_resumes_and_the_rollout_job_discards_what_it_sampled_ahead(tmp_path):
+    one, two = tmp_path / "one_job", tmp_path / "two_jobs"
+    endpoint = f"rollout.endpoint=127.0.0.1:{_free_port()}"
+    stale = ["rollout.max_staleness=1", "run.iterations=6", "checkpoint.every=1", "checkpoint.async_save=false"]
+    reference = _job(one, "both", "mesh.rollout_devices=2", *stale, devices=4)
+    trainer, rollout = _job(two, "trainer", endpoint, *stale), _job(two, "rollout", endpoint, *stale)
+    _wait_for_record(two, 3, [trainer, rollout])
+    trainer.kill()
+    trainer.communicate()
+    restarted = _job(two, "trainer", endpoint, *stale)
+    _finish([restarted, rollout, reference], timeout=600)
+    records = read_metrics(two)
+    assert [r["iteration"] for r in records] == [1, 2, 3, 4, 5, 6]
+    assert all(r["rollout/staleness"] <= 1 for r in records)
+    # Sampled ahead for the first trainer (up to the staleness bound), then discarded: its weights are gone.
+    assert records[-1]["rollout/discarded_on_resume"] >= 1
+    assert _prompts_by_iteration(two) == _prompts_by_iteration(one)
+    assert len({p for it in _prompts_by_iteration(two) for p in it}) == 6 * 4
