@@ -2,7 +2,7 @@
 
 A sender process and a receiver process (2 emulated CPU devices each, as the two jobs of tests/rollout/
 test_two_jobs.py) joined over loopback by `jgrpo.parallel.channel`; the sender sends bf16 params of each size
-(32 MiB leaves, one of them 1.5 buckets where it fits, so a split tensor is in every run) with `send_weights`, the receiver
+(32 MiB leaves, one of them 1.5 buckets where it fits: a split tensor in every run) with `send_weights`, the receiver
 lays them out on its devices with `receive_weights`. Each size and bucket is sent 3 times and the fastest is
 kept. Host memory: the Python-heap peak (`tracemalloc`: the frames and the host copies of the pieces) of each
 side during the transfers, against `sync_bucket_mb`; the device buffers (on CPU, host memory too) are the

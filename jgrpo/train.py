@@ -92,10 +92,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _rollout_job(config) -> int:
     """`rollout.role: rollout`: sample for the trainer job at `rollout.endpoint` until it ends."""
-    from jgrpo.rollout.remote import check_processes
     from jgrpo.rollout.rollout_job import RolloutJob
 
-    check_processes(config)
     job = RolloutJob(config)
     try:
         return job.run()

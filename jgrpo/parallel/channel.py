@@ -35,12 +35,17 @@ import numpy as np
 
 HEARTBEAT_S = 5.0  # a frame at least this often, also when there is nothing to say
 SILENCE_S = 30.0  # a peer silent this long is gone
+MAX_FRAME_BYTES = 1 << 36  # 64 GiB: anything longer is not a frame of ours (rollout.sync_bucket_mb is far below)
 _HEARTBEAT = "heartbeat"
 _SIZE = struct.Struct(">QI")
 
 
 class ChannelClosed(ConnectionError):
     """The peer closed the channel, died, or went silent for SILENCE_S."""
+
+
+class NoPeer(ChannelClosed):
+    """Nobody accepted a connection to the endpoint for as long as `connect` was told to try."""
 
 
 class Codec:
@@ -172,17 +177,23 @@ class Channel:
         try:
             while True:
                 size, header_size = _SIZE.unpack(self._read_exactly(_SIZE.size))
+                if not 4 <= size <= MAX_FRAME_BYTES or header_size > size - 4:  # e.g. an HTTP probe: "GET / HT"
+                    raise ValueError(f"a frame of {size} bytes")
                 frame = self._read_exactly(size - 4)
                 self.bytes_received += 8 + size
                 message = json.loads(bytes(frame[:header_size]))
                 if message["kind"] == _HEARTBEAT:
                     continue
                 arrays, offset = [], header_size
-                for spec in _array_specs(message["body"]):
-                    dtype = _dtype(spec["dtype"])
-                    count = int(np.prod(spec["shape"], dtype=np.int64))
-                    arrays.append(np.frombuffer(frame, dtype, count, offset).reshape(spec["shape"]))
+                for i, spec in enumerate(_array_specs(message["body"])):
+                    dtype, shape = _dtype(spec["dtype"]), [int(n) for n in spec["shape"]]
+                    if spec["__array__"] != i or min(shape, default=0) < 0:
+                        raise ValueError(f"array {i}: {spec}")
+                    count = int(np.prod(shape, dtype=np.int64))
+                    arrays.append(np.frombuffer(frame, dtype, count, offset).reshape(shape))
                     offset += count * dtype.itemsize
+                if offset != len(frame):
+                    raise ValueError(f"{len(frame) - offset} bytes after the last array")
                 item = (message["kind"], self.codec.decode(message["body"], arrays))
                 with self._inbox_changed:
                     # Host memory stays at one message: the next is read (and the peer's send goes on) only once
@@ -194,8 +205,8 @@ class Channel:
                         return
         except (ChannelClosed, OSError) as e:
             self._close(str(e) if isinstance(e, ChannelClosed) else f"reading from {self.peer} failed: {e}")
-        except (ValueError, KeyError, TypeError) as e:  # a malformed frame: the peer is not a jgrpo job of ours
-            self._close(f"{self.peer} sent a malformed message ({e})")
+        except BaseException as e:  # noqa: BLE001 - a malformed frame (not a jgrpo peer of ours): closed, said why
+            self._close(f"{self.peer} sent a malformed message ({type(e).__name__}: {e})")
 
     # ------------------------------------------------------------------ closing
 
@@ -215,7 +226,20 @@ class Channel:
     def is_closed(self) -> bool:
         return self.closed_because is not None
 
-    def close(self, why: str = "closed by this side") -> None:
+    def close(self, why: str = "closed by this side", *, linger_s: float = 0.0) -> None:
+        """Close now; `linger_s` > 0 (after a last message the peer must read, "stop" or "refused"): first stop
+        sending and wait up to that long for the peer to close its side, so no reset overtakes the message."""
+        if linger_s and not self.is_closed:
+            self._closing.set()  # no more heartbeats
+            try:
+                with self._send_lock:
+                    self.sock.shutdown(socket.SHUT_WR)
+            except OSError:
+                pass
+            with self._inbox_changed:
+                self._inbox.clear()  # (unread messages would keep the reader from seeing the peer's close)
+                self._inbox_changed.notify_all()
+                self._inbox_changed.wait_for(lambda: self.is_closed, linger_s)
         self._close(why)
 
 
@@ -278,5 +302,5 @@ def connect(endpoint: str, codec: Codec, *, wait_s: float, retry_s: float = 1.0)
             return Channel(sock, codec, endpoint)
         except OSError as e:
             if time.monotonic() + retry_s > deadline:
-                raise ChannelClosed(f"no trainer at {endpoint} after {wait_s:.0f} s ({e})") from None
+                raise NoPeer(f"no trainer at {endpoint} after {wait_s:.0f} s ({e})") from None
             time.sleep(retry_s)

@@ -7,6 +7,8 @@ block of the global rows (its prompts and their samples), computes what only the
 
 from __future__ import annotations
 
+import json
+
 import jax
 import numpy as np
 from jax.sharding import Mesh
@@ -91,3 +93,32 @@ def global_sum(values: np.ndarray) -> np.ndarray:
     from jax.experimental import multihost_utils
 
     return np.asarray(multihost_utils.process_allgather(values)).sum(axis=0)
+
+
+def broadcast_json(value):
+    """Process 0's `value` (anything JSON can hold) on every process; the others' `value` is ignored. A
+    collective: every process calls it, in the same order as its other collectives."""
+    if jax.process_count() == 1:
+        return value
+    from jax.experimental import multihost_utils
+
+    mine = np.frombuffer(json.dumps(value).encode(), np.uint8) if jax.process_index() == 0 else np.zeros(0, np.uint8)
+    size = int(np.asarray(multihost_utils.broadcast_one_to_all(np.asarray([mine.size], np.int64)))[0])
+    data = np.zeros(size, np.uint8)
+    data[:mine.size] = mine
+    return json.loads(bytes(np.asarray(multihost_utils.broadcast_one_to_all(data), np.uint8)))
+
+
+def gather_json(value) -> list:
+    """Every process's `value` (anything JSON can hold), in process order; a collective like `broadcast_json`."""
+    if jax.process_count() == 1:
+        return [value]
+    from jax.experimental import multihost_utils
+
+    mine = np.frombuffer(json.dumps(value).encode(), np.uint8)
+    size = global_max(mine.size)
+    data = np.zeros(size + 8, np.uint8)
+    data[:8] = np.frombuffer(np.int64(mine.size).tobytes(), np.uint8)
+    data[8:8 + mine.size] = mine
+    rows = np.asarray(multihost_utils.process_allgather(data), np.uint8)
+    return [json.loads(bytes(row[8:8 + int(row[:8].view(np.int64)[0])])) for row in rows]

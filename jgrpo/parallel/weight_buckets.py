@@ -1,12 +1,14 @@
 """Params moved between two jobs over a `Channel` in buckets of bounded host memory (`rollout.sync_bucket_mb`).
 
-The sender walks the leaves in tree order and cuts them into pieces (a leaf's flat element range) that fill
+The sender walks the leaves in tree order and cuts them into pieces (rows along a leaf's first axis) that fill
 buckets of at most `bucket_bytes`; a leaf larger than a bucket is split over several. Per bucket it reads only
-that bucket's pieces from its devices (a slice of the flat leaf, taken on the device), sends them as one frame
+that bucket's pieces from its devices (a slice of the leaf, taken on the device), sends them as one frame
 and lets them go, so its host holds one bucket at a time. The receiver puts each piece on its devices as it
 arrives; a split leaf's pieces wait there (not on the host) until the last one, then are joined and laid out in
-the receiver's sharding. The first frame lists every leaf (path, shape, dtype): a receiver that expects other
-params refuses, naming the first leaf that differs. Bit for bit: the bytes are the sender's, in its dtype.
+the receiver's sharding. With several processes on a side, each sender process gathers every bucket and sends
+it to its own peer, and each receiver process places its own devices' shards. The first frame lists every leaf
+(path, shape, dtype): a receiver that expects other params refuses, naming the first leaf that differs. Bit
+for bit: the bytes are the sender's, in its dtype.
 """
 
 from __future__ import annotations
@@ -24,26 +26,36 @@ from jgrpo.parallel.channel import Channel, ChannelClosed
 
 class Piece(NamedTuple):
     leaf: int  # index in tree order
-    start: int  # flat element range [start, stop)
+    start: int  # rows [start, stop) along the leaf's first axis (a scalar is one row)
     stop: int
 
 
+def _rows(shape) -> tuple[int, int]:
+    """(rows, elements per row) of a leaf cut along its first axis."""
+    shape = tuple(shape) or (1,)
+    return shape[0], int(np.prod(shape[1:], dtype=np.int64))
+
+
 def bucket_plan(leaves, bucket_bytes: int) -> list[list[Piece]]:
-    """The pieces of each bucket: leaves in order, each bucket at most `bucket_bytes` (at least one element)."""
+    """The pieces of each bucket: leaves in order, cut along their first axis so that a bucket holds at most
+    `bucket_bytes`, or one row where a row is larger (a stacked layer weight's row is one layer's matrix).
+    Rows, not flat elements: no index reaches 2**31 (a stacked MoE weight has more elements than that), and a
+    piece of a leaf sharded along another axis is a slice of each shard."""
     buckets, current, room = [], [], bucket_bytes
     for i, leaf in enumerate(leaves):
-        itemsize, size = np.dtype(leaf.dtype).itemsize, int(np.prod(leaf.shape, dtype=np.int64))
+        rows, per_row = _rows(leaf.shape)
+        row_bytes = max(1, per_row * np.dtype(leaf.dtype).itemsize)
         start = 0
-        while start < size or (size == 0 and start == 0):
-            if room < itemsize and current:
+        while True:
+            if room < row_bytes and current and rows:
                 buckets.append(current)
                 current, room = [], bucket_bytes
-            stop = min(size, start + max(1, room // itemsize))
+            stop = min(rows, start + max(1, room // row_bytes))
             current.append(Piece(i, start, stop))
-            room -= (stop - start) * itemsize
-            if size == 0:
-                break
+            room -= (stop - start) * row_bytes
             start = stop
+            if start >= rows:
+                break
     if current:
         buckets.append(current)
     return buckets
@@ -57,30 +69,63 @@ def leaf_specs(tree) -> list[dict]:
 
 @functools.partial(jax.jit, static_argnums=2)
 def _piece(x, start, size: int):
-    """Elements [start, start + size) of the flat leaf: a new array, taken on the device (one program per size)."""
-    return jax.lax.dynamic_slice_in_dim(x.reshape(-1), start, size)
+    """Rows [start, start + size) of the leaf: always a new array, taken on the device (one program per size)."""
+    if x.ndim == 0:
+        return jnp.copy(x)
+    return jax.lax.dynamic_slice_in_dim(x, start, size, axis=0)
 
 
-def send_weights(channel: Channel, params, *, version: int, bucket_bytes: int, extra: dict | None = None) -> dict:
-    """Send `params` (a pytree of arrays, on this process's devices) as `version`; `extra` rides on the first
-    frame. Returns {"bytes", "seconds", "buckets", "peak_bucket_bytes"}."""
+def send_weights(channel: Channel | None, params, *, version: int, bucket_bytes: int,
+                 extra: dict | None = None) -> dict:
+    """Send `params` (a pytree of arrays, on this job's devices) as `version`; `extra` rides on the first
+    frame. Returns {"bytes", "seconds", "buckets", "peak_bucket_bytes"}; raises ChannelClosed if the peer went
+    away. With several processes every one must call it (the gathers are collectives), also one whose channel
+    is gone (None or closed): it gathers and sends nothing, so the others' gathers still complete."""
     start = time.perf_counter()
     leaves = jax.tree.leaves(params)
     plan = bucket_plan(leaves, bucket_bytes)
-    channel.send("weights", {"version": version, "buckets": len(plan), "leaves": leaf_specs(params),
-                             "extra": extra or {}})
+    lost = None
+
+    def send(kind, body) -> int:
+        nonlocal lost
+        if lost is None and channel is not None:
+            try:
+                return channel.send(kind, body)
+            except ChannelClosed as e:
+                lost = e
+        return 0
+
+    send("weights", {"version": version, "buckets": len(plan), "leaves": leaf_specs(params), "extra": extra or {}})
     sent, peak = 0, 0
     for i, pieces in enumerate(plan):
         arrays = []
         for p in pieces:
             # Never np.asarray(leaf): a jax array keeps its host copy for as long as it lives (the published
             # params live until the next publish), so the host would end up holding all of them.
-            arrays.append(np.asarray(_piece(leaves[p.leaf], p.start, p.stop - p.start)))
+            arrays.append(_on_host(_piece(leaves[p.leaf], p.start, p.stop - p.start)))
         peak = max(peak, sum(a.nbytes for a in arrays))
-        sent += channel.send("weights_bucket", {"version": version, "bucket": i,
-                                                "pieces": [tuple(p) for p in pieces], "arrays": arrays})
+        sent += send("weights_bucket", {"version": version, "bucket": i, "pieces": [tuple(p) for p in pieces],
+                                        "arrays": arrays})
         del arrays
+    if lost is not None or channel is None:
+        raise lost or ChannelClosed("no rollout job to send the weights to")
     return {"bytes": sent, "seconds": time.perf_counter() - start, "buckets": len(plan), "peak_bucket_bytes": peak}
+
+
+def _on_host(x: jax.Array) -> np.ndarray:
+    """The whole array on this host: with several processes every one gathers it (a collective over the
+    sender's processes, each of which then sends it to its own peer)."""
+    if x.is_fully_addressable:
+        return np.asarray(x)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def _placed(x, sharding) -> jax.Array:
+    """`x` (a host array, or one on a local device) laid out in `sharding`, which may span other processes'
+    devices too: each process places the shards of its own devices."""
+    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
 
 
 class WeightsRefused(ValueError):
@@ -108,12 +153,15 @@ def receive_weights(channel: Channel, header: dict, like, shardings, *, timeout:
             raise ChannelClosed(f"expected bucket of version {header['version']}, got a {kind!r} message")
         for (leaf, start, stop), array in zip(body["pieces"], body["arrays"], strict=True):
             shape = tuple(leaves[leaf].shape)
-            if start == 0 and stop == array.size == int(np.prod(shape, dtype=np.int64)):
-                done[leaf] = jax.device_put(array.reshape(shape), targets[leaf])
+            rows, per_row = _rows(shape)
+            if array.size != (stop - start) * per_row:
+                raise ChannelClosed(f"leaf {leaf}: rows {start}-{stop} came with {array.size} elements")
+            if start == 0 and stop == rows:
+                done[leaf] = _placed(array.reshape(shape), targets[leaf])
                 continue
             parts.setdefault(leaf, []).append(jax.device_put(array))  # on the device until the leaf is whole
-            if stop == int(np.prod(shape, dtype=np.int64)):
-                done[leaf] = jax.device_put(jnp.concatenate(parts.pop(leaf)).reshape(shape), targets[leaf])
+            if stop == rows:
+                done[leaf] = _placed(jnp.concatenate(parts.pop(leaf)), targets[leaf])
     missing = [i for i, x in enumerate(done) if x is None]
     if missing:
         raise ChannelClosed(f"the trainer's weights arrived without leaves {missing[:5]}")

@@ -34,9 +34,13 @@ import time
 import types
 from typing import NamedTuple
 
+import jax
+
 from jgrpo.rollout.records import Rollout
 
 log = logging.getLogger(__name__)
+
+AGREE_POLL_S = 0.5  # several processes: how often process 0 tells the others it is still waiting
 
 
 class Produced(NamedTuple):
@@ -94,9 +98,15 @@ class Intake:
 class AsyncRollouts(Intake):
     """The producer thread and its queue. `publish` before the first `take`; `close` when done."""
 
-    def __init__(self, source, *, max_staleness: int, first_index: int, dropped: int, prompt_width: int):
+    def __init__(self, source, *, max_staleness: int, first_index: int, dropped: int, prompt_width: int,
+                 agree=None):
         super().__init__(max_staleness=max_staleness, first_index=first_index, dropped=dropped)
         self.source = source
+        # A rollout job of several processes: they must sample the same batch with the same version, so process 0
+        # decides and `agree` (host_arrays.broadcast_json) hands its decision to the others, which keep each
+        # published version until a decision has passed it.
+        self._agree, self._leads = agree, agree is None or jax.process_index() == 0
+        self._recent: dict = {}  # followers: version -> params
         self._next_index = first_index  # the index of the next batch to draw
         self.idle_seconds = 0.0  # the producer's waits for a newer publish since the last `take`
         self._queue: collections.deque = collections.deque()
@@ -114,6 +124,8 @@ class AsyncRollouts(Intake):
         `dropped`: the batches the trainer dropped so far, where it is not this object (a rollout job's)."""
         with self._cond:
             self._params, self._version = params, version
+            if not self._leads:
+                self._recent[version] = params
             if dropped is not None:
                 self.dropped = dropped
             self._cond.notify_all()
@@ -160,17 +172,46 @@ class AsyncRollouts(Intake):
         """The next batch would be trained at iteration next - dropped: sample it only with fresh enough params."""
         return self._params is not None and self._next_index - self.dropped - self._version <= self.max_staleness
 
+    def _decide(self):
+        """(params, version, index) of the next batch to sample, or None to stop: the newest params once fresh
+        enough. With several processes process 0 decides and the others follow; while it waits it says "not
+        yet" every AGREE_POLL_S (no collective waits longer), and a follower waits to have the version chosen."""
+        while True:
+            decision, params = None, None  # None: not yet (only with several processes)
+            if self._leads:
+                with self._cond:
+                    waited = time.perf_counter()
+                    ready = self._cond.wait_for(lambda: self._stopping or self._may_sample(),
+                                                AGREE_POLL_S if self._agree is not None else None)
+                    self.idle_seconds += time.perf_counter() - waited
+                    if self._stopping:
+                        decision = "stop"
+                    elif ready:
+                        decision, params = [self._version, self.dropped], self._params
+            if self._agree is not None:
+                decision = self._agree(decision)
+            if decision is not None:
+                break
+        if decision == "stop":
+            return None
+        version, dropped = decision
+        with self._cond:
+            if not self._leads:
+                # The trainer sends every version to every process at the same publish: it is on its way.
+                self._cond.wait_for(lambda: version in self._recent)
+                params, self.dropped = self._recent[version], dropped
+                self._recent = {v: p for v, p in self._recent.items() if v >= version}
+            index = self._next_index
+            self._next_index += 1
+        return params, version, index
+
     def _produce(self) -> None:
         while True:
-            with self._cond:
-                waited = time.perf_counter()
-                while not self._stopping and not self._may_sample():
-                    self._cond.wait()
-                self.idle_seconds += time.perf_counter() - waited
-                if self._stopping:
-                    return
-                params, version, index = self._params, self._version, self._next_index
-                self._next_index += 1
+            decided = self._decide()
+            if decided is None:
+                return
+            params, version, index = decided
+            del decided
             try:
                 batch = self.source.next_batch(index)
                 data_state = self.source.data.get_state()

@@ -181,12 +181,16 @@ class Collector:
         self.source.set_data_state(data_state)
         self._taken_data_state = None
 
-    def stop(self) -> str | None:
-        """Stop the async producer, if any; returns its staleness summary for the log."""
+    def stop(self, run_over: bool = True) -> str | None:
+        """Stop the async producer, if any; returns its staleness summary for the log. Two jobs: `run_over`
+        ends the rollout job too, else (preempted, failed) it waits for the trainer to resume."""
         if self.producer is None:
             return None
         producer, self.producer = self.producer, None
-        producer.close()
+        if isinstance(producer, RemoteRollouts):
+            producer.close(run_over)
+        else:
+            producer.close()
         return (f"async rollouts: staleness (iterations: batches) {producer.histogram()}; {producer.dropped} "
                 f"dropped as staler than rollout.max_staleness={self.config.rollout.max_staleness}")
 

@@ -19,17 +19,17 @@ sampled ahead and starts where the checkpoint's batch count says (jgrpo.rollout.
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 
 import jax
 import numpy as np
 
-from jgrpo.config import ConfigError
 from jgrpo.config.loading import to_dict
 from jgrpo.data.pipeline import PromptBatch
-from jgrpo.parallel.channel import Channel, ChannelClosed, Codec, Listener
-from jgrpo.parallel.host_arrays import to_global_rows
+from jgrpo.parallel.channel import Channel, ChannelClosed, Codec, Listener, parse_endpoint
+from jgrpo.parallel.host_arrays import gather_json, global_sum, to_global_rows
 from jgrpo.parallel.mesh import SAMPLE_RULES
 from jgrpo.parallel.weight_buckets import send_weights
 from jgrpo.rewards.scorer import RewardResult
@@ -87,10 +87,18 @@ class RemoteRollouts(Intake):
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self.sync_bytes = 0  # weights sent since the last take (rollout/weight_sync_gb)
-        self._listener = Listener(self.endpoint, CODEC)
+        # Process 0 listens on rollout.endpoint; with several processes each other one on a port of its own,
+        # and each rollout process connects to its peer, the trainer process of its index (`peers`).
+        host, _ = parse_endpoint(self.endpoint)
+        loopback = host.startswith("127.") or host == "localhost"
+        first = jax.process_index() == 0
+        self._listener = Listener(self.endpoint if first else f"{host if loopback else '0.0.0.0'}:0", CODEC)
+        here = host if loopback else socket.gethostbyname(socket.gethostname())
+        self.peers = gather_json(self.endpoint if first else f"{here}:{self._listener.port}")
+        self._unstarted = False  # a connection adopted but not yet told where to start
         self._acceptor = threading.Thread(target=self._accept_loop, name="jgrpo-rollout-listener", daemon=True)
         self._acceptor.start()
-        log.info("two jobs: the trainer listens for the rollout job on %s", self.endpoint)
+        log.info("two jobs: the trainer listens for the rollout job on %s", self.peers[jax.process_index()])
 
     # ------------------------------------------------------------------ connections
 
@@ -102,26 +110,38 @@ class RemoteRollouts(Intake):
             try:
                 kind, body = channel.recv(timeout=HELLO_TIMEOUT_S)
                 differ = config_differences(self._resolved, body["config"]) if kind == "hello" else ["(no hello)"]
-            except (ChannelClosed, TimeoutError, KeyError, TypeError) as e:
+                processes, process = body.get("processes", 1), body.get("process", 0)
+            except (ChannelClosed, TimeoutError, KeyError, TypeError, AttributeError) as e:
                 log.warning("a connection from %s said no hello (%s): closed", channel.peer, e)
                 channel.close()
                 continue
+            reason = None
             if differ:
                 reason = (f"the rollout job's config differs from the trainer's in {', '.join(differ)} (all keys but "
                           "rollout.role must agree: start both jobs from the same config file)")
+            elif (processes, process) != (jax.process_count(), jax.process_index()):
+                reason = (f"the rollout job has {processes} processes and the trainer job {jax.process_count()} "
+                          f"(process {process} connected to trainer process {jax.process_index()}): give both jobs "
+                          "the same number of processes, each rollout process i connecting to trainer process i")
+            if reason:
                 log.warning("refused the rollout job at %s: %s", channel.peer, reason)
                 try:
                     channel.send("refused", {"reason": reason})
                 except ChannelClosed:
                     pass
-                channel.close("refused")
+                channel.close("refused", linger_s=5.0)
+                continue
+            try:  # where the other rollout processes connect: their peers, the trainer process of each index
+                channel.send("welcome", {"peers": self.peers})
+            except ChannelClosed:
                 continue
             with self._lock:
                 self._pending.append(channel)
 
     def _connected(self) -> Channel:
         """The live channel; a newly connected rollout job is told where to start and given the newest weights
-        first. Waits up to rollout.wait_timeout_s for one, else raises RolloutJobLost."""
+        first. Waits up to rollout.wait_timeout_s for one, else raises RolloutJobLost. With several processes they
+        decide together (small collectives): all wait until every one has its peer, then all start theirs."""
         deadline = time.monotonic() + self.config.rollout.wait_timeout_s
         announced = False
         while True:
@@ -135,18 +155,22 @@ class RemoteRollouts(Intake):
             if pending:
                 if self._channel is not None:
                     self._channel.close("a restarted rollout job connected")
-                self._channel = pending[-1]
-                try:
-                    self._start_job(self._channel)
-                except ChannelClosed:
-                    pass  # closed: said and dropped at the loop's top
-            if self._channel is not None and not self._channel.is_closed:
+                self._channel, self._unstarted = pending[-1], True
+            live = self._channel is not None and not self._channel.is_closed
+            waiting, starting, late = global_sum(np.asarray([not live, self._unstarted, time.monotonic() > deadline]))
+            if not waiting:
+                if starting:  # every process sends (the weights' gathers are collectives), each to its own peer
+                    self._unstarted = False
+                    try:
+                        self._start_job(self._channel)
+                    except ChannelClosed:
+                        continue  # gone again: said at the loop's top, and waited for
                 return self._channel
             if not announced:
                 announced = True
                 log.warning("two jobs: waiting up to %.0f s (rollout.wait_timeout_s) for the rollout job to connect "
-                            "to %s", self.config.rollout.wait_timeout_s, self.endpoint)
-            if time.monotonic() > deadline:
+                            "to %s", self.config.rollout.wait_timeout_s, self.peers[jax.process_index()])
+            if late:
                 raise RolloutJobLost(f"no rollout job connected to {self.endpoint} for "
                                      f"{self.config.rollout.wait_timeout_s:.0f} s (rollout.wait_timeout_s): the "
                                      "trainer saved and stopped. Start the rollout job (rollout.role: rollout, the "
@@ -155,24 +179,27 @@ class RemoteRollouts(Intake):
 
     def _start_job(self, channel: Channel) -> None:
         log.info("two jobs: the rollout job at %s starts at batch %d", channel.peer, self._received)
-        channel.send("start", {"first_index": self._received, "data_state": self._received_state,
-                               "dropped": self.dropped, "prompt_width": self._prompt_width})
-        if self._latest is not None:
-            self._send_weights(channel, *self._latest)
+        try:
+            channel.send("start", {"first_index": self._received, "data_state": self._received_state,
+                                   "dropped": self.dropped, "prompt_width": self._prompt_width})
+        finally:  # also after a failed send: the other processes' weight gathers need this one's
+            if self._latest is not None:
+                self._send_weights(channel, *self._latest)
 
     # ------------------------------------------------------------------ weights and batches
 
     def publish(self, params, version: int) -> None:
         """Newer weights for the rollout job: sent now if it is connected, else when it connects."""
         self._latest = (params, version)
-        channel = self._channel
-        if channel is not None and not channel.is_closed:
-            try:
-                self._send_weights(channel, params, version)
-            except ChannelClosed as e:
+        if self._channel is None and jax.process_count() == 1:
+            return  # (with several processes every one takes part in the send's gathers, connected or not)
+        try:
+            self._send_weights(self._channel, params, version)
+        except ChannelClosed as e:
+            if self._channel is not None:  # (None: not connected yet, nothing to say)
                 log.warning("two jobs: the rollout job is gone (%s); the weights go out when it reconnects", e)
 
-    def _send_weights(self, channel: Channel, params, version: int) -> None:
+    def _send_weights(self, channel: Channel | None, params, version: int) -> None:
         sent = send_weights(channel, params, version=version, bucket_bytes=self.config.rollout.sync_bucket_mb << 20,
                             extra={"dropped": self.dropped})
         self.sync_bytes += sent["bytes"]
@@ -180,10 +207,14 @@ class RemoteRollouts(Intake):
     def _next(self):
         while True:
             channel = self._connected()
+            wait = self.config.rollout.wait_timeout_s
             try:
-                kind, body = channel.recv()
+                kind, body = channel.recv(timeout=wait)
             except ChannelClosed:  # `_connected` says so and waits for the job to come back
                 continue
+            except TimeoutError:  # alive (heartbeats) but no batch: a stuck sampler is as good as gone
+                raise RolloutJobLost(f"the rollout job at {channel.peer} sent no batch for {wait:.0f} s "
+                                     "(rollout.wait_timeout_s): the trainer saved and stopped") from None
             if kind == "error":
                 error = DataExhausted if body["type"] == "DataExhausted" else RuntimeError
                 return error(f"the rollout job stopped: {body['message']}"), 0, 0.0
@@ -204,21 +235,18 @@ class RemoteRollouts(Intake):
         metrics["rollout/weight_sync_gb"], self.sync_bytes = self.sync_bytes / 1e9, 0
         return produced, metrics
 
-    def close(self) -> None:
-        """Tell the rollout job the run is over (it exits 0) and stop listening."""
+    def close(self, run_over: bool = True) -> None:
+        """Stop listening; `run_over`: tell the rollout job the run is over (it exits 0), else (preempted, or an
+        error) just go, and the rollout job waits for the trainer to come back."""
         self._stopping.set()
         if self._channel is not None and not self._channel.is_closed:
-            try:
-                self._channel.send("stop")
-            except ChannelClosed:
-                pass
-            self._channel.close("the trainer is done")
+            if run_over:
+                try:
+                    self._channel.send("stop")
+                except ChannelClosed:
+                    pass
+            self._channel.close("the trainer is done" if run_over else "the trainer stops", linger_s=5.0 * run_over)
         self._acceptor.join()
         self._listener.close()
 
 
-def check_processes(config) -> None:
-    """Two jobs run one process each, for now."""
-    if config.rollout.role != "both" and jax.process_count() > 1:
-        raise ConfigError(f"rollout.role={config.rollout.role} runs in one process per job for now (this job has "
-                          f"{jax.process_count()}); give the job one host")

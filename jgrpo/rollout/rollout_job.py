@@ -8,26 +8,31 @@ j)` and the newest weights within the staleness bound, and a forwarding thread s
 trainer as a record, while this thread receives the weights of each publish. It writes nothing under
 `run.output_dir`; its rollout metrics travel in the records.
 
+With several processes, process 0 connects first and learns the trainer processes' addresses; each process then
+talks to the trainer process of its index (its records are its own rows), and process 0 decides which weights
+sample each batch (`AsyncRollouts(agree=...)`), so all run the same programs.
+
 The trainer's end ("stop") ends it with status 0. A trainer that dies (its socket closes, or it goes silent)
-is reconnected to for up to `rollout.wait_timeout_s`: the batches sampled ahead are discarded (counted as
-`rollout/discarded_on_resume`: they came from weights newer than the checkpoint the trainer restarts from),
-and sampling starts again where the trainer's `start` says, which is its checkpoint's position.
+is reconnected to for up to `rollout.wait_timeout_s` (then it exits with status 4): the batches sampled ahead
+are discarded (counted as `rollout/discarded_on_resume`: they came from weights newer than the checkpoint the
+trainer restarts from), and sampling starts again where the trainer's `start` says: its checkpoint's position.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 
 import jax
 
 from jgrpo.config import ConfigError
 from jgrpo.config.loading import to_dict
-from jgrpo.parallel.channel import ChannelClosed, connect
-from jgrpo.parallel.host_arrays import local_rows
+from jgrpo.parallel.channel import ChannelClosed, NoPeer, connect
+from jgrpo.parallel.host_arrays import broadcast_json, local_rows
 from jgrpo.parallel.mesh import make_meshes, replicated
 from jgrpo.parallel.weight_buckets import receive_weights
-from jgrpo.rollout.async_producer import AsyncRollouts
+from jgrpo.rollout.async_producer import AGREE_POLL_S, AsyncRollouts
 from jgrpo.rollout.collect import Scoring
 from jgrpo.rollout.remote import CODEC
 from jgrpo.rollout.run_parts import load_run_parts
@@ -35,6 +40,12 @@ from jgrpo.rollout.sampling_weights import SamplingWeights
 from jgrpo.rollout.sources import RolloutSource, sample_root
 
 log = logging.getLogger(__name__)
+
+EXIT_TRAINER_GONE = 4  # the trainer stayed away past rollout.wait_timeout_s
+
+
+class TrainerGone(ConnectionError):
+    """No trainer at rollout.endpoint for rollout.wait_timeout_s."""
 
 
 class RolloutJob:
@@ -56,11 +67,16 @@ class RolloutJob:
         self._drawn = 0  # batches the last connection's producer drew (the index after its last)
 
     def run(self) -> int:
+        """Sample until the trainer ends the run (0), or no trainer answers for rollout.wait_timeout_s (4)."""
         r = self.config.rollout
         while True:
-            channel = connect(r.endpoint, CODEC, wait_s=r.wait_timeout_s)
             try:
-                if self._serve(channel):
+                channel, start = self._connect()
+            except TrainerGone as e:
+                log.error("%s", e)
+                return EXIT_TRAINER_GONE
+            try:
+                if self._serve(channel, start):
                     return 0
             except ChannelClosed as e:
                 log.warning("the trainer at %s is gone (%s): reconnecting for up to %.0f s (rollout.wait_timeout_s)",
@@ -68,15 +84,64 @@ class RolloutJob:
             finally:
                 channel.close()
 
-    def _serve(self, channel) -> bool:
-        """One connection: True when the trainer ended the run, False (or ChannelClosed) when it went away."""
-        channel.send("hello", {"config": to_dict(self.config)})
-        kind, body = channel.recv(timeout=self.config.rollout.wait_timeout_s)
-        if kind == "refused":
-            raise ConfigError(f"the trainer at {self.config.rollout.endpoint} refused this rollout job: "
-                              f"{body['reason']}")
+    def _connect(self):
+        """(channel, the trainer's start message). Process 0 connects to rollout.endpoint and is welcomed with the
+        trainer processes' addresses; every other process then connects to its own peer (the trainer process of
+        its index). Process 0's outcome reaches the others by a broadcast every AGREE_POLL_S (no collective waits
+        long), so all go on, retry or stop together. The start comes once every trainer process has its peer."""
+        r, first = self.config.rollout, jax.process_index() == 0
+        attempt: dict = {}
+        if first:
+            threading.Thread(target=self._welcome, args=(r.endpoint, attempt), daemon=True).start()
+        while (outcome := broadcast_json(attempt.get("outcome"))) is None:
+            time.sleep(AGREE_POLL_S)
+        if "gone" in outcome:
+            raise TrainerGone(f"{outcome['gone']} (rollout.wait_timeout_s={r.wait_timeout_s:.0f}): the rollout job "
+                              "stops; start it again once the trainer runs")
+        if "refused" in outcome:
+            raise ConfigError(outcome["refused"])
+        if "again" in outcome:
+            time.sleep(1.0)
+            return self._connect()
+        if first:
+            channel = attempt["channel"]
+        else:
+            welcome: dict = {}
+            self._welcome(outcome["peers"][jax.process_index()], welcome)
+            if "peers" not in welcome["outcome"]:
+                raise ChannelClosed(f"trainer process {jax.process_index()}: {welcome['outcome']}")
+            channel = welcome["channel"]
+        kind, body = channel.recv(timeout=r.wait_timeout_s)
         if kind != "start":
             raise ChannelClosed(f"expected the trainer's start, got a {kind!r} message")
+        return channel, body
+
+    def _welcome(self, endpoint: str, attempt: dict) -> None:
+        """Connect to `endpoint` and say hello; attempt["outcome"] = {"peers"}, or why not ("gone": no trainer
+        for rollout.wait_timeout_s, "refused": another config, "again": closed on the way)."""
+        channel = None
+        try:
+            channel = connect(endpoint, CODEC, wait_s=self.config.rollout.wait_timeout_s)
+            channel.send("hello", {"config": to_dict(self.config), "process": jax.process_index(),
+                                   "processes": jax.process_count()})
+            kind, body = channel.recv(timeout=self.config.rollout.wait_timeout_s)
+            if kind == "refused":
+                attempt["outcome"] = {"refused": f"the trainer at {endpoint} refused this rollout job: "
+                                                 f"{body['reason']}"}
+            elif kind != "welcome":
+                raise ChannelClosed(f"expected the trainer's welcome, got a {kind!r} message")
+            else:
+                attempt["channel"], attempt["outcome"] = channel, {"peers": body["peers"]}
+                return
+        except NoPeer as e:
+            attempt["outcome"] = {"gone": str(e)}
+        except (ChannelClosed, TimeoutError) as e:  # accepted, then closed (a trainer on its way out): again
+            attempt["outcome"] = {"again": str(e)}
+        if channel is not None:
+            channel.close()
+
+    def _serve(self, channel, body: dict) -> bool:
+        """One connection: True when the trainer ended the run, False (or ChannelClosed) when it went away."""
         if body["data_state"] is not None:
             self.source.set_data_state(body["data_state"])
         # What was sampled at or after the start (queued here, or sent to a trainer that died before training
@@ -85,7 +150,8 @@ class RolloutJob:
         log.info("sampling for the trainer from batch %d", body["first_index"])
         producer = AsyncRollouts(self.source, max_staleness=self.config.rollout.max_staleness,
                                  first_index=body["first_index"], dropped=body["dropped"],
-                                 prompt_width=body["prompt_width"])
+                                 prompt_width=body["prompt_width"],
+                                 agree=broadcast_json if jax.process_count() > 1 else None)
         stop = threading.Event()
         forwarder = threading.Thread(target=self._forward, args=(producer, channel, stop), daemon=True,
                                      name="jgrpo-rollout-forwarder")
@@ -101,6 +167,7 @@ class RolloutJob:
                     del params
         finally:
             stop.set()
+            channel.close()  # first: a forwarder blocked in a send to a trainer that stopped reading returns
             producer.close()  # after the batch being sampled, if any
             forwarder.join()
             self._drawn = producer.drawn
@@ -122,6 +189,13 @@ class RolloutJob:
                 channel.send("record", {"index": item.index, "version": item.version, "data_state": item.data_state,
                                         "queued": queued, "idle": idle, "rollout": rollout})
             except ChannelClosed:  # this batch never reached the trainer: the next start says where to go on
+                return
+            except Exception as e:  # noqa: BLE001 - the trainer must hear of it, not wait for a batch forever
+                log.exception("could not send a batch to the trainer")
+                try:
+                    channel.send("error", {"type": type(e).__name__, "message": f"sending a batch failed: {e}"})
+                except ChannelClosed:
+                    pass
                 return
 
     def close(self) -> None:

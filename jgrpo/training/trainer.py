@@ -33,7 +33,7 @@ from jgrpo.rollout.collect import Scoring
 from jgrpo.rollout.collector import Collected, Collector
 from jgrpo.rollout.episodes import EpisodeRunner
 from jgrpo.rollout.evaluator import Evaluator
-from jgrpo.rollout.remote import RolloutJobLost, check_processes
+from jgrpo.rollout.remote import RolloutJobLost
 from jgrpo.rollout.run_parts import load_run_parts
 from jgrpo.rollout.sampling_weights import Refresh, SamplingWeights
 from jgrpo.rollout.sources import DataExhausted, RolloutSource, sample_root
@@ -65,7 +65,6 @@ class Trainer:
             raise ConfigError(f"rollout.mode=async in one job needs one process (this run has "
                               f"{jax.process_count()}): the producer thread's programs would reach the processes in "
                               "different orders. Run two jobs instead (rollout.role: trainer and rollout)")
-        check_processes(config)
         params = self._load()
         g = config.grpo
         self.total_iterations = min(config.run.iterations, len(self.data))
@@ -150,7 +149,7 @@ class Trainer:
     def run(self) -> str:
         """Train until run.iterations (or the data ends); returns "done" or "preempted"."""
         self.maybe_resume()
-        status = "done"
+        status, run_over = "done", False
         self.preemption.install()
         logger = MetricsLogger(self.run_dir, self.config.logging, self.total_iterations,
                                start_iteration=self.state.iteration, run_config=to_dict(self.config))
@@ -176,9 +175,10 @@ class Trainer:
                     raise
                 logger.log(self.state.iteration, record)
             self._save(force=True)
+            run_over = status == "done"
         finally:
             self.preemption.uninstall()
-            summary = self.collector.stop()
+            summary = self.collector.stop(run_over)  # (two jobs: the rollout job waits for a resume unless over)
             if summary:
                 logger.write(summary)
             self.checkpointer.close()

@@ -2,6 +2,7 @@
 
 import dataclasses
 import socket
+import struct
 import threading
 import time
 import tracemalloc
@@ -73,6 +74,23 @@ def test_an_unregistered_type_is_refused_at_both_ends():
         server.recv(timeout=10)
 
 
+@pytest.mark.parametrize("raw, why", [
+    (b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", "a frame of"),  # a probe that is not a jgrpo job
+    (struct.pack(">QI", 4 + 27 + 3, 27) + b'{"kind": "x", "body": null}' + b"abc", "3 bytes after the last array"),
+    (struct.pack(">QI", 4 + 70, 70) + b'{"kind": "x", "body": {"__array__": 0, "dtype": "nope", "shape": [1]}}',
+     "AttributeError"),
+])
+def test_a_malformed_frame_closes_the_channel_saying_why(raw, why):
+    listener = Listener("127.0.0.1:0", Codec())
+    peer = socket.create_connection(("127.0.0.1", listener.port))
+    channel = listener.accept(10)
+    peer.sendall(raw)
+    with pytest.raises(ChannelClosed, match=f"sent a malformed message .*{why}"):
+        channel.recv(timeout=10)
+    peer.close()
+    listener.close()
+
+
 def test_heartbeats_keep_a_quiet_peer_alive_and_silence_closes(monkeypatch):
     monkeypatch.setattr(channel_module, "HEARTBEAT_S", 0.1)
     monkeypatch.setattr(channel_module, "SILENCE_S", 1.0)
@@ -100,14 +118,22 @@ def test_connect_waits_for_the_listener_then_gives_up():
         connect(f"127.0.0.1:{free}", Codec(), wait_s=1, retry_s=0.2)
 
 
-def test_bucket_plan_splits_leaves_larger_than_a_bucket():
-    leaves = [np.zeros((3, 5), np.float32), np.zeros(0, np.int8), np.zeros(7, np.int8), np.zeros(2, np.float32)]
+def test_bucket_plan_cuts_leaves_into_rows():
+    leaves = [np.zeros((15, 1), np.float32), np.zeros((0, 3), np.int8), np.zeros(7, np.int8),
+              np.zeros((), np.float32), np.zeros((2, 20), np.float32)]
     plan = bucket_plan(leaves, 16)  # 4 float32 per bucket
     flat = [p for bucket in plan for p in bucket]
     assert flat[:4] == [(0, 0, 4), (0, 4, 8), (0, 8, 12), (0, 12, 15)]
-    assert all(sum((p.stop - p.start) * leaves[p.leaf].itemsize for p in b) <= 16 for b in plan)
-    covered = {i: sum(p.stop - p.start for p in flat if p.leaf == i) for i in range(4)}
-    assert covered == {0: 15, 1: 0, 2: 7, 3: 2}
+    # Every bucket within 16 bytes, except those holding one row larger than a bucket (80 bytes).
+    row_bytes = [4, 3, 1, 4, 80]
+    assert all(sum((p.stop - p.start) * row_bytes[p.leaf] for p in b) <= 16 for b in plan if b[0].leaf != 4)
+    assert [p for p in flat if p.leaf == 4] == [(4, 0, 1), (4, 1, 2)]
+    covered = {i: sum(p.stop - p.start for p in flat if p.leaf == i) for i in range(5)}
+    assert covered == {0: 15, 1: 0, 2: 7, 3: 1, 4: 2}
+
+
+def _bits(x) -> np.ndarray:
+    return np.asarray(x).reshape(-1).view(np.uint8)
 
 
 @pytest.mark.parametrize("bucket_bytes", [1 << 20, 1000])
@@ -117,8 +143,9 @@ def test_weights_arrive_bit_for_bit_in_the_receivers_sharding(bucket_bytes):
     whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     key = jax.random.key(0)
     params = {"w": jax.random.normal(key, (64, 48), jnp.bfloat16), "q": {"values": jnp.arange(256, dtype=jnp.int8)
-              .reshape(16, 16), "scale": jnp.linspace(0, 1, 16, dtype=jnp.float32)}, "b": jnp.zeros((8,), jnp.float32)}
-    shardings = {"w": sharded, "q": {"values": sharded, "scale": whole}, "b": whole}
+              .reshape(16, 16), "scale": jnp.linspace(0, 1, 16, dtype=jnp.float32)}, "b": jnp.zeros((8,), jnp.float32),
+              "t": jnp.float32(2.5)}
+    shardings = {"w": sharded, "q": {"values": sharded, "scale": whole}, "b": whole, "t": whole}
     server, client = _pair()
     sent = send_weights(client, params, version=3, bucket_bytes=bucket_bytes, extra={"dropped": 1})
     kind, header = server.recv(timeout=10)
@@ -128,11 +155,11 @@ def test_weights_arrive_bit_for_bit_in_the_receivers_sharding(bucket_bytes):
         y = got
         for k in path:
             y = y[k.key]
-        assert y.dtype == x.dtype and y.sharding == (sharded if y.ndim == 2 else whole)
-        np.testing.assert_array_equal(np.asarray(y).view(np.uint8), np.asarray(x).view(np.uint8))
+        assert y.shape == x.shape and y.dtype == x.dtype and y.sharding == (sharded if y.ndim == 2 else whole)
+        np.testing.assert_array_equal(_bits(y), _bits(x))
     assert sent["peak_bucket_bytes"] <= bucket_bytes
-    total = sum(x.nbytes for x in jax.tree.leaves(params))  # 6,496 bytes: buckets filled to the byte
-    assert sent["buckets"] == -(-total // bucket_bytes)
+    # 6,500 bytes: whole rows per bucket (w's rows are 96 bytes: 10 of them in 1000 bytes)
+    assert sent["buckets"] == (1 if bucket_bytes > 8000 else len(bucket_plan(jax.tree.leaves(params), 1000)))
 
 
 def test_weights_for_other_params_are_refused_naming_the_leaf():

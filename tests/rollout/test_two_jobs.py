@@ -4,12 +4,14 @@ same sizes (2 + 2 devices), run alongside.
 
 At max_staleness 0 the rollout job samples batch j only with the weights of version j (the trainer's publish
 after iteration j), with the key fold_in(sample_root, j): so the two-job run's tokens are the one-job run's, and
-its params end within rounding of them, also with the rollout job killed (-9) in the middle and restarted.
+its params end within rounding of them, also with the rollout job killed (-9) in the middle and restarted,
+and the trainer preempted (SIGTERM) and started again.
 """
 
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -84,10 +86,14 @@ def test_a_trainer_without_its_rollout_job_saves_and_stops_naming_the_endpoint(t
     assert (tmp_path / "checkpoints" / "0").is_dir()  # saved before it stopped
 
 
-def _job(run_dir, role, *overrides, devices=2):
+def _job(run_dir, role, *overrides, devices=2, process=None):
+    """`python -m jgrpo.train` as one process of a job; `process` = (coordinator, count, index) of its world."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("JGRPO_")}
     env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
                PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
+    if process is not None:
+        coordinator, count, index = process
+        env.update(JGRPO_COORDINATOR=coordinator, JGRPO_NUM_PROCESSES=str(count), JGRPO_PROCESS_ID=str(index))
     cmd = [sys.executable, "-m", "jgrpo.train", "configs/tiny.yaml", f"run.output_dir={run_dir}", "run.iterations=5",
            *ASYNC, f"rollout.role={role}", *overrides]
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -124,13 +130,20 @@ def test_two_jobs_match_one_job_and_survive_a_killed_rollout_job(tmp_path):
     rollout.kill()  # -9: no goodbye, the socket just closes
     rollout.communicate()
     restarted = _job(two, "rollout", endpoint)
-    _finish([restarted, reference], timeout=600)
+    _wait_for_record(two, 3, [trainer, restarted])
+    # A preempted trainer saves and exits 0; the rollout job waits for it (it is not the run's end) and the
+    # trainer started again resumes from its checkpoint.
+    trainer.send_signal(signal.SIGTERM)
     log, _ = trainer.communicate(timeout=600)
-    assert trainer.returncode == 0, log[-4000:]
+    assert trainer.returncode == 0 and "preemption requested" in log, log[-4000:]
     # The trainer saw the job go, and told the new one to start at the first batch it had not received.
     assert "lost the rollout job" in log, log[-4000:]
     starts = re.findall(r"the rollout job at \S+ starts at batch (\d+)", log)
     assert len(starts) == 2 and starts[0] == "0" and int(starts[1]) >= 2, starts
+    time.sleep(2)
+    assert restarted.poll() is None, "the rollout job ended with the preempted trainer"
+    resumed = _job(two, "trainer", endpoint)
+    _finish([resumed, restarted, reference], timeout=600)
 
     # Each prompt trained once, in the one-job run's order, and the same tokens: the same params up to rounding.
     assert _prompts_by_iteration(two) == _prompts_by_iteration(one)
@@ -190,3 +203,30 @@ def test_a_killed_trainer_resumes_and_the_rollout_job_discards_what_it_sampled_a
     assert records[-1]["rollout/discarded_on_resume"] >= 1
     assert _prompts_by_iteration(two) == _prompts_by_iteration(one)
     assert len({p for it in _prompts_by_iteration(two) for p in it}) == 6 * 4
+
+
+@pytest.mark.pod
+@pytest.mark.slow
+def test_two_processes_per_job_sample_and_train_as_one_process_per_job(tmp_path):
+    one, two = tmp_path / "one_each", tmp_path / "two_each"
+    # As tests/parallel/test_multihost.py: a small learning rate and a larger Adam eps, so that a gradient entry
+    # that is ~0 up to the collectives' rounding does not become a step of +-lr with either sign.
+    first = ["run.iterations=3", "checkpoint.every=1", "checkpoint.keep=3", "optim.learning_rate=1e-4",
+             "optim.eps=1e-5"]
+    e1, e2 = (f"rollout.endpoint=127.0.0.1:{_free_port()}" for _ in range(2))
+    reference = [_job(one, role, e1, *first, devices=1) for role in ("trainer", "rollout")]
+    worlds = {role: f"127.0.0.1:{_free_port()}" for role in ("trainer", "rollout")}
+    jobs = [_job(two, role, e2, *first, devices=1, process=(worlds[role], 2, i))
+            for role in ("trainer", "rollout") for i in range(2)]
+    _finish([*jobs, *reference], timeout=900)
+    # Process 0 logs its own prompts (the first half of each batch): the same prompts, in the same iterations.
+    for mine, theirs in zip(_prompts_by_iteration(two), _prompts_by_iteration(one), strict=True):
+        assert len(mine) == 2 and set(mine) <= set(theirs)
+    # After the first iteration the same params up to the collectives' rounding (later ones sample from params
+    # that differ by rounding, and a draw near a boundary may then differ).
+    for g, w in zip(jax.tree.leaves(_params(two, 1)), jax.tree.leaves(_params(one, 1)), strict=True):
+        np.testing.assert_allclose(g, w, rtol=0, atol=1e-6)
+    assert [r["iteration"] for r in read_metrics(two)] == [1, 2, 3]
+    moved = max(float(np.abs(a - b).max()) for a, b in zip(jax.tree.leaves(_params(two, 3)),
+                                                          jax.tree.leaves(_params(two, 1)), strict=True))
+    assert moved > 1e-5, "the params did not change: the comparison would prove nothing"
