@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "tpu_scripts"
-NAMES = ["create", "setup", "launch", "logs", "copy", "stop", "delete"]
+NAMES = ["create", "setup", "launch", "launch_two_jobs", "logs", "copy", "stop", "delete"]
 
 
 def dry(script, *args):
@@ -43,6 +43,21 @@ def test_v5e_8_single_host_lifecycle():
     assert dry("delete", *flags) == [f"gcloud compute tpus tpu-vm delete rl {scope} --quiet"]
 
 
+def test_two_jobs_on_two_slices():
+    describe, trainer, rollout = dry("launch_two_jobs", "--trainer", "tr", "--rollout", "ro", "--zone", "z",
+                                     "configs/x.yaml", "run.output_dir=gs://b/r")
+    assert describe == "gcloud compute tpus tpu-vm describe tr --zone=z --format=value\\(networkEndpoints\\[0\\]" \
+                       ".ipAddress\\)"
+    for line, slice_name, role, log in ((trainer, "tr", "trainer", "jgrpo-train"), (rollout, "ro", "rollout",
+                                                                                    "jgrpo-rollout")):
+        assert line.startswith(f"gcloud compute tpus tpu-vm ssh {slice_name} --zone=z --worker=all --command=")
+        assert (f"jgrpo.train\\ configs/x.yaml\\ run.output_dir=gs://b/r\\ rollout.role={role}\\ "
+                "rollout.endpoint=TRAINER_WORKER0_IP:8477\\ \\>\\ ~/" + log) in line
+    out = subprocess.run(["bash", str(SCRIPTS / "launch_two_jobs.sh"), "--dry-run", "configs/x.yaml"],
+                         capture_output=True, text=True)
+    assert out.returncode == 2 and "--trainer NAME and --rollout NAME are required" in out.stderr
+
+
 def test_v5p_32_pod_queued_spot():
     flags = ["--name", "pod", "--zone", "us-east5-a", "--accelerator", "v5p-32"]
     assert dry("create", "--queued", "--spot", *flags) == [
@@ -62,7 +77,7 @@ def test_help_and_bad_input(name):
     bad = subprocess.run(
         ["bash", str(SCRIPTS / f"{name}.sh"), "--dry-run", "--bogus", "x"], capture_output=True, text=True
     )
-    if name not in ("launch", "copy"):  # those two take free positional arguments
+    if name not in ("launch", "launch_two_jobs", "copy"):  # those take free positional arguments
         assert bad.returncode != 0 and "error:" in bad.stderr
 
 
