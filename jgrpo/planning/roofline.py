@@ -23,14 +23,16 @@ class Chip:
     bf16_tflops: float  # peak dense bf16 TFLOP/s per chip
     hbm_gbps: float  # HBM bandwidth per chip, GB/s
     ici_gbps: float  # interchip interconnect bandwidth per chip, GB/s
+    # Data-center network (between slices: two jobs' weights and records) per chip, GB/s; None: not published.
+    dcn_gbps: float | None = None
 
 
 # Published per-chip figures (Google Cloud TPU documentation, "TPU versions": the v4, v5e, v5p and v6e pages;
-# ICI 2400, 1600, 4800 and 3584 Gbps).
+# ICI 2400, 1600, 4800 and 3584 Gbps; DCN: v5p 50 Gbps per chip, v5e 2 x 100 Gbps per 8-chip host).
 CHIPS = {
     "v4": Chip(hbm_gib=32, bf16_tflops=275, hbm_gbps=1228, ici_gbps=300),
-    "v5e": Chip(hbm_gib=16, bf16_tflops=197, hbm_gbps=819, ici_gbps=200),
-    "v5p": Chip(hbm_gib=95, bf16_tflops=459, hbm_gbps=2765, ici_gbps=600),
+    "v5e": Chip(hbm_gib=16, bf16_tflops=197, hbm_gbps=819, ici_gbps=200, dcn_gbps=200 / 8 / 8),
+    "v5p": Chip(hbm_gib=95, bf16_tflops=459, hbm_gbps=2765, ici_gbps=600, dcn_gbps=50 / 8),
     "v6e": Chip(hbm_gib=32, bf16_tflops=918, hbm_gbps=1640, ici_gbps=448),
 }
 

@@ -1,0 +1,85 @@
+"""Two jobs at pod scale, predicted: a trainer slice and a rollout slice, from `jgrpo.plan`'s roofline.
+
+For a config and pairs of slices (trainer, rollout), the planner compiles the run's programs for each slice
+deviceless (XLA's TPU compiler, no TPU); the trainer slice's training programs (log-prob passes, update) and
+the rollout slice's sampling give each side's roofline seconds per iteration, T_t and T_s. The weights cross
+the data-center network once per publish: every rollout host receives the whole sampling copy (parameters x
+`sampler.weights_dtype`'s bytes) at its host's DCN bandwidth (chips per host x `roofline.CHIPS[...].dcn_gbps`),
+T_w. Then, per iteration:
+
+    two jobs on-policy (rollout.max_staleness 0):  T_s + T_w + T_t      (sampling waits for each update)
+    two jobs async (max_staleness >= 1):            max(T_s, T_t + T_w) (the trainer sends while it waits)
+
+and, for reference, one job on the trainer slice alone (T_s + T_t there, sync). Roofline: a lower bound for
+each program, so the ratios are the figures to plan with, not the seconds.
+
+    python benchmarks/pod_plan.py configs/paper_deepscaler_r1distill15b_on_policy.yaml \
+        --pairs v5p:4x4x4,v5p:2x2x4 v5p:2x4x4,v5p:2x4x4
+
+Prints a table, then one JSON line. Each compile takes minutes on a 2-core machine for a 1.5B model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent.parent))  # this checkout's jgrpo, installed or not (children too)
+
+from jgrpo.config.loading import load_config  # noqa: E402
+from jgrpo.planning.roofline import CHIPS  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+BYTES = {"float32": 4, "bfloat16": 2, "int8": 1}
+
+
+def plan(config: str, topology: str, overrides: list[str]) -> dict:
+    out = subprocess.run([sys.executable, "-m", "jgrpo.plan", config, *overrides, "--topology", topology],
+                         capture_output=True, text=True, cwd=ROOT)
+    if out.returncode:
+        raise SystemExit(f"jgrpo.plan {topology} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])["plans"][0]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("config")
+    p.add_argument("overrides", nargs="*")
+    p.add_argument("--pairs", nargs="+", required=True, help="TRAINER_TOPOLOGY,ROLLOUT_TOPOLOGY ...")
+    args = p.parse_args()
+    config = load_config(ROOT / args.config if not Path(args.config).is_absolute() else args.config, args.overrides)
+    plans: dict[str, dict] = {}
+    for pair in args.pairs:
+        for topology in pair.split(","):
+            if topology not in plans:
+                plans[topology] = plan(args.config, topology, args.overrides)
+                print(f"planned {topology}: {plans[topology]['compile_s']:.0f} s to compile", file=sys.stderr)
+    rows = []
+    for pair in args.pairs:
+        trainer, rollout = (plans[t] for t in pair.split(","))
+        chip = CHIPS[rollout["topology"].split(":")[0]]
+        weights = trainer["parameters"] * BYTES[config.sampler.weights_dtype]
+        host_dcn = chip.dcn_gbps * 1e9 * rollout["chips"] / rollout["hosts"]
+        t_s, t_t, t_w = rollout["roofline"]["sample_s"], trainer["roofline"]["train_s"], weights / host_dcn
+        one_job = trainer["roofline"]["sample_s"] + t_t
+        rows.append({"trainer": trainer["topology"], "rollout": rollout["topology"], "fits": [trainer["fits"],
+                     rollout["fits"]], "sample_s": t_s, "train_s": t_t, "weight_sync_s": t_w,
+                     "weights_gb": weights / 1e9, "on_policy_s": t_s + t_w + t_t, "async_s": max(t_s, t_t + t_w),
+                     "one_job_trainer_slice_s": one_job})
+    print("| trainer slice | rollout slice | fits | T_s sampling | T_t training | T_w weights over DCN | two jobs "
+          "on-policy | two jobs async | async gain | one job on the trainer slice |")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        fits = "yes" if all(r["fits"]) else "no"
+        print(f"| {r['trainer']} | {r['rollout']} | {fits} | {r['sample_s']:.2f} s | {r['train_s']:.2f} s "
+              f"| {r['weight_sync_s']:.3f} s ({r['weights_gb']:.2f} GB) | {r['on_policy_s']:.2f} s "
+              f"| {r['async_s']:.2f} s | {r['on_policy_s'] / r['async_s']:.2f}x "
+              f"| {r['one_job_trainer_slice_s']:.2f} s |")
+    print(json.dumps({"config": args.config, "rows": rows}))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
