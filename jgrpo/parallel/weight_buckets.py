@@ -71,7 +71,7 @@ def leaf_specs(tree) -> list[dict]:
 def _piece(x, start, size: int):
     """Rows [start, start + size) of the leaf: always a new array, taken on the device (one program per size)."""
     if x.ndim == 0:
-        return jnp.copy(x)
+        return x.reshape(1)  # a scalar is one row (and a new array, as every piece)
     return jax.lax.dynamic_slice_in_dim(x, start, size, axis=0)
 
 

@@ -115,6 +115,9 @@ class RemoteRollouts(Intake):
                 log.warning("a connection from %s said no hello (%s): closed", channel.peer, e)
                 channel.close()
                 continue
+            if self._stopping.is_set():  # accepted in this trainer's last second: the job must find the next one
+                channel.close("the trainer is stopping")
+                continue
             reason = None
             if differ:
                 reason = (f"the rollout job's config differs from the trainer's in {', '.join(differ)} (all keys but "
@@ -191,12 +194,14 @@ class RemoteRollouts(Intake):
     def publish(self, params, version: int) -> None:
         """Newer weights for the rollout job: sent now if it is connected, else when it connects."""
         self._latest = (params, version)
-        if self._channel is None and jax.process_count() == 1:
+        # A connection not yet started gets these weights right after its start message, not before it.
+        channel = None if self._unstarted else self._channel
+        if channel is None and jax.process_count() == 1:
             return  # (with several processes every one takes part in the send's gathers, connected or not)
         try:
-            self._send_weights(self._channel, params, version)
+            self._send_weights(channel, params, version)
         except ChannelClosed as e:
-            if self._channel is not None:  # (None: not connected yet, nothing to say)
+            if channel is not None:  # (None: not connected or started yet, nothing to say)
                 log.warning("two jobs: the rollout job is gone (%s); the weights go out when it reconnects", e)
 
     def _send_weights(self, channel: Channel | None, params, version: int) -> None:

@@ -75,6 +75,10 @@ class RolloutJob:
             except TrainerGone as e:
                 log.error("%s", e)
                 return EXIT_TRAINER_GONE
+            except (ChannelClosed, TimeoutError) as e:  # welcomed, then no start (e.g. a trainer on its way out)
+                log.warning("the trainer at %s did not start this job (%s): connecting again", r.endpoint, e)
+                time.sleep(1.0)
+                continue
             try:
                 if self._serve(channel, start):
                     return 0
