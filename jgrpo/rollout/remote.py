@@ -18,6 +18,7 @@ sampled ahead and starts where the checkpoint's batch count says (jgrpo.rollout.
 
 from __future__ import annotations
 
+import json
 import logging
 import socket
 import threading
@@ -50,24 +51,16 @@ class RolloutJobLost(RuntimeError):
 
 def config_differences(ours: dict, theirs: dict) -> list[str]:
     """The dotted keys (all but rollout.role) in which two resolved configs differ."""
+    ours, theirs = json.loads(json.dumps(ours)), json.loads(json.dumps(theirs))  # tuples as lists, as sent
     differ = []
     for section in sorted(set(ours) | set(theirs)):
         a, b = ours.get(section), theirs.get(section)
         if isinstance(a, dict) and isinstance(b, dict):
             differ += [f"{section}.{key}" for key in sorted(set(a) | set(b))
-                       if (section, key) != ("rollout", "role") and _plain(a.get(key)) != _plain(b.get(key))]
-        elif _plain(a) != _plain(b):
+                       if (section, key) != ("rollout", "role") and a.get(key) != b.get(key)]
+        elif a != b:
             differ.append(section)
     return differ
-
-
-def _plain(value):
-    """Tuples and lists alike (a config that went over JSON has lists)."""
-    if isinstance(value, tuple | list):
-        return [_plain(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    return value
 
 
 class RemoteRollouts(Intake):

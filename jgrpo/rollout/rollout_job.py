@@ -104,9 +104,8 @@ class RolloutJob:
                               "stops; start it again once the trainer runs")
         if "refused" in outcome:
             raise ConfigError(outcome["refused"])
-        if "again" in outcome:
-            time.sleep(1.0)
-            return self._connect()
+        if "again" in outcome:  # `run` connects again
+            raise ChannelClosed(outcome["again"])
         if first:
             channel = attempt["channel"]
         else:

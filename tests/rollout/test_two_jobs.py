@@ -12,7 +12,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,16 +27,10 @@ from jgrpo.rollout.remote import CODEC, RemoteRollouts, RolloutJobLost, config_d
 from jgrpo.training.metrics_log import read_jsonl, read_metrics
 from jgrpo.training.trainer import Trainer
 from tests.helpers import ROOT, tiny_config
-from tests.parallel.test_multihost import _finish, _params
+from tests.parallel.test_multihost import _finish, _free_port, _params
 
 ASYNC = ["reward.functions=[tests.helpers:space_fraction]", "rollout.mode=async", "rollout.max_staleness=0",
          "grpo.beta=0.04", "optim.learning_rate=1e-2", "checkpoint.every=5", "logging.samples_every=1"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -167,6 +160,16 @@ def test_two_jobs_match_one_job_and_survive_a_killed_rollout_job(tmp_path):
 # ---------------------------------------------------------------- pod: `python -m pytest tests -m pod` (not in CI)
 
 
+def _trained_each_prompt_once_within_the_bound(two, one) -> list[dict]:
+    """Six iterations at staleness <= 1, each of 24 prompts trained once, in the one-job run's order; the records."""
+    records = read_metrics(two)
+    assert [r["iteration"] for r in records] == [1, 2, 3, 4, 5, 6]
+    assert all(r["rollout/staleness"] <= 1 for r in records)
+    assert _prompts_by_iteration(two) == _prompts_by_iteration(one)
+    assert len({p for it in _prompts_by_iteration(two) for p in it}) == 6 * 4
+    return records
+
+
 @pytest.mark.pod
 @pytest.mark.slow
 def test_two_jobs_at_staleness_1_keep_the_bound_and_train_each_prompt_once(tmp_path):
@@ -176,11 +179,8 @@ def test_two_jobs_at_staleness_1_keep_the_bound_and_train_each_prompt_once(tmp_p
     reference = _job(one, "both", "mesh.rollout_devices=2", *stale, devices=4)
     jobs = [_job(two, "trainer", endpoint, *stale), _job(two, "rollout", endpoint, *stale)]
     _finish([*jobs, reference], timeout=600)
-    records = read_metrics(two)
-    assert [r["iteration"] for r in records] == [1, 2, 3, 4, 5, 6]
-    assert all(r["rollout/staleness"] <= 1 for r in records) and records[-1]["rollout/dropped"] == 0
-    assert _prompts_by_iteration(two) == _prompts_by_iteration(one)
-    assert len({p for it in _prompts_by_iteration(two) for p in it}) == 6 * 4
+    records = _trained_each_prompt_once_within_the_bound(two, one)
+    assert records[-1]["rollout/dropped"] == 0
 
 
 @pytest.mark.pod
@@ -196,13 +196,9 @@ def test_a_killed_trainer_resumes_and_the_rollout_job_discards_what_it_sampled_a
     trainer.communicate()
     restarted = _job(two, "trainer", endpoint, *stale)
     _finish([restarted, rollout, reference], timeout=600)
-    records = read_metrics(two)
-    assert [r["iteration"] for r in records] == [1, 2, 3, 4, 5, 6]
-    assert all(r["rollout/staleness"] <= 1 for r in records)
+    records = _trained_each_prompt_once_within_the_bound(two, one)
     # Sampled ahead for the first trainer (up to the staleness bound), then discarded: its weights are gone.
     assert records[-1]["rollout/discarded_on_resume"] >= 1
-    assert _prompts_by_iteration(two) == _prompts_by_iteration(one)
-    assert len({p for it in _prompts_by_iteration(two) for p in it}) == 6 * 4
 
 
 @pytest.mark.pod
