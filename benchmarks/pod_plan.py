@@ -14,7 +14,12 @@ and, for reference, one job on the trainer slice alone (T_s + T_t there, sync). 
 each program, so the ratios are the figures to plan with, not the seconds.
 
     python benchmarks/pod_plan.py configs/paper_deepscaler_r1distill15b_on_policy.yaml \
-        --pairs v5p:4x4x4,v5p:2x2x4 v5p:2x4x4,v5p:2x4x4
+        --pairs v5p:4x4x4,v5p:2x2x4 v5p:2x4x4,v5p:2x4x4 \
+        --trainer-overrides v5p:4x4x4=mesh.data=4,grpo.micro_batches=4
+
+`--trainer-overrides TOPOLOGY=k=v,k=v` plans that topology's trainer side with more overrides (its rollout side
+keeps the config's; the one-job column is the trainer side's plan): rows per micro-batch that split over a
+larger slice's chips.
 
 Prints a table, then one JSON line. Each compile takes minutes on a 2-core machine for a 1.5B model.
 """
@@ -49,32 +54,42 @@ def main() -> None:
     p.add_argument("config")
     p.add_argument("overrides", nargs="*")
     p.add_argument("--pairs", nargs="+", required=True, help="TRAINER_TOPOLOGY,ROLLOUT_TOPOLOGY ...")
+    p.add_argument("--trainer-overrides", nargs="*", default=[], metavar="TOPOLOGY=K=V,K=V",
+                   help="more overrides for a topology's trainer side, e.g. v5p:4x4x4=mesh.data=4,grpo.micro_batches=4")
     args = p.parse_args()
     config = load_config(ROOT / args.config if not Path(args.config).is_absolute() else args.config, args.overrides)
-    plans: dict[str, dict] = {}
-    for pair in args.pairs:
-        for topology in pair.split(","):
-            if topology not in plans:
-                plans[topology] = plan(args.config, topology, args.overrides)
-                print(f"planned {topology}: {plans[topology]['compile_s']:.0f} s to compile", file=sys.stderr)
+    extra = {t: o.split(",") for t, o in (item.split("=", 1) for item in args.trainer_overrides)}
+    plans: dict[tuple[str, tuple[str, ...]], dict] = {}
+
+    def planned(topology: str, more: list[str]) -> dict:
+        key = (topology, tuple(more))
+        if key not in plans:
+            plans[key] = plan(args.config, topology, args.overrides + more)
+            print(f"planned {topology} {' '.join(more)}: {plans[key]['compile_s']:.0f} s to compile", file=sys.stderr)
+        return plans[key]
+
     rows = []
     for pair in args.pairs:
-        trainer, rollout = (plans[t] for t in pair.split(","))
+        trainer_topology, rollout_topology = pair.split(",")
+        trainer, rollout = planned(trainer_topology, extra.get(trainer_topology, [])), planned(rollout_topology, [])
         chip = CHIPS[rollout["topology"].split(":")[0]]
         weights = trainer["parameters"] * BYTES[config.sampler.weights_dtype]
         host_dcn = chip.dcn_gbps * 1e9 * rollout["chips"] / rollout["hosts"]
         t_s, t_t, t_w = rollout["roofline"]["sample_s"], trainer["roofline"]["train_s"], weights / host_dcn
         one_job = trainer["roofline"]["sample_s"] + t_t
-        rows.append({"trainer": trainer["topology"], "rollout": rollout["topology"], "fits": [trainer["fits"],
-                     rollout["fits"]], "sample_s": t_s, "train_s": t_t, "weight_sync_s": t_w,
+        rows.append({"trainer": trainer["topology"], "trainer_overrides": extra.get(trainer_topology, []),
+                     "rollout": rollout["topology"], "fits": [trainer["fits"], rollout["fits"]], "sample_s": t_s,
+                     "train_s": t_t, "update_mfu": trainer["roofline"]["update_mfu"], "weight_sync_s": t_w,
                      "weights_gb": weights / 1e9, "on_policy_s": t_s + t_w + t_t, "async_s": max(t_s, t_t + t_w),
                      "one_job_trainer_slice_s": one_job})
-    print("| trainer slice | rollout slice | fits | T_s sampling | T_t training | T_w weights over DCN | two jobs "
-          "on-policy | two jobs async | async gain | one job on the trainer slice |")
+    print("| trainer slice | rollout slice | fits | T_s sampling | T_t training (update MFU at best) | T_w weights "
+          "over DCN | two jobs on-policy | two jobs async | async gain | one job on the trainer slice |")
     print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         fits = "yes" if all(r["fits"]) else "no"
-        print(f"| {r['trainer']} | {r['rollout']} | {fits} | {r['sample_s']:.2f} s | {r['train_s']:.2f} s "
+        trainer = " ".join([r["trainer"], *r["trainer_overrides"]])
+        print(f"| {trainer} | {r['rollout']} | {fits} | {r['sample_s']:.2f} s | {r['train_s']:.2f} s "
+              f"({r['update_mfu']:.0%}) "
               f"| {r['weight_sync_s']:.3f} s ({r['weights_gb']:.2f} GB) | {r['on_policy_s']:.2f} s "
               f"| {r['async_s']:.2f} s | {r['on_policy_s'] / r['async_s']:.2f}x "
               f"| {r['one_job_trainer_slice_s']:.2f} s |")

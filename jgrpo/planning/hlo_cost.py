@@ -17,7 +17,9 @@ output once; an in-place dynamic-update-slice (a KV-cache write) moves the updat
 A Pallas kernel (a `tpu_custom_call`: megablox's grouped matmul, splash attention) is opaque to the HLO: its
 FLOPs and bytes are the `cost_estimate` its author attached (serialised in the call's backend config), else no
 FLOPs and its operands and output once. Without that, a mixture of experts on megablox showed none of its
-experts' matmuls (0.002 of 0.232 routed TFLOP per chip in a 128-expert layer's forward and backward).
+experts' matmuls (0.002 of 0.232 routed TFLOP per chip in a 128-expert layer's forward and backward). Splash
+attention's kernels attach none (jax 0.10.2): `splash_flops` counts the blocks they compute (a fifth of a
+4096-token update's FLOPs were missing, and "MFU" passed 100%).
 """
 
 from __future__ import annotations
@@ -39,6 +41,13 @@ FREE_OPCODES = {"parameter", "get-tuple-element", "tuple", "constant", "bitcast"
 # Ops that read only what they output of their first operand.
 SLICING_OPCODES = ("dynamic-slice", "slice", "gather")
 _KERNEL_ESTIMATE = re.compile(r'cost_estimate\\?"\s*:\s*\{([^}]*)\}')
+# Splash attention's three kernels (forward, dq, dk/dv) and the FLOPs per computed (query, key) pair per head
+# dimension: the forward's q.k and p.v; dq recomputes q.k, then dO.v and dS.k; dk/dv recomputes q.k, then
+# dO.v, p.dO and dS.q (2 FLOPs per multiply-add).
+_SPLASH = re.compile(r"splash_mq?a_(fwd|dq|dkv)")
+_SPLASH_FLOPS_PER_PAIR = {"fwd": 4, "dq": 6, "dkv": 8}
+_SPLASH_BLOCKS = {"fwd": ("block_q", "block_kv"), "dq": ("block_q_dq", "block_kv_dq"),
+                  "dkv": ("block_q_dkv", "block_kv_dkv")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,6 +208,32 @@ def kernel_estimate(ins: Instruction, key: str) -> float | None:
     estimate = _KERNEL_ESTIMATE.search(ins.attributes)
     value = estimate and re.search(rf'{key}\\?"\s*:\s*\\?"?(\d+)', estimate.group(1))
     return float(value.group(1)) if value else None
+
+
+def causal_block_pairs(q_len: int, kv_len: int, block_q: int, block_kv: int) -> int:
+    """(query, key) pairs a block-sparse kernel computes for a causal mask whose queries are the last `q_len` of
+    `kv_len` keys: every element of each block holding at least one allowed pair (the masked-out part of a
+    diagonal block is computed too)."""
+    offset = kv_len - q_len
+    kv_blocks = -(-kv_len // block_kv)
+    blocks = sum(min(kv_blocks, (offset + min((i + 1) * block_q, q_len) - 1) // block_kv + 1)
+                 for i in range(-(-q_len // block_q)))
+    return blocks * block_q * block_kv
+
+
+def splash_flops(ins: Instruction, types: dict[str, str]) -> float | None:
+    """FLOPs of a splash-attention kernel call (None for any other instruction). jgrpo builds splash with one
+    mask, causal with the queries as the last keys (`models/attention_backends._splash`), so the count is that
+    mask's non-empty blocks, read from the operands q [..., Tq, Dh] and k [..., S, Dh] (operands 2 and 3 after
+    the mask tables) and the block sizes the kernel records in its metadata."""
+    kernel = ins.opcode == "custom-call" and "tpu_custom_call" in ins.attributes and _SPLASH.search(ins.attributes)
+    if not kernel:
+        return None
+    q, k = _shape(types[ins.operands[2]]), _shape(types[ins.operands[3]])
+    block_q, block_kv = (int(re.search(rf'{key}\\*"\s*:\s*(\d+)', ins.attributes).group(1))
+                         for key in _SPLASH_BLOCKS[kernel.group(1)])
+    pairs = causal_block_pairs(q[-2], k[-2], block_q, block_kv)
+    return float(math.prod(q[:-2]) * pairs * q[-1] * _SPLASH_FLOPS_PER_PAIR[kernel.group(1)])
 
 
 def _dot_flops(ins: Instruction, types: dict[str, str]) -> int:
@@ -363,7 +398,8 @@ class HloCost:
                 return _convolution_flops(ins, types)
             if ins.opcode == "fusion":
                 return sum(self._cost(c, "flops") for c in called_computations(ins, "calls"))
-            return kernel_estimate(ins, "flops") or 0.0
+            estimate = kernel_estimate(ins, "flops")
+            return estimate if estimate is not None else splash_flops(ins, types) or 0.0
         if ins.opcode in FREE_OPCODES or ins.opcode.endswith("-start"):  # an async op counts at its "-done"
             return 0.0
         if ins.opcode == "fusion":

@@ -4,6 +4,8 @@ XLA's own cost analysis counts a loop body once; these counts must multiply it b
 with hand-derived FLOPs of the same program, the trainer's forward pass included.
 """
 
+import re
+
 import numpy as np
 import pytest
 
@@ -418,3 +420,40 @@ def test_the_megablox_moe_layer_compiles_for_tpu_forward_and_backward():
     # Their FLOPs are the kernels' own estimates (a custom call shows none in the HLO): per chip 32 tokens x k = 2
     # rows through 3 matmuls of D x F, once forward and twice backward (the rows' and the weights' gradients).
     assert HloCost(hlo).flops == pytest.approx(3 * 3 * 2 * (32 * 2) * D * F, rel=0.02)
+
+
+def test_splash_attention_counts_the_blocks_its_causal_mask_computes(monkeypatch):
+    # Splash's kernels carry no cost estimate (jax 0.10.2), so their FLOPs are counted from the blocks the mask
+    # leaves: 256 queries as the last of 384 keys, 128-blocks. Query block 0 (key slots 128..255) needs key
+    # blocks 0-1, query block 1 (256..383) blocks 0-2: 5 of 6 blocks, 5 x 128 x 128 pairs per head.
+    from jgrpo.models import attention_backends
+    from jgrpo.planning.hlo_cost import causal_block_pairs, parse_hlo, splash_flops
+
+    monkeypatch.setattr(attention_backends, "context_platform", lambda: "tpu")
+    devices, _ = topology_devices("v5e:2x4")
+    B, T, S_, H, KVH, Dh = 2, 256, 384, 4, 2, 64
+    one = jax.sharding.SingleDeviceSharding(devices[0])
+    q = jax.ShapeDtypeStruct((B, T, H, Dh), jnp.bfloat16, sharding=one)
+    kv = jax.ShapeDtypeStruct((B, S_, KVH, Dh), jnp.bfloat16, sharding=one)
+    valid = jax.ShapeDtypeStruct((B, S_), jnp.bool_, sharding=one)
+
+    def loss(q, k, v, valid):
+        return attention_backends._splash(q, k, v, valid).astype(jnp.float32).sum()
+
+    with jax.default_matmul_precision("default"):
+        hlo = _compile(jax.grad(loss, argnums=(0, 1, 2)), q, kv, kv, valid).as_text()
+    assert causal_block_pairs(T, S_, 128, 128) == 5 * 128 * 128
+    # The kernel's own block mask (printed while small: 2 = whole block, 1 = partial, 0 = skipped) agrees.
+    block_mask = re.search(r"s8\[1,2,3\]\S* constant\(\{ \{ \{ 2, 1, 0 \}, \{ 2, 2, 1 \} \} \}\)", hlo)
+    assert block_mask is not None
+    computations, _ = parse_hlo(hlo)
+    kernels = {}
+    for body in computations.values():
+        types = {i.name: i.type for i in body}
+        for ins in body:
+            flops = splash_flops(ins, types)
+            if flops is not None:
+                kernels[re.search(r"splash_mqa_(fwd|dq|dkv)", ins.attributes).group(1)] = flops
+    per_pair_dim = B * H * 5 * 128 * 128 * Dh
+    assert kernels == {"fwd": 4 * per_pair_dim, "dq": 6 * per_pair_dim, "dkv": 8 * per_pair_dim}
+    assert HloCost(hlo).flops >= sum(kernels.values())
