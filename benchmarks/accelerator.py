@@ -324,10 +324,12 @@ def main() -> None:
             results["skipped"].append(f"{part}/{name}: over the {args.budget_s:.0f} s budget")
             save()
             continue
+        began = time.perf_counter()
         try:
             results.setdefault(part, {})[name] = measure()
         except Exception as e:  # noqa: BLE001 - a missing wheel or an unsupported kernel must not cost the rest
             results.setdefault(part, {})[name] = {"error": f"{type(e).__name__}: {e}"}
+        results.setdefault("part_seconds", {})[f"{part}/{name}"] = round(time.perf_counter() - began, 1)
         print(f"{part}/{name}: {json.dumps(results[part][name], default=str)}", flush=True)
         save()
     results["seconds"] = time.perf_counter() - start

@@ -33,8 +33,10 @@ class RolloutConfig:
     role: Literal["both", "trainer", "rollout"] = "both"
     # trainer / rollout: host:port where the trainer's process 0 listens (both jobs give the same value).
     endpoint: str = ""
-    # How weights reach the rollout job: host = serialized buckets over the channel (auto: host).
-    weight_transfer: Literal["auto", "host"] = "auto"
+    # How weights reach the rollout job: host = serialized buckets over the channel; jax = each bucket pulled device
+    # to device (jax.experimental.transfer), the channel carrying only its id. auto: host on every platform
+    # (measured on CPU loopback, benchmarks/weight_sync.py; on TPU not yet measured).
+    weight_transfer: Literal["auto", "host", "jax"] = "auto"
     # The host memory one bucket of weights takes on either side (a larger tensor is split over buckets).
     sync_bucket_mb: int = 512
     # How long either job waits for the other (a restart, a preemption) before it gives up, naming the endpoint.

@@ -9,12 +9,18 @@ the receiver's sharding. With several processes on a side, each sender process g
 it to its own peer, and each receiver process places its own devices' shards. The first frame lists every leaf
 (path, shape, dtype): a receiver that expects other params refuses, naming the first leaf that differs. Bit
 for bit: the bytes are the sender's, in its dtype.
+
+With a `DeviceTransfer` (`rollout.weight_transfer: jax`) a bucket's pieces do not cross the host: the sender
+gathers each on its first device and offers it to its peer's transfer server; the bucket's frame carries only
+the id to pull, and the receiver, once it has pulled, answers "weights_pulled" so that the sender goes on to
+the next bucket (`device_transfer.py`).
 """
 
 from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -22,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jgrpo.parallel.channel import Channel, ChannelClosed
+from jgrpo.parallel.device_transfer import DeviceTransfer, whole_on_one_device
 
 
 class Piece(NamedTuple):
@@ -76,11 +83,15 @@ def _piece(x, start, size: int):
 
 
 def send_weights(channel: Channel | None, params, *, version: int, bucket_bytes: int,
-                 extra: dict | None = None) -> dict:
+                 extra: dict | None = None, transfer: DeviceTransfer | None = None,
+                 pulled: Callable[[int], None] | None = None) -> dict:
     """Send `params` (a pytree of arrays, on this job's devices) as `version`; `extra` rides on the first
     frame. Returns {"bytes", "seconds", "buckets", "peak_bucket_bytes"}; raises ChannelClosed if the peer went
     away. With several processes every one must call it (the gathers are collectives), also one whose channel
-    is gone (None or closed): it gathers and sends nothing, so the others' gathers still complete."""
+    is gone (None or closed): it gathers and sends nothing, so the others' gathers still complete.
+
+    With `transfer` the pieces are offered device to device and `pulled(bucket)` returns once the receiver
+    says it has pulled that bucket (the caller reads the channel: other messages may come first)."""
     start = time.perf_counter()
     leaves = jax.tree.leaves(params)
     plan = bucket_plan(leaves, bucket_bytes)
@@ -95,17 +106,29 @@ def send_weights(channel: Channel | None, params, *, version: int, bucket_bytes:
                 lost = e
         return 0
 
-    send("weights", {"version": version, "buckets": len(plan), "leaves": leaf_specs(params), "extra": extra or {}})
+    send("weights", {"version": version, "buckets": len(plan), "leaves": leaf_specs(params), "extra": extra or {},
+                     "pull_from": transfer.address if transfer else None})
     sent, peak = 0, 0
     for i, pieces in enumerate(plan):
         arrays = []
         for p in pieces:
+            piece = _piece(leaves[p.leaf], p.start, p.stop - p.start)
             # Never np.asarray(leaf): a jax array keeps its host copy for as long as it lives (the published
             # params live until the next publish), so the host would end up holding all of them.
-            arrays.append(_on_host(_piece(leaves[p.leaf], p.start, p.stop - p.start)))
+            arrays.append(whole_on_one_device(piece) if transfer else _on_host(piece))
         peak = max(peak, sum(a.nbytes for a in arrays))
-        sent += send("weights_bucket", {"version": version, "bucket": i, "pieces": [tuple(p) for p in pieces],
-                                        "arrays": arrays})
+        frame = {"version": version, "bucket": i, "pieces": [tuple(p) for p in pieces]}
+        if transfer is None:
+            sent += send("weights_bucket", {**frame, "arrays": arrays})
+        elif lost is None and channel is not None:  # (every process gathered its pieces above, connected or not)
+            specs = [(list(a.shape), a.dtype.name) for a in arrays]
+            send("weights_bucket", {**frame, "pull": transfer.offer(arrays), "specs": specs})
+            if lost is None:
+                try:
+                    pulled(i)
+                except ChannelClosed as e:
+                    lost = e
+                sent += sum(a.nbytes for a in arrays)
         del arrays
     if lost is not None or channel is None:
         raise lost or ChannelClosed("no rollout job to send the weights to")
@@ -132,9 +155,14 @@ class WeightsRefused(ValueError):
     """The sender's params are not the ones this side expects (another model or weights dtype)."""
 
 
-def receive_weights(channel: Channel, header: dict, like, shardings, *, timeout: float | None = None) -> Any:
+def receive_weights(channel: Channel, header: dict, like, shardings, *, timeout: float | None = None,
+                    transfer: DeviceTransfer | None = None) -> Any:
     """The params announced by `header` (the body of a "weights" message already received) read from `channel`:
-    a pytree like `like` (shapes and dtypes) laid out in `shardings` (a matching pytree)."""
+    a pytree like `like` (shapes and dtypes) laid out in `shardings` (a matching pytree). A sender that offers
+    its buckets device to device (`pull_from` in the header) needs this job's `transfer`."""
+    if header.get("pull_from") and transfer is None:
+        raise WeightsRefused("the trainer sends its weights device to device (rollout.weight_transfer: jax) and this "
+                             "job has no transfer server")
     expected = leaf_specs(like)
     for i, (want, got) in enumerate(zip(expected, header["leaves"], strict=False)):
         if want != got:
@@ -151,7 +179,15 @@ def receive_weights(channel: Channel, header: dict, like, shardings, *, timeout:
         kind, body = channel.recv(timeout)
         if kind != "weights_bucket" or body["version"] != header["version"]:
             raise ChannelClosed(f"expected bucket of version {header['version']}, got a {kind!r} message")
-        for (leaf, start, stop), array in zip(body["pieces"], body["arrays"], strict=True):
+        if "pull" in body:
+            try:
+                arrays = transfer.pull(header["pull_from"], body["pull"], body["specs"], timeout)
+            except Exception as e:  # noqa: BLE001 - a sender gone mid-pull: as a closed channel (reconnect)
+                raise ChannelClosed(f"pulling bucket {body['bucket']} from {header['pull_from']} failed: {e}") from e
+            channel.send("weights_pulled", {"version": header["version"], "bucket": body["bucket"]})
+        else:
+            arrays = body["arrays"]
+        for (leaf, start, stop), array in zip(body["pieces"], arrays, strict=True):
             shape = tuple(leaves[leaf].shape)
             rows, per_row = _rows(shape)
             if array.size != (stop - start) * per_row:

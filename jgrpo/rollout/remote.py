@@ -18,6 +18,7 @@ sampled ahead and starts where the checkpoint's batch count says (jgrpo.rollout.
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import socket
@@ -30,6 +31,7 @@ import numpy as np
 from jgrpo.config.loading import to_dict
 from jgrpo.data.pipeline import PromptBatch
 from jgrpo.parallel.channel import Channel, ChannelClosed, Codec, Listener, parse_endpoint
+from jgrpo.parallel.device_transfer import DeviceTransfer
 from jgrpo.parallel.host_arrays import gather_json, global_sum, to_global_rows
 from jgrpo.parallel.mesh import SAMPLE_RULES
 from jgrpo.parallel.weight_buckets import send_weights
@@ -88,6 +90,10 @@ class RemoteRollouts(Intake):
         self._listener = Listener(self.endpoint if first else f"{host if loopback else '0.0.0.0'}:0", CODEC)
         here = host if loopback else socket.gethostbyname(socket.gethostname())
         self.peers = gather_json(self.endpoint if first else f"{here}:{self._listener.port}")
+        # rollout.weight_transfer jax: every process offers its buckets from a transfer server of its own (decided
+        # by the config, not by a live connection: the gathers before an offer are collectives of all processes).
+        self._transfer = DeviceTransfer(here) if config.rollout.weight_transfer == "jax" else None
+        self._stash: collections.deque = collections.deque()  # messages read while waiting for "weights_pulled"
         self._unstarted = False  # a connection adopted but not yet told where to start
         self._acceptor = threading.Thread(target=self._accept_loop, name="jgrpo-rollout-listener", daemon=True)
         self._acceptor.start()
@@ -198,8 +204,19 @@ class RemoteRollouts(Intake):
                 log.warning("two jobs: the rollout job is gone (%s); the weights go out when it reconnects", e)
 
     def _send_weights(self, channel: Channel | None, params, version: int) -> None:
+        def pulled(bucket: int) -> None:  # device to device: the rollout job says when it has pulled a bucket
+            while True:
+                try:
+                    kind, body = channel.recv(timeout=self.config.rollout.wait_timeout_s)
+                except TimeoutError:  # alive but not pulling: as gone (`_connected` waits for it to come back)
+                    channel.close("no weights_pulled within rollout.wait_timeout_s")
+                    raise ChannelClosed(f"the rollout job did not pull bucket {bucket}") from None
+                if kind == "weights_pulled" and body["bucket"] == bucket:
+                    return
+                self._stash.append((kind, body))  # a batch sent meanwhile: `_next` takes it first
+
         sent = send_weights(channel, params, version=version, bucket_bytes=self.config.rollout.sync_bucket_mb << 20,
-                            extra={"dropped": self.dropped})
+                            extra={"dropped": self.dropped}, transfer=self._transfer, pulled=pulled)
         self.sync_bytes += sent["bytes"]
 
     def _next(self):
@@ -207,7 +224,7 @@ class RemoteRollouts(Intake):
             channel = self._connected()
             wait = self.config.rollout.wait_timeout_s
             try:
-                kind, body = channel.recv(timeout=wait)
+                kind, body = self._stash.popleft() if self._stash else channel.recv(timeout=wait)
             except ChannelClosed:  # `_connected` says so and waits for the job to come back
                 continue
             except TimeoutError:  # alive (heartbeats) but no batch: a stuck sampler is as good as gone

@@ -29,6 +29,7 @@ import jax
 from jgrpo.config import ConfigError
 from jgrpo.config.loading import to_dict
 from jgrpo.parallel.channel import ChannelClosed, NoPeer, connect
+from jgrpo.parallel.device_transfer import DeviceTransfer
 from jgrpo.parallel.host_arrays import broadcast_json, local_rows
 from jgrpo.parallel.mesh import make_meshes, replicated
 from jgrpo.parallel.weight_buckets import receive_weights
@@ -65,6 +66,7 @@ class RolloutJob:
         del parts, weights  # the loaded weights: only their structure is needed, the values come from the trainer
         self.discarded = 0  # batches sampled and then drawn again after a restart (rollout/discarded_on_resume)
         self._drawn = 0  # batches the last connection's producer drew (the index after its last)
+        self.transfer: DeviceTransfer | None = None  # started on the first weights a trainer offers device to device
 
     def run(self) -> int:
         """Sample until the trainer ends the run (0), or no trainer answers for rollout.wait_timeout_s (4)."""
@@ -82,7 +84,7 @@ class RolloutJob:
             try:
                 if self._serve(channel, start):
                     return 0
-            except ChannelClosed as e:
+            except (ChannelClosed, TimeoutError) as e:  # (a weights bucket that never came: as gone)
                 log.warning("the trainer at %s is gone (%s): reconnecting for up to %.0f s (rollout.wait_timeout_s)",
                             r.endpoint, e, r.wait_timeout_s)
             finally:
@@ -165,7 +167,10 @@ class RolloutJob:
                 if kind == "stop":
                     return True
                 if kind == "weights":
-                    params = receive_weights(channel, body, self.like, self.shardings)
+                    if body.get("pull_from") and self.transfer is None:  # the trainer sends device to device
+                        self.transfer = DeviceTransfer(channel.sock.getsockname()[0])
+                    params = receive_weights(channel, body, self.like, self.shardings, transfer=self.transfer,
+                                             timeout=self.config.rollout.wait_timeout_s)
                     producer.publish(params, body["version"], dropped=body["extra"]["dropped"])
                     del params
         finally:

@@ -16,6 +16,7 @@ import pytest
 
 from jgrpo.parallel import channel as channel_module
 from jgrpo.parallel.channel import ChannelClosed, Codec, Listener, connect
+from jgrpo.parallel.device_transfer import DeviceTransfer
 from jgrpo.parallel.weight_buckets import WeightsRefused, bucket_plan, receive_weights, send_weights
 
 
@@ -136,8 +137,12 @@ def _bits(x) -> np.ndarray:
     return np.asarray(x).reshape(-1).view(np.uint8)
 
 
+@pytest.mark.parametrize("path", ["host", "jax"])
 @pytest.mark.parametrize("bucket_bytes", [1 << 20, 1000])
-def test_weights_arrive_bit_for_bit_in_the_receivers_sharding(bucket_bytes):
+def test_weights_arrive_bit_for_bit_in_the_receivers_sharding(bucket_bytes, path):
+    # rollout.weight_transfer host (the pieces inside the frames) and jax (pulled device to device from the
+    # sender's transfer server, the sender waiting for each bucket's "weights_pulled"): the same bits, laid out in
+    # the receiver's sharding, whole buckets and a leaf split over several.
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ("x",))  # automatic axes, as jgrpo's meshes (mesh.py)
     sharded = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))
     whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
@@ -145,21 +150,48 @@ def test_weights_arrive_bit_for_bit_in_the_receivers_sharding(bucket_bytes):
     params = {"w": jax.random.normal(key, (64, 48), jnp.bfloat16), "q": {"values": jnp.arange(256, dtype=jnp.int8)
               .reshape(16, 16), "scale": jnp.linspace(0, 1, 16, dtype=jnp.float32)}, "b": jnp.zeros((8,), jnp.float32),
               "t": jnp.float32(2.5)}
+    params["w"] = jax.device_put(params["w"], sharded)  # a piece of a sharded leaf is gathered before it goes
     shardings = {"w": sharded, "q": {"values": sharded, "scale": whole}, "b": whole, "t": whole}
     server, client = _pair()
-    sent = send_weights(client, params, version=3, bucket_bytes=bucket_bytes, extra={"dropped": 1})
+    sending, receiving = (DeviceTransfer("127.0.0.1"), DeviceTransfer("127.0.0.1")) if path == "jax" else (None, None)
+    acks = []
+
+    def pulled(bucket):
+        kind, body = client.recv(timeout=10)
+        assert kind == "weights_pulled" and body == {"version": 3, "bucket": bucket}
+        acks.append(bucket)
+
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(sent=send_weights(
+        client, params, version=3, bucket_bytes=bucket_bytes, extra={"dropped": 1}, transfer=sending, pulled=pulled)))
+    thread.start()
     kind, header = server.recv(timeout=10)
     assert kind == "weights" and header["version"] == 3 and header["extra"] == {"dropped": 1}
-    got = receive_weights(server, header, params, shardings, timeout=10)
-    for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
+    got = receive_weights(server, header, params, shardings, timeout=10, transfer=receiving)
+    thread.join()
+    sent = result["sent"]
+    for path_, x in jax.tree_util.tree_flatten_with_path(params)[0]:
         y = got
-        for k in path:
+        for k in path_:
             y = y[k.key]
         assert y.shape == x.shape and y.dtype == x.dtype and y.sharding == (sharded if y.ndim == 2 else whole)
         np.testing.assert_array_equal(_bits(y), _bits(x))
-    assert sent["peak_bucket_bytes"] <= bucket_bytes
+    assert sent["peak_bucket_bytes"] <= bucket_bytes and sent["bytes"] >= 6500
     # 6,500 bytes: whole rows per bucket (w's rows are 96 bytes: 10 of them in 1000 bytes)
     assert sent["buckets"] == (1 if bucket_bytes > 8000 else len(bucket_plan(jax.tree.leaves(params), 1000)))
+    assert acks == (list(range(sent["buckets"])) if path == "jax" else [])
+
+
+def test_a_receiver_without_a_transfer_server_refuses_device_to_device_weights():
+    server, client = _pair()
+    thread = threading.Thread(target=send_weights, args=(client, {"w": jnp.zeros((2, 3))}),
+                              kwargs={"version": 0, "bucket_bytes": 1 << 20, "transfer": DeviceTransfer("127.0.0.1"),
+                                      "pulled": lambda bucket: None})
+    thread.start()
+    _, header = server.recv(timeout=10)
+    thread.join()
+    with pytest.raises(WeightsRefused, match="rollout.weight_transfer: jax"):
+        receive_weights(server, header, {"w": jnp.zeros((2, 3))}, {"w": None})
 
 
 def test_weights_for_other_params_are_refused_naming_the_leaf():

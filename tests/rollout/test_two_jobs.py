@@ -177,7 +177,10 @@ def test_two_jobs_at_staleness_1_keep_the_bound_and_train_each_prompt_once(tmp_p
     endpoint = f"rollout.endpoint=127.0.0.1:{_free_port()}"
     stale = ["rollout.max_staleness=1", "run.iterations=6"]
     reference = _job(one, "both", "mesh.rollout_devices=2", *stale, devices=4)
-    jobs = [_job(two, "trainer", endpoint, *stale), _job(two, "rollout", endpoint, *stale)]
+    # Weights device to device (rollout.weight_transfer: jax): at staleness 1 batches arrive while the trainer
+    # waits for each bucket's "weights_pulled", and must still be trained in order.
+    jax_transfer = [*stale, "rollout.weight_transfer=jax"]
+    jobs = [_job(two, "trainer", endpoint, *jax_transfer), _job(two, "rollout", endpoint, *jax_transfer)]
     _finish([*jobs, reference], timeout=600)
     records = _trained_each_prompt_once_within_the_bound(two, one)
     assert records[-1]["rollout/dropped"] == 0
@@ -212,7 +215,9 @@ def test_two_processes_per_job_sample_and_train_as_one_process_per_job(tmp_path)
     e1, e2 = (f"rollout.endpoint=127.0.0.1:{_free_port()}" for _ in range(2))
     reference = [_job(one, role, e1, *first, devices=1) for role in ("trainer", "rollout")]
     worlds = {role: f"127.0.0.1:{_free_port()}" for role in ("trainer", "rollout")}
-    jobs = [_job(two, role, e2, *first, devices=1, process=(worlds[role], 2, i))
+    # The two-process jobs move the weights device to device (each trainer process gathers every bucket on its
+    # first device across the processes, its peer pulls it); the one-process reference through the host.
+    jobs = [_job(two, role, e2, *first, "rollout.weight_transfer=jax", devices=1, process=(worlds[role], 2, i))
             for role in ("trainer", "rollout") for i in range(2)]
     _finish([*jobs, *reference], timeout=900)
     # Process 0 logs its own prompts (the first half of each batch): the same prompts, in the same iterations.

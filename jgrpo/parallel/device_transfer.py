@@ -1,0 +1,66 @@
+"""`rollout.weight_transfer: jax`: weight buckets pulled device to device between two jobs.
+
+`jax.experimental.transfer` (jax 0.10) runs a transfer server per process: the sender registers arrays under an
+id (`await_pull`), the receiver, connected to the sender's server, pulls them onto its own devices (`pull`),
+over TCP between the two hosts (DCN between two slices), without the sender's host serialising them. What it
+needs, found on CPU and in its source (docs/tpu.md "Two jobs"):
+
+- an address and a transport address on the interface the peer reaches (with the defaults a pull aborts the
+  process on CPU): here the IP of the channel's own socket, port 0;
+- the same per-process shard list on both sides: the receiver's `ShapeDtypeStruct` sharding must split the
+  array into the sender's local shards, in order, of the same byte sizes. Nothing else is checked (another
+  layout of the same sizes arrives as wrong data, silently), and it does not reshard. So each bucket piece
+  travels whole, on one device each side (the sender's first local device, the receiver's), and the receiver
+  lays it out in its own sharding on its devices afterwards;
+- the sender keeps a registered array until it is pulled, and pulling an id twice hangs: one id per piece, and
+  the sender waits for the receiver's word (a "weights_pulled" message on the channel) before the next bucket,
+  so a device holds one bucket of it at a time.
+"""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+
+import jax
+
+
+class DeviceTransfer:
+    """This process's transfer server (started on `host`, the IP its peer reaches it at) and its connections."""
+
+    def __init__(self, host: str):
+        from jax.experimental import transfer
+
+        self.device = jax.local_devices()[0]
+        self.server = transfer.start_transfer_server(self.device.client, f"{host}:0", [f"{host}:0"])
+        self.address = self.server.address()
+        self._ids = itertools.count(1)
+        self._connections: dict = {}
+
+    def offer(self, arrays: list[jax.Array]) -> int:
+        """Register `arrays` (each on one device of this process) for one pull; returns their id."""
+        uuid = next(self._ids)
+        self.server.await_pull(uuid, arrays)
+        return uuid
+
+    def pull(self, address: str, uuid: int, specs: list[tuple[tuple[int, ...], str]],
+             timeout_s: float | None = None) -> list[jax.Array]:
+        """The arrays offered under `uuid` by the server at `address`, each whole on this process's first device."""
+        connection = self._connections.get(address)
+        if connection is None:
+            connection = self._connections[address] = self.server.connect(address)
+        one = jax.sharding.SingleDeviceSharding(self.device)
+        wanted = [jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=one) for shape, dtype in specs]
+        if timeout_s is None:
+            return connection.pull(uuid, wanted)
+        return connection.pull(uuid, wanted, timeout=datetime.datetime.now() + datetime.timedelta(seconds=timeout_s))
+
+
+def whole_on_one_device(x: jax.Array) -> jax.Array:
+    """`x` whole on this process's first device: gathered on the devices (all-gathered across processes when
+    it spans several: a collective every process of the job takes part in), never through the host."""
+    device = jax.local_devices()[0]
+    if x.is_fully_addressable:
+        return jax.device_put(x, device)
+    whole = jax.device_put(x, jax.sharding.NamedSharding(x.sharding.mesh, jax.sharding.PartitionSpec()))
+    return next(s.data for s in whole.addressable_shards if s.device == device)
