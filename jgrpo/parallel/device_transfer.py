@@ -12,9 +12,10 @@ needs, found on CPU and in its source (docs/tpu.md "Two jobs"):
   layout of the same sizes arrives as wrong data, silently), and it does not reshard. So each bucket piece
   travels whole, on one device each side (the sender's first local device, the receiver's), and the receiver
   lays it out in its own sharding on its devices afterwards;
-- the sender keeps a registered array until it is pulled, and pulling an id twice hangs: one id per piece, and
-  the sender waits for the receiver's word (a "weights_pulled" message on the channel) before the next bucket,
-  so a device holds one bucket of it at a time.
+- the sender keeps a registered array until it is pulled (or its offer lapses), pulling an id twice hangs, and a
+  pull returns before its bytes arrive: one id per bucket, the receiver waits for the arrival, then says
+  "weights_pulled" on the channel, and only then does the sender offer the next bucket, so a device holds one
+  bucket of it at a time.
 """
 
 from __future__ import annotations
@@ -26,34 +27,50 @@ import jax
 
 
 class DeviceTransfer:
-    """This process's transfer server (started on `host`, the IP its peer reaches it at) and its connections."""
+    """This process's transfer server and its connections. The server starts on the first `start(host)`, `host`
+    the IP of this side of the channel (what the peer reaches; `gethostbyname(gethostname())` may be 127.0.1.1)."""
 
-    def __init__(self, host: str):
-        from jax.experimental import transfer
-
+    def __init__(self):
         self.device = jax.local_devices()[0]
-        self.server = transfer.start_transfer_server(self.device.client, f"{host}:0", [f"{host}:0"])
-        self.address = self.server.address()
+        self.server = None
+        self.address: str | None = None
         self._ids = itertools.count(1)
         self._connections: dict = {}
 
-    def offer(self, arrays: list[jax.Array]) -> int:
-        """Register `arrays` (each on one device of this process) for one pull; returns their id."""
+    def start(self, host: str) -> None:
+        if self.server is None:
+            from jax.experimental import transfer
+
+            self.server = transfer.start_transfer_server(self.device.client, f"{host}:0", [f"{host}:0"])
+            self.address = self.server.address()
+
+    def offer(self, arrays: list[jax.Array], timeout_s: float) -> int:
+        """Register `arrays` (each on one device of this process) for one pull within `timeout_s` (an offer never
+        pulled would hold its arrays on the device); returns their id."""
         uuid = next(self._ids)
-        self.server.await_pull(uuid, arrays)
+        self.server.await_pull(uuid, arrays, timeout=_deadline(timeout_s))
         return uuid
 
     def pull(self, address: str, uuid: int, specs: list[tuple[tuple[int, ...], str]],
              timeout_s: float | None = None) -> list[jax.Array]:
-        """The arrays offered under `uuid` by the server at `address`, each whole on this process's first device."""
+        """The arrays offered under `uuid` by the server at `address`, each whole on this process's first device,
+        arrived (the pull is asynchronous: waited for here, so that a failure is this call's)."""
         connection = self._connections.get(address)
         if connection is None:
             connection = self._connections[address] = self.server.connect(address)
         one = jax.sharding.SingleDeviceSharding(self.device)
         wanted = [jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=one) for shape, dtype in specs]
-        if timeout_s is None:
-            return connection.pull(uuid, wanted)
-        return connection.pull(uuid, wanted, timeout=datetime.datetime.now() + datetime.timedelta(seconds=timeout_s))
+        try:
+            if timeout_s is None:
+                return jax.block_until_ready(connection.pull(uuid, wanted))
+            return jax.block_until_ready(connection.pull(uuid, wanted, timeout=_deadline(timeout_s)))
+        except BaseException:
+            self._connections.pop(address, None)  # a broken connection is not used again
+            raise
+
+
+def _deadline(seconds: float) -> datetime.datetime:
+    return datetime.datetime.now() + datetime.timedelta(seconds=seconds)
 
 
 def whole_on_one_device(x: jax.Array) -> jax.Array:

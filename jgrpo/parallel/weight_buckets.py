@@ -84,14 +84,15 @@ def _piece(x, start, size: int):
 
 def send_weights(channel: Channel | None, params, *, version: int, bucket_bytes: int,
                  extra: dict | None = None, transfer: DeviceTransfer | None = None,
-                 pulled: Callable[[int], None] | None = None) -> dict:
+                 pulled: Callable[[int], None] | None = None, pull_timeout_s: float = 1800.0) -> dict:
     """Send `params` (a pytree of arrays, on this job's devices) as `version`; `extra` rides on the first
     frame. Returns {"bytes", "seconds", "buckets", "peak_bucket_bytes"}; raises ChannelClosed if the peer went
     away. With several processes every one must call it (the gathers are collectives), also one whose channel
     is gone (None or closed): it gathers and sends nothing, so the others' gathers still complete.
 
-    With `transfer` the pieces are offered device to device and `pulled(bucket)` returns once the receiver
-    says it has pulled that bucket (the caller reads the channel: other messages may come first)."""
+    With `transfer` the pieces are offered device to device (each offer lapses after `pull_timeout_s`) and
+    `pulled(bucket)` returns once the receiver says it has pulled that bucket (the caller reads the channel:
+    other messages may come first)."""
     start = time.perf_counter()
     leaves = jax.tree.leaves(params)
     plan = bucket_plan(leaves, bucket_bytes)
@@ -106,6 +107,8 @@ def send_weights(channel: Channel | None, params, *, version: int, bucket_bytes:
                 lost = e
         return 0
 
+    if transfer is not None and channel is not None and not channel.is_closed:
+        transfer.start(channel.sock.getsockname()[0])  # on the interface the peer reached this side at
     send("weights", {"version": version, "buckets": len(plan), "leaves": leaf_specs(params), "extra": extra or {},
                      "pull_from": transfer.address if transfer else None})
     sent, peak = 0, 0
@@ -122,7 +125,7 @@ def send_weights(channel: Channel | None, params, *, version: int, bucket_bytes:
             sent += send("weights_bucket", {**frame, "arrays": arrays})
         elif lost is None and channel is not None:  # (every process gathered its pieces above, connected or not)
             specs = [(list(a.shape), a.dtype.name) for a in arrays]
-            send("weights_bucket", {**frame, "pull": transfer.offer(arrays), "specs": specs})
+            send("weights_bucket", {**frame, "pull": transfer.offer(arrays, pull_timeout_s), "specs": specs})
             if lost is None:
                 try:
                     pulled(i)
@@ -182,7 +185,7 @@ def receive_weights(channel: Channel, header: dict, like, shardings, *, timeout:
         if "pull" in body:
             try:
                 arrays = transfer.pull(header["pull_from"], body["pull"], body["specs"], timeout)
-            except Exception as e:  # noqa: BLE001 - a sender gone mid-pull: as a closed channel (reconnect)
+            except (RuntimeError, TimeoutError, OSError) as e:  # a sender gone mid-pull: as a closed channel
                 raise ChannelClosed(f"pulling bucket {body['bucket']} from {header['pull_from']} failed: {e}") from e
             channel.send("weights_pulled", {"version": header["version"], "bucket": body["bucket"]})
         else:

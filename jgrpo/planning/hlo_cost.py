@@ -44,7 +44,7 @@ _KERNEL_ESTIMATE = re.compile(r'cost_estimate\\?"\s*:\s*\{([^}]*)\}')
 # Splash attention's three kernels (forward, dq, dk/dv) and the FLOPs per computed (query, key) pair per head
 # dimension: the forward's q.k and p.v; dq recomputes q.k, then dO.v and dS.k; dk/dv recomputes q.k, then
 # dO.v, p.dO and dS.q (2 FLOPs per multiply-add).
-_SPLASH = re.compile(r"splash_mq?a_(fwd|dq|dkv)")
+_SPLASH = re.compile(r"splash_m[hq]a_(fwd|dq|dkv)")
 _SPLASH_FLOPS_PER_PAIR = {"fwd": 4, "dq": 6, "dkv": 8}
 _SPLASH_BLOCKS = {"fwd": ("block_q", "block_kv"), "dq": ("block_q_dq", "block_kv_dq"),
                   "dkv": ("block_q_dkv", "block_kv_dkv")}
@@ -216,7 +216,7 @@ def causal_block_pairs(q_len: int, kv_len: int, block_q: int, block_kv: int) -> 
     diagonal block is computed too)."""
     offset = kv_len - q_len
     kv_blocks = -(-kv_len // block_kv)
-    blocks = sum(min(kv_blocks, (offset + min((i + 1) * block_q, q_len) - 1) // block_kv + 1)
+    blocks = sum(max(0, min(kv_blocks, (offset + min((i + 1) * block_q, q_len) - 1) // block_kv + 1))
                  for i in range(-(-q_len // block_q)))
     return blocks * block_q * block_kv
 
@@ -224,14 +224,18 @@ def causal_block_pairs(q_len: int, kv_len: int, block_q: int, block_kv: int) -> 
 def splash_flops(ins: Instruction, types: dict[str, str]) -> float | None:
     """FLOPs of a splash-attention kernel call (None for any other instruction). jgrpo builds splash with one
     mask, causal with the queries as the last keys (`models/attention_backends._splash`), so the count is that
-    mask's non-empty blocks, read from the operands q [..., Tq, Dh] and k [..., S, Dh] (operands 2 and 3 after
-    the mask tables) and the block sizes the kernel records in its metadata."""
+    mask's non-empty blocks, read from q [..., Tq, Dh] and k [..., S, Dh] (its first two floating operands, after
+    the integer mask tables) and the block sizes the kernel records in its metadata (None without them)."""
     kernel = ins.opcode == "custom-call" and "tpu_custom_call" in ins.attributes and _SPLASH.search(ins.attributes)
     if not kernel:
         return None
-    q, k = _shape(types[ins.operands[2]]), _shape(types[ins.operands[3]])
-    block_q, block_kv = (int(re.search(rf'{key}\\*"\s*:\s*(\d+)', ins.attributes).group(1))
-                         for key in _SPLASH_BLOCKS[kernel.group(1)])
+    floats = [o for o in ins.operands if array_dims(types.get(o, ""))[:1]
+              and array_dims(types[o])[0][0] in ("bf16", "f16", "f32")]
+    sizes = [re.search(rf'{key}\\*"\s*:\s*(\d+)', ins.attributes) for key in _SPLASH_BLOCKS[kernel.group(1)]]
+    if len(floats) < 2 or not all(sizes):
+        return None
+    q, k = _shape(types[floats[0]]), _shape(types[floats[1]])
+    block_q, block_kv = (int(m.group(1)) for m in sizes)
     pairs = causal_block_pairs(q[-2], k[-2], block_q, block_kv)
     return float(math.prod(q[:-2]) * pairs * q[-1] * _SPLASH_FLOPS_PER_PAIR[kernel.group(1)])
 

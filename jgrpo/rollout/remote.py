@@ -92,7 +92,7 @@ class RemoteRollouts(Intake):
         self.peers = gather_json(self.endpoint if first else f"{here}:{self._listener.port}")
         # rollout.weight_transfer jax: every process offers its buckets from a transfer server of its own (decided
         # by the config, not by a live connection: the gathers before an offer are collectives of all processes).
-        self._transfer = DeviceTransfer(here) if config.rollout.weight_transfer == "jax" else None
+        self._transfer = DeviceTransfer() if config.rollout.weight_transfer == "jax" else None
         self._stash: collections.deque = collections.deque()  # messages read while waiting for "weights_pulled"
         self._unstarted = False  # a connection adopted but not yet told where to start
         self._acceptor = threading.Thread(target=self._accept_loop, name="jgrpo-rollout-listener", daemon=True)
@@ -158,6 +158,9 @@ class RemoteRollouts(Intake):
                 if self._channel is not None:
                     self._channel.close("a restarted rollout job connected")
                 self._channel, self._unstarted = pending[-1], True
+                # The old job's batches stashed during a weight send are received (and trained); anything else
+                # it said (an error) was about itself.
+                self._stash = collections.deque(m for m in self._stash if m[0] == "record")
             live = self._channel is not None and not self._channel.is_closed
             waiting, starting, late = global_sum(np.asarray([not live, self._unstarted, time.monotonic() > deadline]))
             if not waiting:
@@ -211,12 +214,15 @@ class RemoteRollouts(Intake):
                 except TimeoutError:  # alive but not pulling: as gone (`_connected` waits for it to come back)
                     channel.close("no weights_pulled within rollout.wait_timeout_s")
                     raise ChannelClosed(f"the rollout job did not pull bucket {bucket}") from None
-                if kind == "weights_pulled" and body["bucket"] == bucket:
+                if kind == "weights_pulled" and (body["version"], body["bucket"]) == (version, bucket):
                     return
-                self._stash.append((kind, body))  # a batch sent meanwhile: `_next` takes it first
+                if kind == "record":  # a batch sent meanwhile: received (a restarted job starts after it), and
+                    self._received, self._received_state = body["index"] + 1, body["data_state"]
+                self._stash.append((kind, body))  # `_next` takes it first
 
         sent = send_weights(channel, params, version=version, bucket_bytes=self.config.rollout.sync_bucket_mb << 20,
-                            extra={"dropped": self.dropped}, transfer=self._transfer, pulled=pulled)
+                            extra={"dropped": self.dropped}, transfer=self._transfer, pulled=pulled,
+                            pull_timeout_s=self.config.rollout.wait_timeout_s)
         self.sync_bytes += sent["bytes"]
 
     def _next(self):

@@ -168,7 +168,8 @@ class RolloutJob:
                     return True
                 if kind == "weights":
                     if body.get("pull_from") and self.transfer is None:  # the trainer sends device to device
-                        self.transfer = DeviceTransfer(channel.sock.getsockname()[0])
+                        self.transfer = DeviceTransfer()
+                        self.transfer.start(channel.sock.getsockname()[0])
                     params = receive_weights(channel, body, self.like, self.shardings, transfer=self.transfer,
                                              timeout=self.config.rollout.wait_timeout_s)
                     producer.publish(params, body["version"], dropped=body["extra"]["dropped"])
