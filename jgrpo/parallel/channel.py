@@ -267,6 +267,17 @@ def parse_endpoint(endpoint: str) -> tuple[str, int]:
     return host, int(port)
 
 
+def interface_toward(host: str, port: int) -> str:
+    """This machine's IP on the interface its traffic to `host` leaves by (a UDP socket's `connect` picks the route
+    and sends nothing): what a peer reaches this side at, where `gethostbyname(gethostname())` may be 127.0.1.1."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect((host, port))
+            return probe.getsockname()[0]
+        except OSError:  # no route (an unresolvable name): the host's own name is the best guess left
+            return socket.gethostbyname(socket.gethostname())
+
+
 class Listener:
     """The trainer's side: a listening socket on `endpoint` (host:port; host 0.0.0.0 for every interface)."""
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 import collections
 import json
 import logging
-import socket
 import threading
 import time
 
@@ -30,7 +29,7 @@ import numpy as np
 
 from jgrpo.config.loading import to_dict
 from jgrpo.data.pipeline import PromptBatch
-from jgrpo.parallel.channel import Channel, ChannelClosed, Codec, Listener, parse_endpoint
+from jgrpo.parallel.channel import Channel, ChannelClosed, Codec, Listener, interface_toward, parse_endpoint
 from jgrpo.parallel.device_transfer import DeviceTransfer
 from jgrpo.parallel.host_arrays import gather_json, global_sum, to_global_rows
 from jgrpo.parallel.mesh import SAMPLE_RULES
@@ -88,7 +87,7 @@ class RemoteRollouts(Intake):
         loopback = host.startswith("127.") or host == "localhost"
         first = jax.process_index() == 0
         self._listener = Listener(self.endpoint if first else f"{host if loopback else '0.0.0.0'}:0", CODEC)
-        here = host if loopback else socket.gethostbyname(socket.gethostname())
+        here = host if loopback else interface_toward(host, parse_endpoint(self.endpoint)[1])
         self.peers = gather_json(self.endpoint if first else f"{here}:{self._listener.port}")
         # rollout.weight_transfer jax: every process offers its buckets from a transfer server of its own (decided
         # by the config, not by a live connection: the gathers before an offer are collectives of all processes).

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from jgrpo.parallel import channel as channel_module
-from jgrpo.parallel.channel import ChannelClosed, Codec, Listener, connect
+from jgrpo.parallel.channel import ChannelClosed, Codec, Listener, connect, interface_toward
 from jgrpo.parallel.device_transfer import DeviceTransfer
 from jgrpo.parallel.weight_buckets import WeightsRefused, bucket_plan, receive_weights, send_weights
 
@@ -222,3 +222,13 @@ def test_host_memory_stays_within_a_few_buckets():
     assert all(float(got[f"l{i}"][3, 7]) == i for i in range(16))
     # Sender and receiver in one process: a bucket being read, one being sent, a few queued. 4 MiB in all.
     assert peak < 8 * bucket, f"host peak {peak} bytes for buckets of {bucket}"
+
+
+def test_the_interface_toward_a_peer_is_the_one_its_traffic_leaves_by():
+    # What a trainer process > 0 advertises to its rollout peer. gethostbyname(gethostname()) is a loopback address
+    # on many hosts (127.0.0.1 on this project's machines, 127.0.1.1 on Debian's defaults), which a peer on another
+    # host cannot reach; the interface the route to the peer leaves by is not.
+    assert interface_toward("127.0.0.1", 9) == "127.0.0.1"
+    toward = interface_toward("10.255.255.1", 9)
+    socket.inet_aton(toward)
+    assert not toward.startswith("127."), toward
