@@ -66,8 +66,6 @@ def child(args) -> None:
     else:
         channel = connect(f"127.0.0.1:{args.port}", Codec(), wait_s=120)
     transfer = DeviceTransfer() if "jax" in args.paths else None
-    if transfer is not None:
-        transfer.start("127.0.0.1")  # (the sender's would start in send_weights anyway)
 
     def pulled(bucket: int) -> None:  # the sender waits for the receiver's word after each bucket (jax)
         kind, body = channel.recv()

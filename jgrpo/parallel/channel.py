@@ -121,6 +121,11 @@ class Channel:
         self._reader.start()
         self._beater.start()
 
+    @property
+    def local_ip(self) -> str:
+        """This side's IP on the connection: the interface the peer reached it at."""
+        return self.sock.getsockname()[0]
+
     # ------------------------------------------------------------------ sending
 
     def send(self, kind: str, body: Any = None) -> int:

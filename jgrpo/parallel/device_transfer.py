@@ -28,7 +28,8 @@ import jax
 
 class DeviceTransfer:
     """This process's transfer server and its connections. The server starts on the first `start(host)`, `host`
-    the IP of this side of the channel (what the peer reaches; `gethostbyname(gethostname())` may be 127.0.1.1)."""
+    this side's IP on the channel (`Channel.local_ip`: what the peer reaches; `gethostbyname(gethostname())` may
+    be a loopback address); both sides start it in `weight_buckets` when weights first go device to device."""
 
     def __init__(self):
         self.device = jax.local_devices()[0]

@@ -108,7 +108,7 @@ def send_weights(channel: Channel | None, params, *, version: int, bucket_bytes:
         return 0
 
     if transfer is not None and channel is not None and not channel.is_closed:
-        transfer.start(channel.sock.getsockname()[0])  # on the interface the peer reached this side at
+        transfer.start(channel.local_ip)
     send("weights", {"version": version, "buckets": len(plan), "leaves": leaf_specs(params), "extra": extra or {},
                      "pull_from": transfer.address if transfer else None})
     sent, peak = 0, 0
@@ -163,9 +163,11 @@ def receive_weights(channel: Channel, header: dict, like, shardings, *, timeout:
     """The params announced by `header` (the body of a "weights" message already received) read from `channel`:
     a pytree like `like` (shapes and dtypes) laid out in `shardings` (a matching pytree). A sender that offers
     its buckets device to device (`pull_from` in the header) needs this job's `transfer`."""
-    if header.get("pull_from") and transfer is None:
-        raise WeightsRefused("the trainer sends its weights device to device (rollout.weight_transfer: jax) and this "
-                             "job has no transfer server")
+    if header.get("pull_from"):
+        if transfer is None:
+            raise WeightsRefused("the trainer sends its weights device to device (rollout.weight_transfer: jax) and "
+                                 "this job has no transfer server")
+        transfer.start(channel.local_ip)
     expected = leaf_specs(like)
     for i, (want, got) in enumerate(zip(expected, header["leaves"], strict=False)):
         if want != got:

@@ -21,16 +21,9 @@ from __future__ import annotations
 import collections
 import re
 
-from jgrpo.planning.hlo_cost import (
-    FREE_OPCODES,
-    SLICING_OPCODES,
-    HloCost,
-    Instruction,
-    array_dims,
-    called_computations,
-    type_bytes,
-)
+from jgrpo.planning.hlo_cost import FREE_OPCODES, SLICING_OPCODES, HloCost
 from jgrpo.planning.hlo_inspect import loops
+from jgrpo.planning.hlo_text import Instruction, array_dims, called_computations, type_bytes
 
 # A value's origin: from nothing that varies (constants, counters), from the weights only, or from anything else.
 NONE, WEIGHTS, OTHER = 0, 1, 2

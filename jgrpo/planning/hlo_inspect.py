@@ -11,7 +11,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from jgrpo.planning.hlo_cost import HloCost, Instruction, array_dims, called_computations, hbm_bytes, type_bytes
+from jgrpo.planning.hlo_cost import HloCost
+from jgrpo.planning.hlo_text import Instruction, array_dims, called_computations, hbm_bytes, type_bytes
 
 # A ragged all-to-all (expert parallelism) counts its output buffer, the static worst case: an upper bound of what
 # it moves (the rows actually routed).

@@ -66,7 +66,7 @@ class RolloutJob:
         del parts, weights  # the loaded weights: only their structure is needed, the values come from the trainer
         self.discarded = 0  # batches sampled and then drawn again after a restart (rollout/discarded_on_resume)
         self._drawn = 0  # batches the last connection's producer drew (the index after its last)
-        self.transfer: DeviceTransfer | None = None  # started on the first weights a trainer offers device to device
+        self.transfer = DeviceTransfer()  # its server starts on the first weights a trainer offers device to device
 
     def run(self) -> int:
         """Sample until the trainer ends the run (0), or no trainer answers for rollout.wait_timeout_s (4)."""
@@ -167,9 +167,6 @@ class RolloutJob:
                 if kind == "stop":
                     return True
                 if kind == "weights":
-                    if body.get("pull_from") and self.transfer is None:  # the trainer sends device to device
-                        self.transfer = DeviceTransfer()
-                        self.transfer.start(channel.sock.getsockname()[0])
                     params = receive_weights(channel, body, self.like, self.shardings, transfer=self.transfer,
                                              timeout=self.config.rollout.wait_timeout_s)
                     producer.publish(params, body["version"], dropped=body["extra"]["dropped"])

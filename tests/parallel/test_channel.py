@@ -154,8 +154,6 @@ def test_weights_arrive_bit_for_bit_in_the_receivers_sharding(bucket_bytes, path
     shardings = {"w": sharded, "q": {"values": sharded, "scale": whole}, "b": whole, "t": whole}
     server, client = _pair()
     sending, receiving = (DeviceTransfer(), DeviceTransfer()) if path == "jax" else (None, None)
-    if receiving is not None:
-        receiving.start("127.0.0.1")  # (the sender's starts on its side of the channel, in send_weights)
     acks = []
 
     def pulled(bucket):

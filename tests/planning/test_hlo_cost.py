@@ -20,8 +20,9 @@ from jgrpo.config.loading import load_config  # noqa: E402
 from jgrpo.data import bucketed_length  # noqa: E402
 from jgrpo.plan import abstract_run, lower_iteration, topology_devices  # noqa: E402
 from jgrpo.planning.decode_reads import decode_cache_bytes, decode_weight_bytes  # noqa: E402
-from jgrpo.planning.hlo_cost import HloCost, hbm_bytes, type_bytes  # noqa: E402
+from jgrpo.planning.hlo_cost import HloCost  # noqa: E402
 from jgrpo.planning.hlo_inspect import big_copies_in_loops, collectives_in_loops, loops  # noqa: E402
+from jgrpo.planning.hlo_text import hbm_bytes, type_bytes  # noqa: E402
 from jgrpo.planning.roofline import forward_flops  # noqa: E402
 
 TINY = ["checkpoint.every=0", "logging.tensorboard=false", "model.compute_dtype=bfloat16"]
@@ -46,7 +47,7 @@ def test_types_and_memory_spaces():
 def test_a_computation_on_another_execution_thread_ends_where_its_brace_closes():
     # v5p offloads some scatters to its SparseCore: their computations close with `}, execution_thread=...`;
     # read as still open, the computations after it were lost (a KeyError planning a MoE on v5p).
-    from jgrpo.planning.hlo_cost import parse_hlo
+    from jgrpo.planning.hlo_text import parse_hlo
 
     text = """HloModule m
 %offloaded (p: s32[1]) -> s32[1] {
@@ -427,7 +428,8 @@ def test_splash_attention_counts_the_blocks_its_causal_mask_computes(monkeypatch
     # leaves: 256 queries as the last of 384 keys, 128-blocks. Query block 0 (key slots 128..255) needs key
     # blocks 0-1, query block 1 (256..383) blocks 0-2: 5 of 6 blocks, 5 x 128 x 128 pairs per head.
     from jgrpo.models import attention_backends
-    from jgrpo.planning.hlo_cost import causal_block_pairs, parse_hlo, splash_flops
+    from jgrpo.planning.hlo_text import parse_hlo
+    from jgrpo.planning.op_flops import causal_block_pairs, splash_flops
 
     monkeypatch.setattr(attention_backends, "context_platform", lambda: "tpu")
     devices, _ = topology_devices("v5e:2x4")
