@@ -67,7 +67,7 @@ def child(args) -> None:
         channel = connect(f"127.0.0.1:{args.port}", Codec(), wait_s=120)
     transfer = DeviceTransfer() if "jax" in args.paths else None
 
-    def pulled(bucket: int) -> None:  # the sender waits for the receiver's word after each bucket (jax)
+    def pulled(channel, bucket: int) -> None:  # the sender waits for the receiver's word after each bucket (jax)
         kind, body = channel.recv()
         assert kind == "weights_pulled" and body["bucket"] == bucket, (kind, body)
 
@@ -80,7 +80,7 @@ def child(args) -> None:
                     tracemalloc.start()
                     start = time.perf_counter()
                     if args.child == "sender":
-                        send_weights(channel, params, version=0, bucket_bytes=bucket << 20,
+                        send_weights([channel], params, version=0, bucket_bytes=bucket << 20,
                                      transfer=transfer if path == "jax" else None, pulled=pulled)
                         channel.recv()  # the receiver's "done": the weights are on its devices
                     else:

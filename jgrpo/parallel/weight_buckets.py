@@ -6,9 +6,9 @@ that bucket's pieces from its devices (a slice of the leaf, taken on the device)
 and lets them go, so its host holds one bucket at a time. The receiver puts each piece on its devices as it
 arrives; a split leaf's pieces wait there (not on the host) until the last one, then are joined and laid out in
 the receiver's sharding. With several processes on a side, each sender process gathers every bucket and sends
-it to its own peer, and each receiver process places its own devices' shards. The first frame lists every leaf
-(path, shape, dtype): a receiver that expects other params refuses, naming the first leaf that differs. Bit
-for bit: the bytes are the sender's, in its dtype.
+it to the receiver processes it serves (none, one or several), and each receiver process places its own devices'
+shards. The first frame lists every leaf (path, shape, dtype): a receiver that expects other params refuses,
+naming the first leaf that differs. Bit for bit: the bytes are the sender's, in its dtype.
 
 With a `DeviceTransfer` (`rollout.weight_transfer: jax`) a bucket's pieces do not cross the host: the sender
 gathers each on its first device and offers it to its peer's transfer server; the bucket's frame carries only
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -82,35 +82,45 @@ def _piece(x, start, size: int):
     return jax.lax.dynamic_slice_in_dim(x, start, size, axis=0)
 
 
-def send_weights(channel: Channel | None, params, *, version: int, bucket_bytes: int,
+def send_weights(channels: Sequence[Channel], params, *, version: int, bucket_bytes: int,
                  extra: dict | None = None, transfer: DeviceTransfer | None = None,
-                 pulled: Callable[[int], None] | None = None, pull_timeout_s: float = 1800.0) -> dict:
-    """Send `params` (a pytree of arrays, on this job's devices) as `version`; `extra` rides on the first
-    frame. Returns {"bytes", "seconds", "buckets", "peak_bucket_bytes"}; raises ChannelClosed if the peer went
-    away. With several processes every one must call it (the gathers are collectives), also one whose channel
-    is gone (None or closed): it gathers and sends nothing, so the others' gathers still complete.
+                 pulled: Callable[[Channel, int], None] | None = None, pull_timeout_s: float = 1800.0) -> dict:
+    """Send `params` (a pytree of arrays, on this job's devices) as `version` to each of `channels` (those of a
+    rollout job's processes this trainer process serves: none, one or several); `extra` rides on the first
+    frame. Returns {"bytes" (summed over the channels), "seconds", "buckets", "peak_bucket_bytes"}; raises
+    ChannelClosed once all buckets are gone if a peer went away (the others got every bucket). With several
+    processes every one must call it (the gathers are collectives), also one with no channel or only closed ones:
+    it gathers and sends nothing, so the others' gathers still complete.
 
-    With `transfer` the pieces are offered device to device (each offer lapses after `pull_timeout_s`) and
-    `pulled(bucket)` returns once the receiver says it has pulled that bucket (the caller reads the channel:
-    other messages may come first)."""
+    With `transfer` the pieces are offered device to device, once per channel (each offer lapses after
+    `pull_timeout_s`), and `pulled(channel, bucket)` returns once that receiver says it has pulled the bucket (the
+    caller reads the channel: other messages may come first)."""
     start = time.perf_counter()
     leaves = jax.tree.leaves(params)
     plan = bucket_plan(leaves, bucket_bytes)
-    lost = None
+    live, lost = [c for c in channels if not c.is_closed], []
 
-    def send(kind, body) -> int:
-        nonlocal lost
-        if lost is None and channel is not None:
+    def each(action, *args) -> int:
+        """`action(channel, *args)` on each live channel; one that fails is dropped (and said at the end)."""
+        total = 0
+        for channel in list(live):
             try:
-                return channel.send(kind, body)
+                total += action(channel, *args) or 0
             except ChannelClosed as e:
-                lost = e
-        return 0
+                live.remove(channel)
+                lost.append(e)
+        return total
 
-    if transfer is not None and channel is not None and not channel.is_closed:
-        transfer.start(channel.local_ip)
-    send("weights", {"version": version, "buckets": len(plan), "leaves": leaf_specs(params), "extra": extra or {},
-                     "pull_from": transfer.address if transfer else None})
+    def offer(channel: Channel, frame: dict, arrays: list) -> int:
+        specs = [(list(a.shape), a.dtype.name) for a in arrays]
+        channel.send("weights_bucket", {**frame, "pull": transfer.offer(arrays, pull_timeout_s), "specs": specs})
+        pulled(channel, frame["bucket"])
+        return sum(a.nbytes for a in arrays)
+
+    if transfer is not None and live:
+        transfer.start(live[0].local_ip)
+    each(Channel.send, "weights", {"version": version, "buckets": len(plan), "leaves": leaf_specs(params),
+                                   "extra": extra or {}, "pull_from": transfer.address if transfer else None})
     sent, peak = 0, 0
     for i, pieces in enumerate(plan):
         arrays = []
@@ -122,19 +132,12 @@ def send_weights(channel: Channel | None, params, *, version: int, bucket_bytes:
         peak = max(peak, sum(a.nbytes for a in arrays))
         frame = {"version": version, "bucket": i, "pieces": [tuple(p) for p in pieces]}
         if transfer is None:
-            sent += send("weights_bucket", {**frame, "arrays": arrays})
-        elif lost is None and channel is not None:  # (every process gathered its pieces above, connected or not)
-            specs = [(list(a.shape), a.dtype.name) for a in arrays]
-            send("weights_bucket", {**frame, "pull": transfer.offer(arrays, pull_timeout_s), "specs": specs})
-            if lost is None:
-                try:
-                    pulled(i)
-                except ChannelClosed as e:
-                    lost = e
-                sent += sum(a.nbytes for a in arrays)
+            sent += each(Channel.send, "weights_bucket", {**frame, "arrays": arrays})
+        else:  # (every process gathered its pieces above, with channels or not)
+            sent += each(offer, frame, arrays)
         del arrays
-    if lost is not None or channel is None:
-        raise lost or ChannelClosed("no rollout job to send the weights to")
+    if lost:
+        raise lost[0]
     return {"bytes": sent, "seconds": time.perf_counter() - start, "buckets": len(plan), "peak_bucket_bytes": peak}
 
 

@@ -14,6 +14,9 @@ Failures: a rollout job that closes its socket (killed) or goes silent (`channel
 received and not yet trained stay queued here). Past the wait the trainer raises `RolloutJobLost`, and the loop
 saves before it stops. A trainer that dies restarts from its checkpoint; the rollout job then discards what it
 sampled ahead and starts where the checkpoint's batch count says (jgrpo.rollout.rollout_job).
+
+With several processes, each trainer process has a link to every rollout process whose rows it trains
+(`process_links.trainer_sources`): a batch is received once every link has sent its part, joined in row order.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from jgrpo.parallel.mesh import SAMPLE_RULES
 from jgrpo.parallel.weight_buckets import send_weights
 from jgrpo.rewards.scorer import RewardResult
 from jgrpo.rollout.async_producer import Intake, Produced
+from jgrpo.rollout.process_links import join_rollouts, link_problem, rollout_targets, trainer_sources, weight_peers
 from jgrpo.rollout.records import Rollout
 from jgrpo.rollout.sources import DataExhausted
 from jgrpo.sampling.pool import SampleOutput
@@ -76,13 +80,17 @@ class RemoteRollouts(Intake):
         # Where a (re)connecting rollout job starts: after the last batch received, trained or not.
         self._received, self._received_state, self._prompt_width = first_index, data_state, prompt_width
         self._latest = None  # (params, version): the newest published weights, sent on every (re)connection
-        self._channel: Channel | None = None
-        self._pending: list[Channel] = []  # connections that passed the hello, for the trainer's thread to start
+        # The rollout job being served: its connection attempt's id, process count, and a channel per rollout
+        # process this trainer process takes rows from (`process_links.trainer_sources`).
+        self._job, self._rollouts, self._links = None, 0, {}
+        self._pending: list[tuple[str, int, int, Channel]] = []  # (job, processes, process, channel) welcomed
+        self._parts: dict[int, dict[int, dict]] = {}  # batch index -> rollout process -> its part's record
+        self._ready: collections.deque = collections.deque()  # whole records (and errors) not yet taken
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self.sync_bytes = 0  # weights sent since the last take (rollout/weight_sync_gb)
-        # Process 0 listens on rollout.endpoint; with several processes each other one on a port of its own,
-        # and each rollout process connects to its peer, the trainer process of its index (`peers`).
+        # Process 0 listens on rollout.endpoint; with several processes each other one on a port of its own, and
+        # each rollout process connects to the trainer processes whose rows it holds (`peers`).
         host, _ = parse_endpoint(self.endpoint)
         loopback = host.startswith("127.") or host == "localhost"
         first = jax.process_index() == 0
@@ -92,7 +100,6 @@ class RemoteRollouts(Intake):
         # rollout.weight_transfer jax: every process offers its buckets from a transfer server of its own (decided
         # by the config, not by a live connection: the gathers before an offer are collectives of all processes).
         self._transfer = DeviceTransfer() if config.rollout.weight_transfer == "jax" else None
-        self._stash: collections.deque = collections.deque()  # messages read while waiting for "weights_pulled"
         self._unstarted = False  # a connection adopted but not yet told where to start
         self._acceptor = threading.Thread(target=self._accept_loop, name="jgrpo-rollout-listener", daemon=True)
         self._acceptor.start()
@@ -108,7 +115,7 @@ class RemoteRollouts(Intake):
             try:
                 kind, body = channel.recv(timeout=HELLO_TIMEOUT_S)
                 differ = config_differences(self._resolved, body["config"]) if kind == "hello" else ["(no hello)"]
-                processes, process = body.get("processes", 1), body.get("process", 0)
+                processes, process, job = body.get("processes", 1), body.get("process", 0), body.get("job", "")
             except (ChannelClosed, TimeoutError, KeyError, TypeError, AttributeError) as e:
                 log.warning("a connection from %s said no hello (%s): closed", channel.peer, e)
                 channel.close()
@@ -117,13 +124,15 @@ class RemoteRollouts(Intake):
                 channel.close("the trainer is stopping")
                 continue
             reason = None
+            trainers, here = jax.process_count(), jax.process_index()
             if differ:
                 reason = (f"the rollout job's config differs from the trainer's in {', '.join(differ)} (all keys but "
                           "rollout.role must agree: start both jobs from the same config file)")
-            elif (processes, process) != (jax.process_count(), jax.process_index()):
-                reason = (f"the rollout job has {processes} processes and the trainer job {jax.process_count()} "
-                          f"(process {process} connected to trainer process {jax.process_index()}): give both jobs "
-                          "the same number of processes, each rollout process i connecting to trainer process i")
+            elif (problem := link_problem(trainers, processes)) is not None:
+                reason = problem
+            elif here not in rollout_targets(process, trainers, processes):
+                reason = (f"rollout process {process} of {processes} connected to trainer process {here} of "
+                          f"{trainers}, which does not train its rows")
             if reason:
                 log.warning("refused the rollout job at %s: %s", channel.peer, reason)
                 try:
@@ -132,44 +141,56 @@ class RemoteRollouts(Intake):
                     pass
                 channel.close("refused", linger_s=5.0)
                 continue
-            try:  # where the other rollout processes connect: their peers, the trainer process of each index
+            try:  # where the rollout processes connect: the trainer processes, in order
                 channel.send("welcome", {"peers": self.peers})
             except ChannelClosed:
                 continue
             with self._lock:
-                self._pending.append(channel)
+                self._pending.append((job, processes, process, channel))
 
-    def _connected(self) -> Channel:
-        """The live channel; a newly connected rollout job is told where to start and given the newest weights
-        first. Waits up to rollout.wait_timeout_s for one, else raises RolloutJobLost. With several processes they
-        decide together (small collectives): all wait until every one has its peer, then all start theirs."""
+    def _adopt(self, job: str, processes: int, process: int, channel: Channel) -> None:
+        """A welcomed connection joins the links: of the job being served, or of a new one (a restarted rollout
+        job), which replaces the old job's links and drops the parts of batches it had not sent whole."""
+        if job != self._job:
+            for old in self._links.values():
+                old.close("a restarted rollout job connected")
+            self._job, self._rollouts, self._links = job, processes, {}
+            self._parts.clear()  # the new job samples them again, from the first batch not received whole
+            self._ready = collections.deque(m for m in self._ready if m[0] == "record")  # received: trained
+        if process in self._links:
+            self._links[process].close("superseded by a newer connection")
+        self._links[process] = channel
+        self._unstarted = True
+
+    def _sources(self) -> list[int]:
+        """The rollout processes whose rows this trainer process trains (none before a job connects)."""
+        if self._job is None:
+            return []
+        return trainer_sources(jax.process_index(), jax.process_count(), self._rollouts)
+
+    def _connected(self) -> dict[int, Channel]:
+        """The live links; a newly connected rollout job is told where to start and given the newest weights first.
+        Waits up to rollout.wait_timeout_s for one, else raises RolloutJobLost. With several processes they decide
+        together (small collectives): all wait until every one has all its links, then all start them."""
         deadline = time.monotonic() + self.config.rollout.wait_timeout_s
         announced = False
         while True:
-            if self._channel is not None and self._channel.is_closed:
-                log.warning("two jobs: lost the rollout job (%s)", self._channel.closed_because)
-                self._channel = None
+            for process, channel in list(self._links.items()):
+                if channel.is_closed:
+                    log.warning("two jobs: lost rollout process %d (%s)", process, channel.closed_because)
+                    del self._links[process]
             with self._lock:
                 pending, self._pending = self._pending, []
-            for channel in pending[:-1]:  # only the newest connection counts
-                channel.close("superseded by a newer connection")
-            if pending:
-                if self._channel is not None:
-                    self._channel.close("a restarted rollout job connected")
-                self._channel, self._unstarted = pending[-1], True
-                # The old job's batches stashed during a weight send are received (and trained); anything else
-                # it said (an error) was about itself.
-                self._stash = collections.deque(m for m in self._stash if m[0] == "record")
-            live = self._channel is not None and not self._channel.is_closed
+            for welcomed in pending:
+                self._adopt(*welcomed)
+            live = self._job is not None and all(j in self._links for j in self._sources())
             waiting, starting, late = global_sum(np.asarray([not live, self._unstarted, time.monotonic() > deadline]))
             if not waiting:
-                if starting:  # every process sends (the weights' gathers are collectives), each to its own peer
+                if starting:  # every process sends (the weights' gathers are collectives), each to its own links
                     self._unstarted = False
-                    try:
-                        self._start_job(self._channel)
-                    except ChannelClosed:
-                        continue  # gone again: said at the loop's top, and waited for
-                return self._channel
+                    self._start_job()
+                    continue  # a link lost on the way is said at the loop's top, and waited for
+                return self._links
             if not announced:
                 announced = True
                 log.warning("two jobs: waiting up to %.0f s (rollout.wait_timeout_s) for the rollout job to connect "
@@ -181,14 +202,17 @@ class RemoteRollouts(Intake):
                                      "same config) and run the trainer again to resume")
             time.sleep(0.2)
 
-    def _start_job(self, channel: Channel) -> None:
-        log.info("two jobs: the rollout job at %s starts at batch %d", channel.peer, self._received)
-        try:
-            channel.send("start", {"first_index": self._received, "data_state": self._received_state,
-                                   "dropped": self.dropped, "prompt_width": self._prompt_width})
-        finally:  # also after a failed send: the other processes' weight gathers need this one's
-            if self._latest is not None:
-                self._send_weights(channel, *self._latest)
+    def _start_job(self) -> None:
+        for process, channel in self._links.items():
+            log.info("two jobs: the rollout job at %s starts at batch %d (rollout process %d)", channel.peer,
+                     self._received, process)
+            try:
+                channel.send("start", {"first_index": self._received, "data_state": self._received_state,
+                                       "dropped": self.dropped, "prompt_width": self._prompt_width})
+            except ChannelClosed:
+                pass
+        if self._latest is not None:  # (also after a failed start: the other processes' weight gathers need ours)
+            self._send_weights(*self._latest)
 
     # ------------------------------------------------------------------ weights and batches
 
@@ -196,59 +220,86 @@ class RemoteRollouts(Intake):
         """Newer weights for the rollout job: sent now if it is connected, else when it connects."""
         self._latest = (params, version)
         # A connection not yet started gets these weights right after its start message, not before it.
-        channel = None if self._unstarted else self._channel
-        if channel is None and jax.process_count() == 1:
+        if (self._unstarted or not self._links) and jax.process_count() == 1:
             return  # (with several processes every one takes part in the send's gathers, connected or not)
-        try:
-            self._send_weights(channel, params, version)
-        except ChannelClosed as e:
-            if channel is not None:  # (None: not connected or started yet, nothing to say)
-                log.warning("two jobs: the rollout job is gone (%s); the weights go out when it reconnects", e)
+        self._send_weights(params, version, started=not self._unstarted)
 
-    def _send_weights(self, channel: Channel | None, params, version: int) -> None:
-        def pulled(bucket: int) -> None:  # device to device: the rollout job says when it has pulled a bucket
+    def _send_weights(self, params, version: int, started: bool = True) -> None:
+        """To the rollout processes this trainer process serves weights (`process_links.weight_peers`)."""
+        peers = weight_peers(jax.process_index(), jax.process_count(), self._rollouts) if self._job is not None else []
+        channels = [self._links[j] for j in peers if j in self._links] if started else []
+
+        def pulled(channel: Channel, bucket: int) -> None:  # device to device: the receiver says when it pulled
             while True:
                 try:
-                    kind, body = channel.recv(timeout=self.config.rollout.wait_timeout_s)
+                    message = self._read(self._process_of(channel), channel, self.config.rollout.wait_timeout_s)
                 except TimeoutError:  # alive but not pulling: as gone (`_connected` waits for it to come back)
                     channel.close("no weights_pulled within rollout.wait_timeout_s")
                     raise ChannelClosed(f"the rollout job did not pull bucket {bucket}") from None
-                if kind == "weights_pulled" and (body["version"], body["bucket"]) == (version, bucket):
+                if message is not None and message[0] == "weights_pulled" and \
+                        (message[1]["version"], message[1]["bucket"]) == (version, bucket):
                     return
-                if kind == "record":  # a batch sent meanwhile: received (a restarted job starts after it), and
-                    self._received, self._received_state = body["index"] + 1, body["data_state"]
-                self._stash.append((kind, body))  # `_next` takes it first
 
-        sent = send_weights(channel, params, version=version, bucket_bytes=self.config.rollout.sync_bucket_mb << 20,
-                            extra={"dropped": self.dropped}, transfer=self._transfer, pulled=pulled,
-                            pull_timeout_s=self.config.rollout.wait_timeout_s)
+        try:
+            sent = send_weights(channels, params, version=version,
+                                bucket_bytes=self.config.rollout.sync_bucket_mb << 20, extra={"dropped": self.dropped},
+                                transfer=self._transfer, pulled=pulled,
+                                pull_timeout_s=self.config.rollout.wait_timeout_s)
+        except ChannelClosed as e:
+            log.warning("two jobs: the rollout job is gone (%s); the weights go out when it reconnects", e)
+            return
         self.sync_bytes += sent["bytes"]
+
+    def _process_of(self, channel: Channel) -> int:
+        return next(j for j, c in self._links.items() if c is channel)
+
+    def _read(self, process: int, channel: Channel, timeout: float):
+        """One message from rollout process `process`: a record part is kept until its batch is whole (then the
+        joined record joins `_ready`, and the batch counts as received: a restarted job starts after it); an error
+        joins `_ready`; anything else is returned."""
+        kind, body = channel.recv(timeout=timeout)
+        if kind == "error":
+            self._ready.append((kind, body))
+        elif kind == "record":
+            parts = self._parts.setdefault(body["index"], {})
+            parts[process] = body
+            sources = self._sources()
+            if all(j in parts for j in sources):
+                del self._parts[body["index"]]
+                whole = dict(parts[sources[0]], rollout=join_rollouts([parts[j]["rollout"] for j in sources]))
+                self._received, self._received_state = whole["index"] + 1, whole["data_state"]
+                self._ready.append(("record", whole))
+        else:
+            return kind, body
+        return None
 
     def _next(self):
         while True:
-            channel = self._connected()
+            if self._ready:
+                kind, body = self._ready.popleft()
+                if kind == "error":
+                    error = DataExhausted if body["type"] == "DataExhausted" else RuntimeError
+                    return error(f"the rollout job stopped: {body['message']}"), 0, 0.0
+                rollout = body["rollout"]
+                rollout.samples = rollout.samples.map(lambda x: to_global_rows(np.asarray(x), self.train_mesh,
+                                                                               SAMPLE_RULES, self.rows))
+                rollout.rewards = np.asarray(rollout.rewards)
+                return (Produced(rollout, body["version"], body["index"], body["data_state"]), body["queued"],
+                        body["idle"])
+            links = self._connected()
+            # The next part of the first batch not yet whole: from the first link that has not sent it.
+            have = self._parts.get(self._received, {})
+            process = next(j for j in self._sources() if j not in have)
             wait = self.config.rollout.wait_timeout_s
             try:
-                kind, body = self._stash.popleft() if self._stash else channel.recv(timeout=wait)
+                message = self._read(process, links[process], wait)
             except ChannelClosed:  # `_connected` says so and waits for the job to come back
                 continue
             except TimeoutError:  # alive (heartbeats) but no batch: a stuck sampler is as good as gone
-                raise RolloutJobLost(f"the rollout job at {channel.peer} sent no batch for {wait:.0f} s "
+                raise RolloutJobLost(f"the rollout job at {links[process].peer} sent no batch for {wait:.0f} s "
                                      "(rollout.wait_timeout_s): the trainer saved and stopped") from None
-            if kind == "error":
-                error = DataExhausted if body["type"] == "DataExhausted" else RuntimeError
-                return error(f"the rollout job stopped: {body['message']}"), 0, 0.0
-            if kind != "record":
-                log.warning("two jobs: ignored a %r message from the rollout job", kind)
-                continue
-            self._received, self._received_state = body["index"] + 1, body["data_state"]
-            rollout = body["rollout"]
-            samples = rollout.samples.map(lambda x: to_global_rows(np.asarray(x), self.train_mesh, SAMPLE_RULES,
-                                                                   self.rows))
-            rollout.samples = samples
-            rollout.rewards = np.asarray(rollout.rewards)
-            return (Produced(rollout, body["version"], body["index"], body["data_state"]), body["queued"],
-                    body["idle"])
+            if message is not None:
+                log.warning("two jobs: ignored a %r message from the rollout job", message[0])
 
     def take(self, iteration: int):
         produced, metrics = super().take(iteration)
@@ -259,13 +310,15 @@ class RemoteRollouts(Intake):
         """Stop listening; `run_over`: tell the rollout job the run is over (it exits 0), else (preempted, or an
         error) just go, and the rollout job waits for the trainer to come back."""
         self._stopping.set()
-        if self._channel is not None and not self._channel.is_closed:
+        for channel in self._links.values():
+            if channel.is_closed:
+                continue
             if run_over:
                 try:
-                    self._channel.send("stop")
+                    channel.send("stop")
                 except ChannelClosed:
                     pass
-            self._channel.close("the trainer is done" if run_over else "the trainer stops", linger_s=5.0 * run_over)
+            channel.close("the trainer is done" if run_over else "the trainer stops", linger_s=5.0 * run_over)
         self._acceptor.join()
         self._listener.close()
 

@@ -9,8 +9,9 @@ trainer as a record, while this thread receives the weights of each publish. It 
 `run.output_dir`; its rollout metrics travel in the records.
 
 With several processes, process 0 connects first and learns the trainer processes' addresses; each process then
-talks to the trainer process of its index (its records are its own rows), and process 0 decides which weights
-sample each batch (`AsyncRollouts(agree=...)`), so all run the same programs.
+talks to the trainer processes that train its rows (`process_links`: one, or several when the trainer job has
+more processes, each getting its part of the record), takes weights from the first of them, and process 0
+decides which weights sample each batch (`AsyncRollouts(agree=...)`), so all run the same programs.
 
 The trainer's end ("stop") ends it with status 0. A trainer that dies (its socket closes, or it goes silent)
 is reconnected to for up to `rollout.wait_timeout_s` (then it exits with status 4): the batches sampled ahead
@@ -23,18 +24,20 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import uuid
 
 import jax
 
 from jgrpo.config import ConfigError
 from jgrpo.config.loading import to_dict
-from jgrpo.parallel.channel import ChannelClosed, NoPeer, connect
+from jgrpo.parallel.channel import Channel, ChannelClosed, NoPeer, connect
 from jgrpo.parallel.device_transfer import DeviceTransfer
 from jgrpo.parallel.host_arrays import broadcast_json, local_rows
 from jgrpo.parallel.mesh import make_meshes, replicated
 from jgrpo.parallel.weight_buckets import receive_weights
 from jgrpo.rollout.async_producer import AGREE_POLL_S, AsyncRollouts
 from jgrpo.rollout.collect import Scoring
+from jgrpo.rollout.process_links import rollout_targets, split_rollout
 from jgrpo.rollout.remote import CODEC
 from jgrpo.rollout.run_parts import load_run_parts
 from jgrpo.rollout.sampling_weights import SamplingWeights
@@ -73,7 +76,7 @@ class RolloutJob:
         r = self.config.rollout
         while True:
             try:
-                channel, start = self._connect()
+                channels, start = self._connect()
             except TrainerGone as e:
                 log.error("%s", e)
                 return EXIT_TRAINER_GONE
@@ -82,23 +85,27 @@ class RolloutJob:
                 time.sleep(1.0)
                 continue
             try:
-                if self._serve(channel, start):
+                if self._serve(channels, start):
                     return 0
             except (ChannelClosed, TimeoutError) as e:  # (a weights bucket that never came: as gone)
                 log.warning("the trainer at %s is gone (%s): reconnecting for up to %.0f s (rollout.wait_timeout_s)",
                             r.endpoint, e, r.wait_timeout_s)
             finally:
-                channel.close()
+                for channel in channels:
+                    channel.close()
 
-    def _connect(self):
-        """(channel, the trainer's start message). Process 0 connects to rollout.endpoint and is welcomed with the
-        trainer processes' addresses; every other process then connects to its own peer (the trainer process of
-        its index). Process 0's outcome reaches the others by a broadcast every AGREE_POLL_S (no collective waits
-        long), so all go on, retry or stop together. The start comes once every trainer process has its peer."""
+    def _connect(self) -> tuple[list[Channel], dict]:
+        """(a channel to each trainer process this process sends rows to, in row order; the trainer's start
+        message). Process 0 connects to rollout.endpoint and is welcomed with the trainer processes' addresses;
+        then every process connects to the trainer processes that train its rows (`process_links`). Process 0's
+        outcome reaches the others by a broadcast every AGREE_POLL_S (no collective waits long), so all go on,
+        retry or stop together. The start comes once every trainer process has all its links. Every connection of
+        one attempt carries the attempt's id: a trainer tells a restarted job's links from the old ones by it."""
         r, first = self.config.rollout, jax.process_index() == 0
         attempt: dict = {}
         if first:
-            threading.Thread(target=self._welcome, args=(r.endpoint, attempt), daemon=True).start()
+            job = uuid.uuid4().hex
+            threading.Thread(target=self._welcome, args=(r.endpoint, attempt, job), daemon=True).start()
         while (outcome := broadcast_json(attempt.get("outcome"))) is None:
             time.sleep(AGREE_POLL_S)
         if "gone" in outcome:
@@ -108,27 +115,36 @@ class RolloutJob:
             raise ConfigError(outcome["refused"])
         if "again" in outcome:  # `run` connects again
             raise ChannelClosed(outcome["again"])
-        if first:
-            channel = attempt["channel"]
-        else:
-            welcome: dict = {}
-            self._welcome(outcome["peers"][jax.process_index()], welcome)
-            if "peers" not in welcome["outcome"]:
-                raise ChannelClosed(f"trainer process {jax.process_index()}: {welcome['outcome']}")
-            channel = welcome["channel"]
-        kind, body = channel.recv(timeout=r.wait_timeout_s)
-        if kind != "start":
-            raise ChannelClosed(f"expected the trainer's start, got a {kind!r} message")
-        return channel, body
+        peers, job = outcome["peers"], outcome["job"]
+        channels = []
+        try:
+            for trainer in rollout_targets(jax.process_index(), len(peers), jax.process_count()):
+                if first and trainer == 0:
+                    channels.append(attempt["channel"])
+                    continue
+                welcome: dict = {}
+                self._welcome(peers[trainer], welcome, job)
+                if "peers" not in welcome["outcome"]:
+                    raise ChannelClosed(f"trainer process {trainer}: {welcome['outcome']}")
+                channels.append(welcome["channel"])
+            starts = [channel.recv(timeout=r.wait_timeout_s) for channel in channels]
+            if any(kind != "start" for kind, _ in starts):
+                raise ChannelClosed(f"expected the trainer's start, got {[kind for kind, _ in starts]}")
+        except BaseException:
+            for channel in channels:
+                channel.close()
+            raise
+        return channels, starts[0][1]
 
-    def _welcome(self, endpoint: str, attempt: dict) -> None:
-        """Connect to `endpoint` and say hello; attempt["outcome"] = {"peers"}, or why not ("gone": no trainer
-        for rollout.wait_timeout_s, "refused": another config, "again": closed on the way)."""
+    def _welcome(self, endpoint: str, attempt: dict, job: str) -> None:
+        """Connect to `endpoint` and say hello; attempt["outcome"] = {"peers", "job"}, or why not ("gone": no
+        trainer for rollout.wait_timeout_s, "refused": another config or process count, "again": closed on the
+        way)."""
         channel = None
         try:
             channel = connect(endpoint, CODEC, wait_s=self.config.rollout.wait_timeout_s)
             channel.send("hello", {"config": to_dict(self.config), "process": jax.process_index(),
-                                   "processes": jax.process_count()})
+                                   "processes": jax.process_count(), "job": job})
             kind, body = channel.recv(timeout=self.config.rollout.wait_timeout_s)
             if kind == "refused":
                 attempt["outcome"] = {"refused": f"the trainer at {endpoint} refused this rollout job: "
@@ -136,7 +152,7 @@ class RolloutJob:
             elif kind != "welcome":
                 raise ChannelClosed(f"expected the trainer's welcome, got a {kind!r} message")
             else:
-                attempt["channel"], attempt["outcome"] = channel, {"peers": body["peers"]}
+                attempt["channel"], attempt["outcome"] = channel, {"peers": body["peers"], "job": job}
                 return
         except NoPeer as e:
             attempt["outcome"] = {"gone": str(e)}
@@ -145,8 +161,9 @@ class RolloutJob:
         if channel is not None:
             channel.close()
 
-    def _serve(self, channel, body: dict) -> bool:
-        """One connection: True when the trainer ended the run, False (or ChannelClosed) when it went away."""
+    def _serve(self, channels: list[Channel], body: dict) -> bool:
+        """One connection: True when the trainer ended the run, False (or ChannelClosed) when it went away. The
+        weights come from the first channel's trainer process; the rows go to each channel's, a part each."""
         if body["data_state"] is not None:
             self.source.set_data_state(body["data_state"])
         # What was sampled at or after the start (queued here, or sent to a trainer that died before training
@@ -158,9 +175,10 @@ class RolloutJob:
                                  prompt_width=body["prompt_width"],
                                  agree=broadcast_json if jax.process_count() > 1 else None)
         stop = threading.Event()
-        forwarder = threading.Thread(target=self._forward, args=(producer, channel, stop), daemon=True,
+        forwarder = threading.Thread(target=self._forward, args=(producer, channels, stop), daemon=True,
                                      name="jgrpo-rollout-forwarder")
         forwarder.start()
+        channel = channels[0]
         try:
             while True:
                 kind, body = channel.recv()
@@ -173,13 +191,15 @@ class RolloutJob:
                     del params
         finally:
             stop.set()
-            channel.close()  # first: a forwarder blocked in a send to a trainer that stopped reading returns
+            for link in channels:  # first: a forwarder blocked in a send to a trainer that stopped reading returns
+                link.close()
             producer.close()  # after the batch being sampled, if any
             forwarder.join()
             self._drawn = producer.drawn
 
-    def _forward(self, producer: AsyncRollouts, channel, stop: threading.Event) -> None:
-        """Send each sampled batch to the trainer, in order, until `stop` or the channel closes."""
+    def _forward(self, producer: AsyncRollouts, channels: list[Channel], stop: threading.Event) -> None:
+        """Send each sampled batch to the trainer, in order, until `stop` or a channel closes: the rows of each
+        trainer process that trains some of this process's rows to it."""
         while not stop.is_set():
             got = producer.next_sampled(timeout=0.5)
             if got is None:
@@ -187,21 +207,25 @@ class RolloutJob:
             item, queued, idle = got
             try:
                 if isinstance(item, BaseException):
-                    channel.send("error", {"type": type(item).__name__, "message": str(item)})
+                    for channel in channels:
+                        channel.send("error", {"type": type(item).__name__, "message": str(item)})
                     return
                 rollout = item.rollout
                 rollout.samples = rollout.samples.map(local_rows)
                 rollout.metrics = {**rollout.metrics, "rollout/discarded_on_resume": float(self.discarded)}
-                channel.send("record", {"index": item.index, "version": item.version, "data_state": item.data_state,
-                                        "queued": queued, "idle": idle, "rollout": rollout})
+                for channel, part in zip(channels, split_rollout(rollout, len(channels)), strict=True):
+                    channel.send("record", {"index": item.index, "version": item.version,
+                                            "data_state": item.data_state, "queued": queued, "idle": idle,
+                                            "rollout": part})
             except ChannelClosed:  # this batch never reached the trainer: the next start says where to go on
                 return
             except Exception as e:  # noqa: BLE001 - the trainer must hear of it, not wait for a batch forever
                 log.exception("could not send a batch to the trainer")
-                try:
-                    channel.send("error", {"type": type(e).__name__, "message": f"sending a batch failed: {e}"})
-                except ChannelClosed:
-                    pass
+                for channel in channels:
+                    try:
+                        channel.send("error", {"type": type(e).__name__, "message": f"sending a batch failed: {e}"})
+                    except ChannelClosed:
+                        pass
                 return
 
     def close(self) -> None:

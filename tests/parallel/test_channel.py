@@ -156,14 +156,14 @@ def test_weights_arrive_bit_for_bit_in_the_receivers_sharding(bucket_bytes, path
     sending, receiving = (DeviceTransfer(), DeviceTransfer()) if path == "jax" else (None, None)
     acks = []
 
-    def pulled(bucket):
-        kind, body = client.recv(timeout=10)
+    def pulled(channel, bucket):
+        kind, body = channel.recv(timeout=10)
         assert kind == "weights_pulled" and body == {"version": 3, "bucket": bucket}
         acks.append(bucket)
 
     result = {}
     thread = threading.Thread(target=lambda: result.update(sent=send_weights(
-        client, params, version=3, bucket_bytes=bucket_bytes, extra={"dropped": 1}, transfer=sending, pulled=pulled)))
+        [client], params, version=3, bucket_bytes=bucket_bytes, extra={"dropped": 1}, transfer=sending, pulled=pulled)))
     thread.start()
     kind, header = server.recv(timeout=10)
     assert kind == "weights" and header["version"] == 3 and header["extra"] == {"dropped": 1}
@@ -184,9 +184,9 @@ def test_weights_arrive_bit_for_bit_in_the_receivers_sharding(bucket_bytes, path
 
 def test_a_receiver_without_a_transfer_server_refuses_device_to_device_weights():
     server, client = _pair()
-    thread = threading.Thread(target=send_weights, args=(client, {"w": jnp.zeros((2, 3))}),
+    thread = threading.Thread(target=send_weights, args=([client], {"w": jnp.zeros((2, 3))}),
                               kwargs={"version": 0, "bucket_bytes": 1 << 20, "transfer": DeviceTransfer(),
-                                      "pulled": lambda bucket: None})
+                                      "pulled": lambda channel, bucket: None})
     thread.start()
     _, header = server.recv(timeout=10)
     thread.join()
@@ -194,9 +194,34 @@ def test_a_receiver_without_a_transfer_server_refuses_device_to_device_weights()
         receive_weights(server, header, {"w": jnp.zeros((2, 3))}, {"w": None})
 
 
+def test_weights_go_to_several_receivers_and_one_gone_leaves_the_others_theirs():
+    """A trainer process serving several rollout processes: each gets every bucket; one whose channel is gone is
+    dropped, the send goes on to the others and says so at the end."""
+    params = {"w": jnp.arange(48, dtype=jnp.float32).reshape(8, 6), "b": jnp.ones((3,), jnp.bfloat16)}
+    (server_a, client_a), (server_b, client_b), (server_c, client_c) = _pair(), _pair(), _pair()
+    server_b.close()  # gone before the send
+    result = {}
+
+    def send():
+        try:
+            send_weights([client_a, client_b, client_c], params, version=1, bucket_bytes=64)
+        except ChannelClosed as e:
+            result["lost"] = e
+
+    thread = threading.Thread(target=send)
+    thread.start()
+    for server in (server_a, server_c):
+        _, header = server.recv(timeout=10)
+        got = receive_weights(server, header, params, jax.tree.map(lambda x: x.sharding, params), timeout=10)
+        for key in params:
+            np.testing.assert_array_equal(_bits(got[key]), _bits(params[key]))
+    thread.join()
+    assert "lost" in result
+
+
 def test_weights_for_other_params_are_refused_naming_the_leaf():
     server, client = _pair()
-    send_weights(client, {"w": jnp.zeros((2, 3), jnp.bfloat16)}, version=0, bucket_bytes=1 << 20)
+    send_weights([client], {"w": jnp.zeros((2, 3), jnp.bfloat16)}, version=0, bucket_bytes=1 << 20)
     _, header = server.recv(timeout=10)
     with pytest.raises(WeightsRefused, match=r"\['w'\]: this job expects \[2, 3\] float32"):
         receive_weights(server, header, {"w": jnp.zeros((2, 3), jnp.float32)}, {"w": None})
@@ -208,7 +233,7 @@ def test_host_memory_stays_within_a_few_buckets():
     server, client = _pair()
     tracemalloc.start()
     try:
-        thread = threading.Thread(target=send_weights, args=(client, params),
+        thread = threading.Thread(target=send_weights, args=([client], params),
                                   kwargs={"version": 0, "bucket_bytes": bucket})
         thread.start()
         _, header = server.recv(timeout=10)

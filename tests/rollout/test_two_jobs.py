@@ -14,6 +14,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import jax
@@ -22,7 +23,8 @@ import pytest
 
 from jgrpo.config import ConfigError
 from jgrpo.config.loading import to_dict
-from jgrpo.parallel.channel import connect
+from jgrpo.parallel.channel import ChannelClosed, connect
+from jgrpo.rollout.process_links import split_rollout
 from jgrpo.rollout.remote import CODEC, RemoteRollouts, RolloutJobLost, config_differences
 from jgrpo.training.metrics_log import read_jsonl, read_metrics
 from jgrpo.training.trainer import Trainer
@@ -130,7 +132,7 @@ def test_two_jobs_match_one_job_and_survive_a_killed_rollout_job(tmp_path):
     log, _ = trainer.communicate(timeout=600)
     assert trainer.returncode == 0 and "preemption requested" in log, log[-4000:]
     # The trainer saw the job go, and told the new one to start at the first batch it had not received.
-    assert "lost the rollout job" in log, log[-4000:]
+    assert "lost rollout process 0" in log, log[-4000:]
     starts = re.findall(r"the rollout job at \S+ starts at batch (\d+)", log)
     assert len(starts) == 2 and starts[0] == "0" and int(starts[1]) >= 2, starts
     time.sleep(2)
@@ -206,23 +208,27 @@ def test_a_killed_trainer_resumes_and_the_rollout_job_discards_what_it_sampled_a
 
 @pytest.mark.pod
 @pytest.mark.slow
-def test_two_processes_per_job_sample_and_train_as_one_process_per_job(tmp_path):
-    one, two = tmp_path / "one_each", tmp_path / "two_each"
+@pytest.mark.parametrize("trainers, rollouts", [(2, 2), (2, 1), (1, 2)])
+def test_several_processes_per_job_sample_and_train_as_one_process_per_job(tmp_path, trainers, rollouts):
+    """2 + 2 processes (each rollout process sends its rows to its trainer process), 2 trainer + 1 rollout (the
+    rollout process cuts its record in two) and 1 + 2 (the trainer process joins two), against 1 + 1."""
+    one, two = tmp_path / "one_each", tmp_path / "several"
     # As tests/parallel/test_multihost.py: a small learning rate and a larger Adam eps, so that a gradient entry
     # that is ~0 up to the collectives' rounding does not become a step of +-lr with either sign.
     first = ["run.iterations=3", "checkpoint.every=1", "checkpoint.keep=3", "optim.learning_rate=1e-4",
              "optim.eps=1e-5"]
     e1, e2 = (f"rollout.endpoint=127.0.0.1:{_free_port()}" for _ in range(2))
     reference = [_job(one, role, e1, *first, devices=1) for role in ("trainer", "rollout")]
-    worlds = {role: f"127.0.0.1:{_free_port()}" for role in ("trainer", "rollout")}
-    # The two-process jobs move the weights device to device (each trainer process gathers every bucket on its
-    # first device across the processes, its peer pulls it); the one-process reference through the host.
-    jobs = [_job(two, role, e2, *first, "rollout.weight_transfer=jax", devices=1, process=(worlds[role], 2, i))
-            for role in ("trainer", "rollout") for i in range(2)]
+    counts = {"trainer": trainers, "rollout": rollouts}
+    worlds = {role: f"127.0.0.1:{_free_port()}" for role in counts}
+    # The multi-process jobs move the weights device to device (each trainer process gathers every bucket on its
+    # first device across the processes, the rollout processes it serves pull it); the reference through the host.
+    jobs = [_job(two, role, e2, *first, "rollout.weight_transfer=jax", devices=1,
+                 process=None if n == 1 else (worlds[role], n, i)) for role, n in counts.items() for i in range(n)]
     _finish([*jobs, *reference], timeout=900)
-    # Process 0 logs its own prompts (the first half of each batch): the same prompts, in the same iterations.
+    # Trainer process 0 logs its own prompts (the first 4 / trainers of each batch): the same prompts, iterations.
     for mine, theirs in zip(_prompts_by_iteration(two), _prompts_by_iteration(one), strict=True):
-        assert len(mine) == 2 and set(mine) <= set(theirs)
+        assert len(mine) == 4 // trainers and set(mine) <= set(theirs)
     # After the first iteration the same params up to the collectives' rounding (later ones sample from params
     # that differ by rounding, and a draw near a boundary may then differ).
     for g, w in zip(jax.tree.leaves(_params(two, 1)), jax.tree.leaves(_params(one, 1)), strict=True):
@@ -231,3 +237,55 @@ def test_two_processes_per_job_sample_and_train_as_one_process_per_job(tmp_path)
     moved = max(float(np.abs(a - b).max()) for a, b in zip(jax.tree.leaves(_params(two, 3)),
                                                           jax.tree.leaves(_params(two, 1)), strict=True))
     assert moved > 1e-5, "the params did not change: the comparison would prove nothing"
+
+
+def test_a_trainer_process_joins_the_parts_of_two_rollout_processes_in_row_order(tmp_path):
+    """1 trainer process, 2 rollout processes (spoken for by this test): each sends its rows of a batch as a part;
+    the trainer takes the batch once both parts are in, joined in the rollout processes' order. A connection of an
+    older attempt (a job since restarted) is closed when the new one's links are adopted."""
+    from jgrpo.parallel.mesh import make_mesh
+    from tests.rollout.test_process_links import _rollout
+
+    port = _free_port()
+    config = tiny_config(tmp_path, *ASYNC, "rollout.role=trainer", f"rollout.endpoint=127.0.0.1:{port}")
+    intake = RemoteRollouts(config, first_index=0, dropped=0, data_state=None, prompt_width=8,
+                            train_mesh=make_mesh(config.mesh))
+    whole = _rollout(prompts=config.data.batch_size, group=config.grpo.num_generations)
+    whole.samples = whole.samples._replace(prompt_routing=None)
+    parts = split_rollout(whole, 2)
+
+    def link(process, job, processes=2):
+        channel = connect(f"127.0.0.1:{port}", CODEC, wait_s=10)
+        channel.send("hello", {"config": to_dict(config), "processes": processes, "process": process, "job": job})
+        return channel
+
+    def send(channel, index, part):
+        channel.send("record", {"index": index, "version": index, "data_state": {"next": index + 1}, "queued": 0,
+                                "idle": 0.0, "rollout": part})
+
+    try:
+        old = link(0, "old")
+        assert old.recv(timeout=30)[0] == "welcome"
+        # The old job is replaced before its other process connects; its part of batch 0 is dropped.
+        new = [link(p, "new") for p in (1, 0)]
+        assert [c.recv(timeout=30)[0] for c in new] == ["welcome", "welcome"]
+        taken = {}
+
+        def take():
+            taken["produced"], _ = intake.take(0)
+
+        taker = threading.Thread(target=take)
+        taker.start()
+        assert [c.recv(timeout=30)[0] for c in new] == ["start", "start"]
+        with pytest.raises(ChannelClosed):
+            old.recv(timeout=30)
+        send(new[0], 0, parts[1])  # rollout process 1's part first: joined in row order all the same
+        send(new[1], 0, parts[0])
+        taker.join(timeout=60)
+        produced = taken["produced"]
+        assert (produced.index, produced.version, produced.data_state) == (0, 0, {"next": 1})
+        assert produced.rollout.completions == whole.completions and produced.rollout.prompts == whole.prompts
+        np.testing.assert_array_equal(np.asarray(produced.rollout.samples.tokens), whole.samples.tokens)
+        assert produced.rollout.scores.failures == whole.scores.failures
+    finally:
+        intake.close()
