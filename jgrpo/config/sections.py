@@ -148,6 +148,9 @@ class SamplerConfig:
     # The decode step's layer loop: unrolled over per-layer weights and caches (no per-step copies on CPU), or
     # one lax.scan over the stacked ones (one layer to compile); auto = by platform (docs/configuration.md).
     decode_layers: Literal["auto", "unrolled", "scanned"] = "auto"
+    # The decode attention's softmax: whole (one over all cache slots) or segments (one per cache segment, merged
+    # by log-sum-exp: no [rows, heads, slots] array leaves the chip); auto = by platform (docs/configuration.md).
+    decode_softmax: Literal["auto", "whole", "segments"] = "auto"
     # How a token is drawn from the processed distribution (same distribution, different cost per backend):
     # inverse_cdf, gumbel or categorical; auto = by platform (docs/configuration.md).
     draw: Literal["auto", "inverse_cdf", "gumbel", "categorical"] = "auto"

@@ -20,6 +20,7 @@ the same softmax over the same allowed slots), so the two paths agree to float r
 
 from __future__ import annotations
 
+import functools
 import itertools
 from typing import NamedTuple
 
@@ -44,6 +45,20 @@ DECODE_LAYERS_AUTO = {"cpu": "unrolled", "tpu": "scanned", "gpu": "unrolled", "o
 # DeepScaleR 1.5B's int8 cache, 55.9 GB of s8 at its last step for a 1.9 GB cache (docs/configuration.md). GPU: not
 # measured, the float default kept.
 DECODE_LAYERS_AUTO_INT8 = {**DECODE_LAYERS_AUTO, "tpu": "unrolled"}
+
+
+DECODE_SOFTMAX = ("whole", "segments")
+# What `sampler.decode_softmax: auto` picks by platform. TPU: an unrolled decode with one softmax over all slots
+# writes each layer's [rows, heads, slots] f32 scores to HBM and reads them back; per segment they stay on chip.
+# DeepScaleR 1.5B, v5e:2x4, last step: int8 weights + int8 cache 4.43 -> 3.99 GB, bf16 unrolled 7.88 -> 7.35 GB,
+# bf16 scanned 7.32 GB either way (docs/configuration.md). CPU, GPU: not measured to gain, the old form kept (the
+# samples move by float rounding between the two).
+DECODE_SOFTMAX_AUTO = {"cpu": "whole", "tpu": "segments", "gpu": "whole", "other": "whole"}
+
+
+def resolve_decode_softmax(choice: str, platform: str) -> str:
+    """`sampler.decode_softmax` ("auto", "whole" or "segments") on devices of `platform`."""
+    return resolve("sampler.decode_softmax", choice, DECODE_SOFTMAX, DECODE_SOFTMAX_AUTO, platform)
 
 
 def resolve_decode_layers(choice: str, platform: str, int8: bool = False) -> str:
@@ -88,14 +103,16 @@ def decode_cache(prompts: KVCache, chunks: int, chunk_len: int, stacked: bool = 
     return kv_quant.per_part(lambda p: DecodeCache(segments(p.k), segments(p.v)), prompts)
 
 
-def _attend_one(q: jax.Array, ks: tuple, vs: tuple, allowed: jax.Array) -> jax.Array:
+def _attend_one(q: jax.Array, ks: tuple, vs: tuple, allowed: jax.Array, merged: bool = False) -> jax.Array:
     """Grouped-query attention of one new token over cache segments.
 
     q: [B, 1, H, Dh]; ks, vs: segments [B, KVH, S_i, Dh] in the compute dtype, or `kv_quant.Int8KV`s; allowed:
-    [B, sum S_i] bool. One softmax over all the segments' slots, so this equals attention over their
-    concatenation (without building it). Int8 segments are read as int8: a key's scale multiplies its scores, a
-    value's its probabilities, so the dots take the int8 values (converted inside the dot) and nothing
-    dequantized is built.
+    [B, sum S_i] bool. Equals attention over the segments' concatenation (without building it). Int8 segments
+    are read as int8: a key's scale multiplies its scores, a value's its probabilities, so the dots take the int8
+    values (converted inside the dot) and nothing dequantized is built.
+
+    `merged` (`sampler.decode_softmax: segments`): each segment's softmax alone, merged by log-sum-exp
+    (flash-decoding's rule), so no array spans all the slots; else one softmax over the concatenated scores.
     """
     B, _, H, Dh = q.shape
     KVH = ks[0].shape[1]
@@ -110,24 +127,49 @@ def _attend_one(q: jax.Array, ks: tuple, vs: tuple, allowed: jax.Array) -> jax.A
     def scores_of(k):
         k, scale = operand(k)
         s = jnp.einsum("bkgd,bksd->bkgs", q, k, preferred_element_type=jnp.float32)
-        return s if scale is None else s * scale
+        return (s if scale is None else s * scale) * Dh**-0.5
 
-    scores = jnp.concatenate([scores_of(k) for k in ks], axis=-1) * Dh**-0.5
-    scores = jnp.where(allowed[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1)
-    bounds = list(itertools.accumulate(v.shape[2] for v in vs))[:-1]
-    out = 0
-    for p, v in zip(jnp.split(probs, bounds, axis=-1), vs, strict=True):
+    def values_of(p, v, out_type=None):
         v, scale = operand(v)
-        out = out + jnp.einsum("bkgs,bksd->bkgd", (p if scale is None else p * scale).astype(cdt), v)
+        return jnp.einsum("bkgs,bksd->bkgd", (p if scale is None else p * scale).astype(cdt), v,
+                          preferred_element_type=out_type)
+
+    lowest = jnp.finfo(jnp.float32).min
+    starts = list(itertools.accumulate((k.shape[2] for k in ks), initial=0))
+    if merged:
+        # Per segment i: m_i its largest score, l_i = sum exp(s - m_i), o_i = exp(s - m_i) @ v. The softmax over
+        # all slots is sum_i e^(m_i - m) o_i / sum_i e^(m_i - m) l_i with m = max_i m_i: a segment with no
+        # allowed slot has m_i = lowest and weighs e^(lowest - m) = 0 (a row with none at all: uniform, as below).
+        maxima, sums, outs = [], [], []
+        for start, k, v in zip(starts, ks, vs, strict=False):
+            scores = scores_of(k)
+            scores = jnp.where(allowed[:, None, None, start:start + scores.shape[-1]], scores, lowest)
+            m = scores.max(-1, keepdims=True)
+            p = jnp.exp(scores - m)
+            maxima.append(m)
+            sums.append(p.sum(-1, keepdims=True))
+            outs.append(values_of(p, v, jnp.float32))
+        m = functools.reduce(jnp.maximum, maxima)
+        weights = [jnp.exp(m_i - m) for m_i in maxima]
+        out = sum(w * o for w, o in zip(weights, outs, strict=True)) / sum(
+            w * l_i for w, l_i in zip(weights, sums, strict=True))
+        return out.astype(cdt).reshape(B, 1, H, Dh)
+    scores = jnp.concatenate([scores_of(k) for k in ks], axis=-1)
+    scores = jnp.where(allowed[:, None, None], scores, lowest)
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = 0
+    for p, v in zip(jnp.split(probs, starts[1:-1], axis=-1), vs, strict=True):
+        out = out + values_of(p, v)
     return out.reshape(B, 1, H, Dh)
 
 
-def _layer_step(cfg, p, x, cos, sin, allowed, k_segments, v_segments, chunk, offset, visible, layer=None, keep=None):
+def _layer_step(cfg, p, x, cos, sin, allowed, k_segments, v_segments, chunk, offset, visible, layer=None, keep=None,
+                merged=False):
     """One layer for one new token: write its keys/values into generated chunk `chunk` at slot `offset` and
     attend to the prompt and the first `visible` chunks. Segments are one layer's [B, KVH, S_i, Dh], or with
     `layer` (a traced index) the stacked [L, B, KVH, S_i, Dh], written and read at that layer. Rows where `keep`
-    ([B] bool) is set keep the slot's old keys/values (a paused turn's, still to be read). Returns the new
+    ([B] bool) is set keep the slot's old keys/values (a paused turn's, still to be read); `merged`: the softmax
+    per segment (`_attend_one`). Returns the new
     residual stream, the segments and the token's experts [B, k] (None for a dense layer)."""
     q, k, v = layer_qkv(cfg, p, x, cos, sin)  # q [B, 1, H, Dh]; k, v [B, 1, KVH, Dh]
     k_segments, v_segments = list(k_segments), list(v_segments)
@@ -151,7 +193,7 @@ def _layer_step(cfg, p, x, cos, sin, allowed, k_segments, v_segments, chunk, off
         return c if kv_quant.is_int8(c) else c.astype(cdt)
 
     read_k, read_v = (tuple(map(read, segments[:visible + 1])) for segments in (k_segments, v_segments))
-    attended = _attend_one(q, read_k, read_v, allowed)
+    attended = _attend_one(q, read_k, read_v, allowed, merged)
     x, ids, _ = layer_output(cfg, p, x, attended)
     return x, tuple(k_segments), tuple(v_segments), None if ids is None else ids[:, 0]
 
@@ -168,6 +210,7 @@ def decode_step(
     offset: jax.Array,  # [] int32: the slot written inside that chunk (the same for every row)
     visible: int,  # static: the step reads the prompt and chunks 0 .. visible - 1 only
     keep: jax.Array | None = None,  # [B] bool: rows whose slot keeps its old keys/values (not written this step)
+    merged: bool = False,  # static: each segment's softmax merged by log-sum-exp (`sampler.decode_softmax`)
 ) -> tuple[jax.Array, DecodeCache, jax.Array | None]:
     """Feed one token per row: (final hidden state [B, D] after the final norm, the updated cache, the experts
     the token went to in each MoE layer [B, L, k], None for a dense model).
@@ -183,7 +226,7 @@ def decode_step(
     for p, k_segments, v_segments in zip(layers, cache.k, cache.v, strict=True):  # unrolled over layers
         p = compute_weights(p, cdt)
         x, k_segments, v_segments, ids = _layer_step(cfg, p, x, cos, sin, allowed, k_segments, v_segments, chunk,
-                                                     offset, visible, keep=keep)
+                                                     offset, visible, keep=keep, merged=merged)
         new_k.append(k_segments)
         new_v.append(v_segments)
         if ids is not None:  # a MoE layer
@@ -194,7 +237,7 @@ def decode_step(
 
 
 def decode_step_scanned(cfg: LLMConfig, params: dict, tokens, positions, allowed, cache: DecodeCache,
-                        chunk: int, offset, visible: int, keep=None):
+                        chunk: int, offset, visible: int, keep=None, merged: bool = False):
     """`decode_step` with the layers under one `lax.scan` over the stacked weights `params["layers"]` and a
     stacked cache (`decode_cache(..., stacked=True)`), written in place in the scan's carry.
 
@@ -211,7 +254,7 @@ def decode_step_scanned(cfg: LLMConfig, params: dict, tokens, positions, allowed
         x, k_segments, v_segments = carry
         p = compute_weights(p, cdt)
         *carry, ids = _layer_step(cfg, p, x, cos, sin, allowed, k_segments, v_segments, chunk, offset, visible,
-                                  layer=index, keep=keep)
+                                  layer=index, keep=keep, merged=merged)
         return tuple(carry), ids
 
     (x, k_segments, v_segments), routing = scan_layers(cfg, layer, (x, k_segments, v_segments), params["layers"])

@@ -15,7 +15,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jgrpo.models import kv_quant
-from jgrpo.models.decode import DecodeCache, resolve_decode_layers
+from jgrpo.models.decode import DecodeCache, resolve_decode_layers, resolve_decode_softmax
 from jgrpo.models.kv_quant import resolve_kv_dtype
 from jgrpo.models.layer_stack import moe_layer_count
 from jgrpo.parallel.mesh import Rules, logical_to_spec, mesh_platform, row_sharding
@@ -77,7 +77,8 @@ def plan_and_layout(sampler, batch: int, prompt_len: int, cfg, interactive: bool
                 stop_ids=tuple(sorted({int(i) for i in s.stop_ids})), pad_id=int(s.pad_id), interactive=interactive,
                 turn_tokens=turn if interactive else 0,
                 append_width=min(s.max_new_tokens, 1 + (s.append_tokens or s.max_new_tokens)) if interactive else 0,
-                routing=routing_record(cfg), kv_dtype=resolve_kv_dtype(s.kv_cache_dtype, cfg.compute_dtype))
+                routing=routing_record(cfg), kv_dtype=resolve_kv_dtype(s.kv_cache_dtype, cfg.compute_dtype),
+                merged_softmax=resolve_decode_softmax(s.decode_softmax, platform(s.mesh)) == "segments")
     segment = prompt_len + s.max_new_tokens if interactive else prompt_len  # a slot's prompt segment
     if s.mesh is None:
         return plan, None

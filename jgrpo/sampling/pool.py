@@ -89,6 +89,7 @@ class Plan(NamedTuple):
     routing: tuple[int, int, str] | None = None
     # The KV cache's dtype (`sampler.kv_cache_dtype` resolved): a float dtype, or "int8" (models/kv_quant.py).
     kv_dtype: str = "float32"
+    merged_softmax: bool = False  # the decode's softmax per cache segment (`sampler.decode_softmax: segments`)
 
     @property
     def rows_per_queue(self) -> int:  # Rq

@@ -103,10 +103,11 @@ class Sampler:
     params in another layout (e.g. the FSDP training layout) are resharded first, once per call, and params
     already in the sampling layout are used as they are. `decode_chunk` sets the length of the cache chunks the
     decode attends to one by one (default: `pool.decode_chunking`'s choice), `decode_layers` whether the decode
-    step unrolls the layers or scans them (`models.decode`; "auto": by the platform), `slots` how many rows
-    decode at once (None: all of them, static batching; fewer: continuous batching). These change speed and
-    compile time, never the samples. `kv_cache_dtype` does change them ("int8": models/kv_quant.py). `cfg` is the
-    model's LLMConfig (None: read from the params at each call).
+    step unrolls the layers or scans them (`models.decode`; "auto": by the platform), `decode_softmax` whether its
+    attention takes one softmax over all cache slots or one per segment merged by log-sum-exp, `slots` how many
+    rows decode at once (None: all of them, static batching; fewer: continuous batching). These change speed and
+    compile time, the samples at most by float rounding. `kv_cache_dtype` does change them ("int8":
+    models/kv_quant.py). `cfg` is the model's LLMConfig (None: read from the params at each call).
     """
 
     graphdef: Any
@@ -120,6 +121,7 @@ class Sampler:
     slots: int | None = None
     decode_chunk: int | None = None
     decode_layers: str = "auto"
+    decode_softmax: str = "auto"  # "whole" or "segments" (`models.decode._attend_one`); "auto": by the platform
     kv_cache_dtype: str = "auto"  # "auto" (the model's compute dtype), "float32", "bfloat16" or "int8"
     cfg: Any = None
     turn_tokens: int | None = None  # the slot interface: tokens a turn may draw (None: max_new_tokens)
@@ -143,7 +145,7 @@ class Sampler:
                    method=SamplingMethod.from_config(config, platform(mesh)), num_samples=num_samples,
                    stop_ids=stop_ids, pad_id=pad_id, mesh=mesh, slots=config.slots or None,
                    decode_chunk=config.decode_chunk or None, decode_layers=config.decode_layers,
-                   kv_cache_dtype=config.kv_cache_dtype, cfg=cfg)
+                   decode_softmax=config.decode_softmax, kv_cache_dtype=config.kv_cache_dtype, cfg=cfg)
 
     def replace(self, **changes) -> Sampler:
         return dataclasses.replace(self, **changes)

@@ -191,9 +191,9 @@ def feed(spec: PoolSpec, w: Weights, prompts: PromptStore, pool: Pool, chunk: in
     keep = flat(sl.held) if plan.interactive else None
     args = (flat(sl.last), positions, allowed, pool.cache, chunk, offset, visible, keep)
     if plan.scanned:
-        hidden, cache, experts = decode_step_scanned(w.model.cfg, w.params, *args)
+        hidden, cache, experts = decode_step_scanned(w.model.cfg, w.params, *args, merged=plan.merged_softmax)
     else:
-        hidden, cache, experts = model_decode_step(w.model.cfg, w.params, w.layers, *args)
+        hidden, cache, experts = model_decode_step(w.model.cfg, w.params, w.layers, *args, merged=plan.merged_softmax)
     tokens, logprobs = draw(spec, prompts, w.model.logits(hidden).reshape(Q, Sq, -1), jnp.arange(Q)[:, None],
                             sl.row, sl.count)
     active = ~sl.done

@@ -58,6 +58,30 @@ def test_int8_attention_equals_attention_over_the_dequantized_cache():
     assert 1e-4 < float(jnp.max(jnp.abs(int8 - exact))) < 0.1  # quantized, and close
 
 
+@pytest.mark.parametrize("int8", [False, True], ids=["float", "int8"])
+def test_segments_softmax_merged_by_log_sum_exp_equals_one_softmax_over_all_slots(int8):
+    """`merged` (sampler.decode_softmax: segments): per-segment softmax merged by log-sum-exp == one softmax over
+    the concatenated scores, with a segment no row may read, a row that may read one segment only, and a row
+    that may read nothing (uniform over all slots either way)."""
+    keys = jax.random.split(jax.random.key(3), 7)
+    B, KVH, G, Dh = 4, 2, 3, 8
+    q = jax.random.normal(keys[0], (B, 1, KVH * G, Dh)) * 2
+    sizes = (5, 4, 3)
+    ks = tuple(jax.random.normal(keys[1 + i], (B, KVH, n, Dh)) * 3 for i, n in enumerate(sizes))
+    vs = tuple(jax.random.normal(keys[4 + i], (B, KVH, n, Dh)) for i, n in enumerate(sizes))
+    if int8:
+        ks, vs = tuple(map(kv_quant.quantize_kv, ks)), tuple(map(kv_quant.quantize_kv, vs))
+    allowed = np.random.default_rng(1).random((B, 12)) < 0.6
+    allowed[:, 9:] = False  # the last segment: nobody reads it
+    allowed[1] = np.arange(12) < 5  # the prompt segment only
+    allowed[2] = False  # nothing
+    allowed[0, 0] = True
+    one = _attend_one(q, ks, vs, jnp.asarray(allowed))
+    merged = _attend_one(q, ks, vs, jnp.asarray(allowed), merged=True)
+    np.testing.assert_allclose(merged, one, atol=2e-6, rtol=2e-6)
+    assert float(jnp.max(jnp.abs(one[0] - one[3]))) > 0.1  # rows differ: the comparison is not trivial
+
+
 @pytest.mark.parametrize("scanned", [False, True], ids=["unrolled", "scanned"])
 def test_decode_over_an_int8_cache_equals_the_cached_forward_over_it(model, scanned):
     """The sampler's prefill and decode step over an int8 cache (int8 reads, scales folded into the attention) ==

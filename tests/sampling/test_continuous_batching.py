@@ -58,6 +58,17 @@ def test_continuous_with_scanned_layers_equals_static(tiny_llama):
                  generate(graphdef, params, tokens, mask, slots=3, **kwargs))
 
 
+@pytest.mark.parametrize("layers", ["unrolled", "scanned"])
+def test_the_softmax_per_cache_segment_samples_what_one_softmax_does(tiny_llama, layers):
+    """`sampler.decode_softmax: segments` (a TPU's default) == `whole`, continuous batching, chunks of 3."""
+    graphdef, params = tiny_llama
+    tokens, mask = sampler_prompts()
+    kwargs = dict(num_samples=2, max_new_tokens=9, method=SamplingMethod(temperature=1.0), stop_ids=STOPS,
+                  key=jax.random.key(1), decode_layers=layers, decode_chunk=3, slots=3)
+    _assert_same(generate(graphdef, params, tokens, mask, decode_softmax="whole", **kwargs),
+                 generate(graphdef, params, tokens, mask, decode_softmax="segments", **kwargs), rtol=1e-5)
+
+
 def test_rows_that_stop_at_once_and_single_token_rows(tiny_llama):
     """A row whose first token is a stop frees its slot at once; N = 1 rows never feed a token."""
     graphdef, params = tiny_llama

@@ -245,7 +245,7 @@ def test_decode_chunks_change_nothing_but_the_cache_read(tiny_llama):
 def test_scanned_decode_layers_equal_the_unrolled_ones(tiny_llama):
     """`decode_layers=scanned` (one lax.scan over stacked weights and caches) samples what the unrolled loop
     does, over several chunks and on the 8-device mesh; `auto` keeps the unrolled loop on CPU."""
-    from jgrpo.models.decode import resolve_decode_layers
+    from jgrpo.models.decode import resolve_decode_layers, resolve_decode_softmax
 
     graphdef, params = tiny_llama
     tokens, mask = sampler_prompts()
@@ -261,5 +261,6 @@ def test_scanned_decode_layers_equal_the_unrolled_ones(tiny_llama):
     assert resolve_decode_layers("auto", "cpu") == "unrolled" and resolve_decode_layers("auto", "tpu") == "scanned"
     assert resolve_decode_layers("auto", "tpu", int8=True) == "unrolled"  # int8 weights or cache: configuration.md
     assert resolve_decode_layers("auto", "gpu") == "unrolled"  # measured on an H100: configuration.md
+    assert [resolve_decode_softmax("auto", p) for p in ("cpu", "tpu", "gpu")] == ["whole", "segments", "whole"]
     with pytest.raises(ValueError, match="decode_layers must be auto or one of"):
         generate(graphdef, params, tokens, mask, decode_layers="diagonal", **kwargs)
