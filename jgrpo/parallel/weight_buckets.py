@@ -119,8 +119,8 @@ def send_weights(channels: Sequence[Channel], params, *, version: int, bucket_by
 
     if transfer is not None and live:
         transfer.start(live[0].local_ip)
-    each(Channel.send, "weights", {"version": version, "buckets": len(plan), "leaves": leaf_specs(params),
-                                   "extra": extra or {}, "pull_from": transfer.address if transfer else None})
+    each(_send, "weights", {"version": version, "buckets": len(plan), "leaves": leaf_specs(params),
+                            "extra": extra or {}, "pull_from": transfer.address if transfer else None})
     sent, peak = 0, 0
     for i, pieces in enumerate(plan):
         arrays = []
@@ -132,13 +132,17 @@ def send_weights(channels: Sequence[Channel], params, *, version: int, bucket_by
         peak = max(peak, sum(a.nbytes for a in arrays))
         frame = {"version": version, "bucket": i, "pieces": [tuple(p) for p in pieces]}
         if transfer is None:
-            sent += each(Channel.send, "weights_bucket", {**frame, "arrays": arrays})
+            sent += each(_send, "weights_bucket", {**frame, "arrays": arrays})
         else:  # (every process gathered its pieces above, with channels or not)
             sent += each(offer, frame, arrays)
         del arrays
     if lost:
         raise lost[0]
     return {"bytes": sent, "seconds": time.perf_counter() - start, "buckets": len(plan), "peak_bucket_bytes": peak}
+
+
+def _send(channel: Channel, kind: str, body) -> int:
+    return channel.send(kind, body)
 
 
 def _on_host(x: jax.Array) -> np.ndarray:

@@ -195,16 +195,24 @@ def test_a_receiver_without_a_transfer_server_refuses_device_to_device_weights()
 
 
 def test_weights_go_to_several_receivers_and_one_gone_leaves_the_others_theirs():
-    """A trainer process serving several rollout processes: each gets every bucket; one whose channel is gone is
-    dropped, the send goes on to the others and says so at the end."""
+    """A trainer process serving several rollout processes: each gets every bucket; one whose channel breaks on
+    the way is dropped, the send goes on to the others and says so at the end; one closed before is skipped."""
     params = {"w": jnp.arange(48, dtype=jnp.float32).reshape(8, 6), "b": jnp.ones((3,), jnp.bfloat16)}
-    (server_a, client_a), (server_b, client_b), (server_c, client_c) = _pair(), _pair(), _pair()
-    server_b.close()  # gone before the send
+    (server_a, client_a), (_, client_b), (server_c, client_c), (_, client_d) = _pair(), _pair(), _pair(), _pair()
+    client_d.close()
+    real_send = client_b.send
+
+    def breaks_at_the_first_bucket(kind, body=None):
+        if kind == "weights_bucket":
+            client_b.close("the connection broke")
+        return real_send(kind, body)
+
+    client_b.send = breaks_at_the_first_bucket
     result = {}
 
     def send():
         try:
-            send_weights([client_a, client_b, client_c], params, version=1, bucket_bytes=64)
+            send_weights([client_a, client_b, client_c, client_d], params, version=1, bucket_bytes=64)
         except ChannelClosed as e:
             result["lost"] = e
 
