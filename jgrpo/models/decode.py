@@ -141,7 +141,7 @@ def _attend_one(q: jax.Array, ks: tuple, vs: tuple, allowed: jax.Array, merged: 
         # all slots is sum_i e^(m_i - m) o_i / sum_i e^(m_i - m) l_i with m = max_i m_i: a segment with no
         # allowed slot has m_i = lowest and weighs e^(lowest - m) = 0 (a row with none at all: uniform, as below).
         maxima, sums, outs = [], [], []
-        for start, k, v in zip(starts, ks, vs, strict=False):
+        for start, k, v in zip(starts[:-1], ks, vs, strict=True):
             scores = scores_of(k)
             scores = jnp.where(allowed[:, None, None, start:start + scores.shape[-1]], scores, lowest)
             m = scores.max(-1, keepdims=True)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import numpy as np
 
 from jgrpo.rewards.scorer import RewardResult
@@ -86,10 +87,7 @@ def join_rollouts(parts: list[Rollout]) -> Rollout:
     prompts = dataclasses.replace(first.prompts, **{
         field: [x for part in parts for x in getattr(part.prompts, field)]
         for field in ("token_ids", "texts", "questions", "references")})
-    samples = type(first.samples)(*(
-        None if getattr(first.samples, f) is None else np.concatenate([np.asarray(getattr(p.samples, f))
-                                                                       for p in parts])
-        for f in type(first.samples)._fields))
+    samples = jax.tree.map(lambda *rows: np.concatenate([np.asarray(r) for r in rows]), *(p.samples for p in parts))
     scores = RewardResult(
         np.concatenate([p.scores.total for p in parts]),
         {k: np.concatenate([p.scores.per_function[k] for p in parts]) for k in first.scores.per_function},
