@@ -241,9 +241,8 @@ def sampler(rows: int, hbm_bytes_per_s: float, dry: bool, weights: str = "bfloat
     per_value = 1 + 4 / cfg.head_dim if cache == "int8" else 2  # int8 + a float32 scale per head, or bf16
     mean_cache = 2 * cfg.num_layers * B * G * cfg.num_kv_heads * (P + N / 2) * cfg.head_dim * per_value
     roofline = B * G / ((weight_bytes + mean_cache) / hbm_bytes_per_s)  # tokens/s if every step only read HBM once
-    int8 = "int8" in (weights, cache)
     return {"rows": B * G, "new_tokens": N, "weights_dtype": weights, "kv_cache_dtype": cache,
-            "decode_layers": resolve_decode_layers(layers, platform, int8=int8),
+            "decode_layers": resolve_decode_layers(layers, platform),
             "draw": method.draw, "first_call_s": first, "seconds": seconds, "tokens_per_s": B * G * N / seconds,
             "roofline_tokens_per_s": roofline, "fraction_of_roofline": B * G * N / seconds / roofline}
 

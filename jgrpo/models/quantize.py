@@ -9,8 +9,7 @@ logits, tied or not). A projection then computes (x @ q) * scale (`matmul.dense`
 dtype inside the matmul: a decode step reads one byte per weight. A LLMConfig with `int8_weights` (and
 `int8_embeddings`) declares the scale leaves, so the same model code runs either copy, and the sampler picks that
 config from the params it is given; the trainer never sees one (only the sampler's copies are quantized). On a
-TPU the decode unrolls its layers for int8 (`decode.DECODE_LAYERS_AUTO_INT8`: the scanned one re-lays out the
-int8 stacks inside the layer loop).
+TPU the scanned decode (the default) reads each layer's int8 slice once, as int8 (docs/configuration.md).
 
 Why not qwix (Google's quantization library): its weight-only rule is the same arithmetic (a bf16 x s8
 dot_general, the per-channel scale on the output), but its providers intercept Flax module calls, and our

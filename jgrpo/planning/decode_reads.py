@@ -23,7 +23,7 @@ import re
 
 from jgrpo.planning.hlo_cost import FREE_OPCODES, SLICING_OPCODES, HloCost
 from jgrpo.planning.hlo_inspect import loops
-from jgrpo.planning.hlo_text import Instruction, array_dims, called_computations, type_bytes
+from jgrpo.planning.hlo_text import Instruction, array_dims, called_computations, hbm_bytes, type_bytes
 
 # A value's origin: from nothing that varies (constants, counters), from the weights only, or from anything else.
 NONE, WEIGHTS, OTHER = 0, 1, 2
@@ -164,6 +164,7 @@ def _count(cost: HloCost, computation: str, trips: int, reads: collections.Count
     times (its own loops counted with their trips)."""
     chosen = selected(computation)
     types = {i.name: i.type for i in cost.computations[computation]}
+    counted: set[str] = set()  # instructions of this body whose reads of the values were counted
     for ins in cost.computations[computation]:
         if ins.opcode == "while":
             _count(cost, called_computations(ins, "body")[0], trips * cost.trip_count(computation, ins), reads,
@@ -173,11 +174,18 @@ def _count(cost: HloCost, computation: str, trips: int, reads: collections.Count
         # consumer's read of what it moved is the read (counted at the moved size, once); counting the move too
         # would count the bytes twice, and the whole source once per slice.
         # The TPU's "ConcatBitcast" joins such slices where they landed: a bitcast, nothing read.
+        if ins.opcode == "bitcast" and ins.operands[0] in counted:
+            counted.add(ins.name)  # a view of a copy made in this step
         if ins.opcode in FREE_OPCODES or ins.opcode.endswith(("-start", "-done")) or _CONCAT_BITCAST in ins.attributes:
             continue
         for position, operand in enumerate(ins.operands):
             if operand not in chosen or operand not in types:
                 continue
+            if operand in counted and not hbm_bytes(types[operand]):
+                # A copy this step made in on-chip memory (a layer's slice, re-laid out for its matmul in a
+                # scanned decode): its source was counted where the copy read it; reading it moves no HBM bytes.
+                continue
+            counted.add(ins.name)
             if ins.opcode == "fusion":
                 fused = called_computations(ins, "calls")[0]
                 params = [p for p in cost.computations[fused] if p.opcode == "parameter"

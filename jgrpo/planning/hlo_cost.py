@@ -37,6 +37,8 @@ FREE_OPCODES = {"parameter", "get-tuple-element", "tuple", "constant", "bitcast"
                 "replica-id", "opt-barrier", "while", "conditional", "call", "iota", "async-update"}
 # Ops that read only what they output of their first operand.
 SLICING_OPCODES = ("dynamic-slice", "slice", "gather")
+# Ops that only re-lay out (or re-view) a value: element type and count kept.
+_RELAYOUT_OPCODES = ("copy", "bitcast")
 
 
 class HloCost:
@@ -184,22 +186,42 @@ class HloCost:
     def parameter_reads(self, computation: str, parameter: Instruction) -> int:
         """Bytes a fused computation reads of one parameter: the slices it takes, nothing if it is a buffer
         updated in place, else all of it (nested fusions followed)."""
+        return self._value_reads(computation, parameter.name, type_bytes(parameter.type))
+
+    def _value_reads(self, computation: str, name: str, whole: int) -> int:
+        """Bytes of a value (`whole` of them) its users in `computation` read: slices, in-place updates, nested
+        fusions and re-layouts followed. A re-layout (a `copy` or `bitcast`, or a nested fusion that is only
+        those) fused with a slice after it reads the slice, not the whole source: the fused code computes what
+        the slice takes (a TPU's scanned int8 decode re-tiles each s8 stack so inside the matmul's fusion)."""
         fused = self.computations[computation]
-        uses = [(i, pos) for i in fused for pos, o in enumerate(i.operands) if o == parameter.name]
+        uses = [(i, pos) for i in fused for pos, o in enumerate(i.operands) if o == name]
         total = 0
         for user, position in uses:
             if user.opcode in SLICING_OPCODES and position == 0:
                 total += type_bytes(user.type)
             elif user.opcode == "dynamic-update-slice" and position == 0:
                 continue
+            elif user.opcode in _RELAYOUT_OPCODES:
+                total += self._value_reads(computation, user.name, whole)
             elif user.opcode == "fusion":
                 inner = called_computations(user, "calls")[0]
                 params = [p for p in self.computations[inner]
                           if p.opcode == "parameter" and p.operands == (str(position),)]
-                total += self.parameter_reads(inner, params[0]) if params else type_bytes(parameter.type)
+                if not params:
+                    return whole
+                if self._relayout_only(inner):
+                    total += self._value_reads(computation, user.name, whole)
+                else:
+                    total += self.parameter_reads(inner, params[0])
             else:
-                return type_bytes(parameter.type)
-        return min(total, type_bytes(parameter.type)) if uses else type_bytes(parameter.type)
+                return whole
+        return min(total, whole) if uses else whole
+
+    def _relayout_only(self, computation: str) -> bool:
+        """A fused computation of one parameter whose root is that parameter re-laid out (copies, bitcasts)."""
+        body = self.computations[computation]
+        return (sum(i.opcode == "parameter" for i in body) == 1
+                and all(i.opcode == "parameter" or i.opcode in _RELAYOUT_OPCODES for i in body))
 
     def _fusion_bytes(self, ins: Instruction, types: dict[str, str]) -> int:
         """A fusion reads each HBM operand once (only the slices it takes of a sliced one) and writes its HBM

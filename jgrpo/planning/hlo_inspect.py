@@ -77,13 +77,18 @@ def _moves_only(cost: HloCost, ins: Instruction) -> bool:
 
 
 def big_copies_in_loops(hlo: str | HloCost, min_bytes: int = 1 << 16) -> list[LoopOp]:
-    """HBM-to-HBM copies inside a loop of a buffer the loop carries (a weight, a KV cache) of >= `min_bytes`."""
+    """HBM-to-HBM copies inside a loop of a buffer the loop carries (a weight, a KV cache) of >= `min_bytes`.
+
+    A copy fused inside another op (e.g. an s8 stack re-tiled for a matmul and sliced by layer, in the same
+    fusion) writes nothing to HBM: the fusion computes what its consumer takes (`HloCost.parameter_reads`)."""
     cost = _cost(hlo)
     types = {name: {i.name: i.type for i in body} for name, body in cost.computations.items()}
+    fused = {c for body in cost.computations.values() for i in body if i.opcode == "fusion"
+             for c in called_computations(i, "calls")}
     found = []
     carried: dict[str, set[int]] = {}
     for scope, ins, trips, loop, body in _walk(cost, cost.entry, 1, None, None):
-        if loop is None:
+        if loop is None or scope in fused:
             continue
         if body not in carried:
             params = [i for i in cost.computations[body] if i.opcode == "parameter"]

@@ -24,7 +24,7 @@ import jax
 
 from jgrpo.models.llm import param_logical_axes
 from jgrpo.models.quantize import sampler_copy
-from jgrpo.parallel.mesh import SAMPLE_RULES, logical_shardings, mesh_platform, param_copier
+from jgrpo.parallel.mesh import SAMPLE_RULES, logical_shardings, param_copier
 from jgrpo.rl.behaviour_refresh import RefreshPolicy
 
 log = logging.getLogger(__name__)
@@ -72,11 +72,6 @@ class SamplingWeights:
         g = config.grpo
         quantized = [f"sampler.{key}=int8" for key in ("weights_dtype", "kv_cache_dtype")
                      if getattr(config.sampler, key) == "int8"]
-        if quantized and config.sampler.decode_layers == "scanned" and mesh_platform(sample_mesh) == "tpu":
-            log.warning("%s with sampler.decode_layers=scanned on a TPU: XLA re-lays out each int8 stack (weights, "
-                        "cache) inside the layer loop, so a decode step reads every layer's L times; "
-                        "sampler.decode_layers: auto (unrolled for int8) reads them once (docs/configuration.md)",
-                        " and ".join(quantized))
         if quantized and g.truncated_is == "none" and g.masked_is == "none":
             log.warning("%s samples from a quantized policy, whose log-probs differ from the trained weights' "
                         "(mismatch/logprob_mean), and no correction is set: grpo.truncated_is=none and "

@@ -72,8 +72,7 @@ def plan_and_layout(sampler, batch: int, prompt_len: int, cfg, interactive: bool
     chunk_len, chunks = decode_chunking(turn, s.decode_chunk)  # the ring holds one turn
     plan = Plan(rows=rows, num_samples=s.num_samples, max_new_tokens=s.max_new_tokens, slots=slots, queues=queues,
                 chunk_len=chunk_len, chunks=chunks,
-                scanned=resolve_decode_layers(s.decode_layers, platform(s.mesh),
-                                              cfg.int8_weights or s.kv_cache_dtype == "int8") == "scanned",
+                scanned=resolve_decode_layers(s.decode_layers, platform(s.mesh)) == "scanned",
                 stop_ids=tuple(sorted({int(i) for i in s.stop_ids})), pad_id=int(s.pad_id), interactive=interactive,
                 turn_tokens=turn if interactive else 0,
                 append_width=min(s.max_new_tokens, 1 + (s.append_tokens or s.max_new_tokens)) if interactive else 0,

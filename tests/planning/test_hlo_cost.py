@@ -307,18 +307,84 @@ ENTRY %main (w: s8[8,16], x: bf16[2,8]) -> (s32[], bf16[2,8], s8[8,16]) {
     assert decode_weight_bytes(text, {0}) == {"s8": 8 * 16}
 
 
+def test_a_layer_sliced_from_a_relaid_stack_inside_a_fusion_counts_the_slice_only():
+    # A TPU scanned decode with int8 weights (Qwen2.5-0.5B, v5e): the matmul's fusion takes the whole s8 stack
+    # [L, in, out], stored in (32, 128) tiles, and slices the layer inside a nested fusion that first re-tiles the
+    # stack to the matmul's (8, 128): `copy` then `dynamic-slice`, fused, so only the slice is read (the chip's own
+    # estimate agreed: that fusion's estimated cycles were 0.67x bf16's, not 24x). Counting the nested copy as a
+    # read of the whole stack reported 8.9 GB a step for a 0.73 GB model.
+    text = """HloModule m
+%relayout (a: s8[4,8,16]) -> s8[4,8,16] {
+  %a = s8[4,8,16]{2,1,0:T(32,128)(4,1)} parameter(0)
+  ROOT %c = s8[4,8,16]{2,1,0:T(8,128)(4,1)} copy(%a)
+}
+
+%layer (stack: s8[4,8,16], i: s32[]) -> s8[8,16] {
+  %stack = s8[4,8,16]{2,1,0:T(32,128)(4,1)} parameter(0)
+  %i = s32[] parameter(1)
+  %tiled = s8[4,8,16]{2,1,0:T(8,128)(4,1)} fusion(%stack), kind=kLoop, calls=%relayout
+  %zero = s32[] constant(0)
+  %one = s8[1,8,16]{2,1,0:T(8,128)(4,1)} dynamic-slice(%tiled, %i, %zero, %zero), dynamic_slice_sizes={1,8,16}
+  ROOT %w = s8[8,16]{1,0:T(8,128)(4,1)} bitcast(%one)
+}
+
+%dot (x: bf16[2,8], stack: s8[4,8,16], i: s32[]) -> f32[2,16] {
+  %x = bf16[2,8]{1,0} parameter(0)
+  %stack = s8[4,8,16]{2,1,0:T(32,128)(4,1)} parameter(1)
+  %i = s32[] parameter(2)
+  %w = s8[8,16]{1,0:T(8,128)(4,1)} fusion(%stack, %i), kind=kLoop, calls=%layer
+  ROOT %d = f32[2,16]{1,0} convolution(%x, %w), dim_labels=bf_io->bf
+}
+
+%body (t: (s32[], bf16[2,8], s8[4,8,16])) -> (s32[], bf16[2,8], s8[4,8,16]) {
+  %t = (s32[], bf16[2,8], s8[4,8,16]) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %x = bf16[2,8]{1,0} get-tuple-element(%t), index=1
+  %stack = s8[4,8,16]{2,1,0:T(32,128)(4,1)} get-tuple-element(%t), index=2
+  %y = f32[2,16]{1,0} fusion(%x, %stack, %i), kind=kOutput, calls=%dot
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one)
+  ROOT %out = (s32[], bf16[2,8], s8[4,8,16]) tuple(%next, %x, %stack)
+}
+
+%cond (t: (s32[], bf16[2,8], s8[4,8,16])) -> pred[] {
+  %t = (s32[], bf16[2,8], s8[4,8,16]) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %n = s32[] constant(4)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+ENTRY %main (w: s8[4,8,16], x: bf16[2,8]) -> (s32[], bf16[2,8], s8[4,8,16]) {
+  %w = s8[4,8,16]{2,1,0:T(32,128)(4,1)} parameter(0)
+  %x = bf16[2,8]{1,0} parameter(1)
+  %zero = s32[] constant(0)
+  %init = (s32[], bf16[2,8], s8[4,8,16]) tuple(%zero, %x, %w)
+  ROOT %loop = (s32[], bf16[2,8], s8[4,8,16]) while(%init), condition=%cond, body=%body
+}
+"""
+    assert decode_weight_bytes(text, {0}) == {"s8": 8 * 16}  # one layer a trip, not the stack
+    # Control: the same relayout as the fusion's output (nothing sliced after it) reads the whole stack.
+    whole = text.replace("%one = s8[1,8,16]{2,1,0:T(8,128)(4,1)} dynamic-slice(%tiled, %i, %zero, %zero), "
+                         "dynamic_slice_sizes={1,8,16}", "%one = s8[1,8,16]{2,1,0:T(8,128)(4,1)} add(%tiled, %tiled)")
+    assert whole != text and decode_weight_bytes(whole, {0}) == {"s8": 4 * 8 * 16}
+
+
 def test_an_int8_sampler_reads_every_projection_as_int8_once_per_decode_step():
     # sampler.weights_dtype=int8 (models/quantize.py): the decode step must read the projections' int8 bytes, not
     # a bfloat16 copy XLA could hoist out of the loop (the f32 -> bf16 cast of float weights is hoisted: the test
-    # above). Positive control: the bfloat16 program fails the same check.
+    # above), nor the whole int8 stack per layer. Positive control: the bfloat16 program fails the same check.
+    # The TPU default decode is scanned; the unrolled one must read the same.
     from jgrpo.models.quantize import PROJECTIONS
 
     devices, _ = topology_devices("v5e:2x4")
     reads, embedding = {}, {}
-    for variant in ("int8", "bfloat16", "int8+embeddings"):
+    for variant in ("int8", "bfloat16", "int8+embeddings", "int8@unrolled"):
+        variant, _, layers = variant.partition("@")
         dtype, *embeddings = variant.split("+")
         config = load_config("configs/tiny.yaml", TINY + [f"sampler.weights_dtype={dtype}",
-                                                          f"sampler.quantize_embeddings={bool(embeddings)}"])
+                                                          f"sampler.quantize_embeddings={bool(embeddings)}",
+                                                          f"sampler.decode_layers={layers or 'auto'}"])
+        variant += f"@{layers}" if layers else ""
         program = lower_iteration(config, devices, names=("sample",)).programs[0]
         leaves = jax.tree_util.tree_flatten_with_path(program.lowered.args_info[0][0])[0]
         projections = {i for i, (path, _) in enumerate(leaves) if path[-1].key in PROJECTIONS}
@@ -332,6 +398,7 @@ def test_an_int8_sampler_reads_every_projection_as_int8_once_per_decode_step():
         return read.keys() == {"s8"}
 
     assert int8_only(reads["int8"]) and reads["int8"]["s8"] == _TINY_PROJECTIONS  # each int8 byte once a step
+    assert reads["int8@unrolled"] == reads["int8"]
     assert not int8_only(reads["bfloat16"]) and reads["bfloat16"].keys() == {"bf16"}
     # sampler.quantize_embeddings: the tied embedding, which the lm_head reads whole every step, is read as int8;
     # without it, in the compute dtype.
@@ -342,22 +409,25 @@ def test_an_int8_sampler_reads_every_projection_as_int8_once_per_decode_step():
 def test_an_int8_kv_cache_is_read_as_int8_in_the_decode_step():
     # sampler.kv_cache_dtype=int8 (models/kv_quant.py): the decode step reads the cache's int8 values and their
     # float32 per-token scales, half the bytes of the bfloat16 cache plus 4 per 16 (head_dim), nothing dequantized
-    # in bfloat16. Positive control: the bfloat16 cache's program fails the same check.
+    # in bfloat16. Positive control: the bfloat16 cache's program fails the same check. Both decode forms (the TPU
+    # default is scanned).
     devices, _ = topology_devices("v5e:2x4")
-    reads = {}
-    for dtype in ("int8", "bfloat16"):
-        config = load_config("configs/tiny.yaml", TINY + [f"sampler.kv_cache_dtype={dtype}",
-                                                          "sampler.decode_layers=unrolled"])  # int8's TPU default
-        program = lower_iteration(config, devices, names=("sample",)).programs[0]
-        weights = set(range(len(jax.tree.leaves(program.lowered.args_info[0][0]))))
-        reads[dtype] = decode_cache_bytes(HloCost(program.lowered.compile().as_text()), weights, head_dim=16)
+    for layers in ("scanned", "unrolled"):
+        reads = {}
+        for dtype in ("int8", "bfloat16"):
+            config = load_config("configs/tiny.yaml", TINY + [f"sampler.kv_cache_dtype={dtype}",
+                                                              f"sampler.decode_layers={layers}"])
+            program = lower_iteration(config, devices, names=("sample",)).programs[0]
+            weights = set(range(len(jax.tree.leaves(program.lowered.args_info[0][0]))))
+            reads[dtype] = decode_cache_bytes(HloCost(program.lowered.compile().as_text()), weights, head_dim=16)
 
-    def int8_only(read):
-        return read.keys() == {"s8", "f32"}
+        def int8_only(read):
+            return read.keys() == {"s8", "f32"}
 
-    assert int8_only(reads["int8"]) and not int8_only(reads["bfloat16"]) and reads["bfloat16"].keys() == {"bf16"}
-    assert reads["int8"]["s8"] * 2 == reads["bfloat16"]["bf16"] > 0
-    assert reads["int8"]["f32"] == reads["int8"]["s8"] // 16 * 4
+        assert int8_only(reads["int8"]) and not int8_only(reads["bfloat16"]), layers
+        assert reads["bfloat16"].keys() == {"bf16"}, layers
+        assert reads["int8"]["s8"] * 2 == reads["bfloat16"]["bf16"] > 0, layers
+        assert reads["int8"]["f32"] == reads["int8"]["s8"] // 16 * 4, layers
 
 
 def test_continuous_decode_loops_are_bounded_by_the_worst_case_and_copy_free():

@@ -259,7 +259,6 @@ def test_scanned_decode_layers_equal_the_unrolled_ones(tiny_llama):
         np.testing.assert_array_equal(scanned.lengths, unrolled.lengths)
         np.testing.assert_allclose(scanned.logprobs, unrolled.logprobs, atol=1e-5, rtol=0)
     assert resolve_decode_layers("auto", "cpu") == "unrolled" and resolve_decode_layers("auto", "tpu") == "scanned"
-    assert resolve_decode_layers("auto", "tpu", int8=True) == "unrolled"  # int8 weights or cache: configuration.md
     assert resolve_decode_layers("auto", "gpu") == "unrolled"  # measured on an H100: configuration.md
     assert [resolve_decode_softmax("auto", p) for p in ("cpu", "tpu", "gpu")] == ["whole", "segments", "whole"]
     with pytest.raises(ValueError, match="decode_layers must be auto or one of"):

@@ -78,24 +78,3 @@ def test_int8_sampling_in_every_mode(tmp_path, caplog, overrides):
     for record in records:
         assert all(np.isfinite(v) for v in record.values() if isinstance(v, float)), record
     assert records[0]["mismatch/logprob_mean"] > 1e-4
-
-
-@pytest.mark.parametrize("decode_layers", ["scanned", "auto"])
-def test_int8_with_the_scanned_decode_on_a_tpu_warns(caplog, decode_layers):
-    # A TPU's scanned decode re-lays out each int8 stack inside the layer loop (docs/configuration.md): asked for
-    # explicitly, a warning; auto (unrolled for int8) none. Deviceless: a v5e topology's devices, abstract params.
-    from jgrpo.config.loading import load_config
-    from jgrpo.models.llm import abstract_model
-    from jgrpo.models.shapes import model_shapes
-    from jgrpo.parallel.mesh import make_mesh
-    from jgrpo.planning.abstract_run import topology_devices
-    from jgrpo.rollout.sampling_weights import SamplingWeights
-
-    config = load_config("configs/tiny.yaml", ["sampler.weights_dtype=int8", "grpo.masked_is=token",
-                                               f"sampler.decode_layers={decode_layers}"])
-    mesh = make_mesh(config.mesh, topology_devices("v5e:2x4")[0])
-    _, shapes = abstract_model(model_shapes(config.model.name))
-    with caplog.at_level(logging.WARNING):
-        SamplingWeights(config, shapes, frozen=None, train_mesh=mesh, sample_mesh=mesh)
-    warned = [r.getMessage() for r in caplog.records if "sampler.decode_layers=scanned on a TPU" in r.getMessage()]
-    assert len(warned) == (decode_layers == "scanned")
