@@ -133,7 +133,7 @@ def _place(value: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
     Not device_put: with several processes the sharding spans other hosts' devices, and device_put would
     first all-gather the whole tensor across hosts to check that every one passed the same value.
     """
-    return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+    return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index], dtype=value.dtype)
 
 
 def _drop_layer_axis(sharding):

@@ -3,6 +3,13 @@
 With one process, "local rows" are all rows. With several (multi-host), each process holds a contiguous
 block of the global rows (its prompts and their samples), computes what only the host can compute
 (detokenisation, rewards) for those rows, and contributes them back to one global array.
+
+A mesh may hold the devices of some processes only (`mesh.rollout_devices` across processes: the sampler's
+processes, then the trainer's). Every process still runs every call (a program on devices it does not hold
+runs nothing there), and the arrays of such a mesh reach the hosts through collectives over all processes:
+`to_global_rows` gathers every process's rows and places them from the hosts that hold the mesh, `local_rows`
+gathers the rows from them, `fetch` brings any value to every host. Rows then lie in process order (process p's
+block is the p-th), whatever the mesh.
 """
 
 from __future__ import annotations
@@ -25,6 +32,9 @@ def to_global_rows(local: np.ndarray, mesh: Mesh, rules: Rules, global_rows: int
     local = np.asarray(local)
     global_shape = (global_rows,) + local.shape[1:]
     sharding = row_sharding(mesh, rules, global_shape)
+    if not spans_all_processes(mesh):
+        rows = _gather_rows(local, global_rows)
+        return jax.make_array_from_callback(global_shape, sharding, lambda index: rows[index], dtype=rows.dtype)
     if jax.process_count() > 1 and sharding.is_fully_replicated:
         from jax.experimental import multihost_utils
 
@@ -35,6 +45,59 @@ def to_global_rows(local: np.ndarray, mesh: Mesh, rules: Rules, global_rows: int
         ordered = [blocks[p] for p in sorted(range(len(blocks)), key=lambda p: process_rank(mesh, p))]
         local = np.concatenate(ordered)
     return jax.make_array_from_process_local_data(sharding, local, global_shape)
+
+
+def spans_all_processes(mesh: Mesh) -> bool:
+    """Whether every process holds devices of `mesh` (always, with one process)."""
+    return len({d.process_index for d in mesh.devices.flat}) == jax.process_count()
+
+
+def _held_by_all(x: jax.Array) -> bool:
+    """Whether every process holds a part of `x`: the same answer on every process (unlike what it can address)."""
+    return len({d.process_index for d in x.sharding.device_set}) == jax.process_count()
+
+
+def row_block(mesh: Mesh) -> int:
+    """Which block of a row-sharded array's rows this process holds (`process_rank`), in process order when the
+    mesh leaves processes out (see the module doc)."""
+    return process_rank(mesh) if spans_all_processes(mesh) else jax.process_index()
+
+
+def _gather_rows(local: np.ndarray, global_rows: int) -> np.ndarray:
+    """Every process's rows, in process order, on every host (a collective: each process holds its block)."""
+    from jax.experimental import multihost_utils
+
+    if global_rows % jax.process_count() or local.shape[0] != global_rows // jax.process_count():
+        raise ValueError(f"{global_rows} rows cannot be split evenly over {jax.process_count()} processes "
+                         f"(this one has {local.shape[0]})")
+    return np.concatenate(list(np.asarray(multihost_utils.process_allgather(local))))
+
+
+def fetch(tree):
+    """`tree`'s arrays as numpy on every host: `jax.device_get` where this process can read them whole; an array of
+    a mesh that leaves processes out is gathered from the processes that hold it (a collective: every process calls
+    it, in the same order)."""
+    def one(x):
+        # Decided alike on every process (not by what this one holds): the gather is a collective.
+        if isinstance(x, jax.Array) and not _held_by_all(x):
+            return _gather_whole(x)
+        return jax.device_get(x)
+
+    return jax.tree.map(one, tree)
+
+
+def move_rows(tree, mesh: Mesh, rules: Rules):
+    """Row-batched global arrays onto `mesh`, rows sharded (`row_sharding`): a device transfer, or through the
+    hosts when the two meshes belong to other processes (JAX moves arrays between processes only as equal
+    shardings; a batch's records are small next to the weights, which cross as such: `mesh.param_copier`)."""
+    def one(x):
+        sharding = row_sharding(mesh, rules, x.shape)
+        if {d.process_index for d in x.sharding.device_set} == {d.process_index for d in mesh.devices.flat}:
+            return jax.device_put(x, sharding)
+        whole = _gather_whole(x)
+        return jax.make_array_from_callback(x.shape, sharding, lambda index: whole[index], dtype=whole.dtype)
+
+    return jax.tree.map(one, tree)
 
 
 def process_rank(mesh: Mesh, process: int | None = None) -> int:
@@ -56,6 +119,8 @@ def process_rank(mesh: Mesh, process: int | None = None) -> int:
 
 def local_rows(array: jax.Array) -> np.ndarray:
     """The rows of a row-sharded (or replicated) global array that belong to this process, in order, as numpy."""
+    if not _held_by_all(array):  # first: process 0 may address all of a sampler's array, yet the gather is collective
+        return _rows_from_other_processes(array)
     if array.is_fully_addressable:
         return np.asarray(array)
     blocks = {}
@@ -122,3 +187,24 @@ def gather_json(value) -> list:
     data[8:8 + mine.size] = mine
     rows = np.asarray(multihost_utils.process_allgather(data), np.uint8)
     return [json.loads(bytes(row[8:8 + int(row[:8].view(np.int64)[0])])) for row in rows]
+
+
+def _rows_from_other_processes(array: jax.Array) -> np.ndarray:
+    """`local_rows` of an array whose mesh leaves processes out: this process's block of the rows (process order)."""
+    size = array.shape[0] // jax.process_count()
+    return _gather_whole(array)[jax.process_index() * size:(jax.process_index() + 1) * size]
+
+
+def _gather_whole(array: jax.Array) -> np.ndarray:
+    """The whole of `array` on every host, from the shards each process holds (a collective over all processes;
+    for the small arrays a step hands the hosts: samples, metrics)."""
+    from jax.experimental import multihost_utils
+
+    held = np.zeros(array.shape, array.dtype)
+    have = np.zeros(array.shape, np.uint8)
+    for shard in array.addressable_shards:
+        held[shard.index] = np.asarray(shard.data)
+        have[shard.index] = 1
+    gathered = np.asarray(multihost_utils.process_allgather(held))  # [processes, ...]
+    owners = np.asarray(multihost_utils.process_allgather(have))
+    return np.take_along_axis(gathered, np.argmax(owners, axis=0)[None], axis=0)[0]  # each element from a holder

@@ -17,6 +17,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jgrpo.config import ConfigError, MeshConfig
+from jgrpo.parallel.process_crossing import ProcessCrossing
 
 MESH_AXES = ("data", "fsdp", "expert", "tensor")
 # The axes rows (prompts, completions, tokens) are split over: data parallelism, FSDP and, outside the experts'
@@ -83,22 +84,36 @@ def make_mesh(config: MeshConfig, devices: list | None = None) -> Mesh:
 
 def make_meshes(config: MeshConfig) -> tuple[Mesh, Mesh]:
     """(the trainer's mesh, the sampler's mesh): one mesh over every device when `mesh.rollout_devices` is 0,
-    else the first rollout_devices devices for the sampler and the rest for the trainer (disaggregated)."""
+    else the first rollout_devices devices for the sampler and the rest for the trainer (disaggregated). With
+    several processes the sampler gets the last ones (whole processes, `check_process_split`): process 0 stays
+    the trainer's, which writes the run's files and checkpoints (`training.checkpoint_split`)."""
     n = config.rollout_devices
     if not n:
         mesh = make_mesh(config)
         return mesh, mesh
-    devices = jax.devices()
+    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
     if jax.process_count() > 1:
-        raise ConfigError(f"mesh.rollout_devices={n} needs one process (this run has {jax.process_count()}): every "
-                         "process would have to launch each sub-mesh's programs in the same order")
+        check_process_split(n, jax.local_device_count(), len(devices))
     if n >= len(devices):
         raise ConfigError(f"mesh.rollout_devices={n} leaves no device for the trainer ({len(devices)} devices)")
+    sampler, trainer = (devices[-n:], devices[:-n]) if jax.process_count() > 1 else (devices[:n], devices[n:])
     try:
-        return make_mesh(config, devices[n:]), make_mesh(config, devices[:n])
+        return make_mesh(config, trainer), make_mesh(config, sampler)
     except ConfigError as e:
         raise ConfigError(f"mesh.rollout_devices={n} splits {len(devices)} devices into {n} for the sampler and "
                          f"{len(devices) - n} for the trainer: {e}") from None
+
+
+def check_process_split(rollout_devices: int, per_process: int, total: int) -> None:
+    """With several processes the sampler gets whole processes (the last ones), and the trainer's devices a
+    multiple of the sampler's: the weights cross from one to the other as equal shardings (`param_copier`)."""
+    n = rollout_devices
+    if n % per_process:
+        raise ConfigError(f"mesh.rollout_devices={n} is not a multiple of the {per_process} devices per process: with "
+                          "several processes the sampler gets whole processes")
+    if n < total and (total - n) % n:
+        raise ConfigError(f"mesh.rollout_devices={n} leaves {total - n} devices for the trainer, not a multiple of "
+                          f"the sampler's {n}: with several processes the weights cross as equal shardings")
 
 
 def mesh_platform(mesh: Mesh) -> str:
@@ -188,20 +203,36 @@ def row_sharding(mesh: Mesh, rules: Rules, shape: tuple[int, ...], row_axis: int
     return NamedSharding(mesh, logical_to_spec(tuple(logical), rules, tuple(shape), mesh))
 
 
-def param_copier(shardings, convert=None, *, other_devices: bool = False):
+def param_copier(shardings, convert=None, *, source: Mesh | None = None):
     """A jitted copy of a param pytree onto `shardings` (None: where it is), through `convert` (params -> params,
     e.g. the sampler's cast or int8 quantization, `models.quantize.sampler_copy`; None: as they are).
 
     Always new buffers, never the inputs forwarded, so a copy (behaviour, reference, sampling weights)
-    survives the train step's donation of the current params. `other_devices`: `shardings` lie on another
-    sub-mesh (`make_meshes`): convert where the params are, then one transfer (a jit cannot span both) of the
-    converted bytes (int8: a quarter of float32's).
+    survives the train step's donation of the current params. `source`: the params' mesh, when `shardings` lie on
+    another sub-mesh (`make_meshes`): convert where the params are, then one transfer (a jit cannot span both) of
+    the converted bytes (int8: a quarter of float32's).
     """
     convert = convert or (lambda params: params)
-    if other_devices:
+    if source is None:
+        return jax.jit(lambda params: jax.tree.map(jax.numpy.copy, convert(params)), out_shardings=shardings)
+    target = jax.tree.leaves(shardings)[0].mesh
+    if _processes(source) == _processes(target):
         convert_all = jax.jit(convert)
         return lambda params: jax.device_put(convert_all(params), shardings)
-    return jax.jit(lambda params: jax.tree.map(jax.numpy.copy, convert(params)), out_shardings=shardings)
+    return ProcessCrossing(shardings, convert, source, target)
+
+
+def param_mover(shardings, source: Mesh):
+    """The params (from `source`'s devices) onto `shardings` as they are: a `device_put`, or with the two meshes on
+    other processes the crossing of `param_copier`."""
+    target = jax.tree.leaves(shardings)[0].mesh
+    if _processes(source) == _processes(target):
+        return lambda params: jax.device_put(params, shardings)
+    return param_copier(shardings, source=source)
+
+
+def _processes(mesh: Mesh) -> set[int]:
+    return {d.process_index for d in mesh.devices.flat}
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

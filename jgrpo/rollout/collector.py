@@ -21,8 +21,8 @@ from typing import NamedTuple
 
 import jax
 
-from jgrpo.parallel.host_arrays import to_global_rows
-from jgrpo.parallel.mesh import SAMPLE_RULES, TRAIN_RULES, row_sharding
+from jgrpo.parallel.host_arrays import move_rows, to_global_rows
+from jgrpo.parallel.mesh import SAMPLE_RULES, TRAIN_RULES
 from jgrpo.rollout.async_producer import AsyncRollouts
 from jgrpo.rollout.dynamic_sampling import fill_batch
 from jgrpo.rollout.records import Rollout
@@ -117,8 +117,7 @@ class Collector:
         prompts = self.source.prompt_arrays(rollout.prompts, counters, self.train_mesh)
         samples = rollout.samples
         if self.source.mesh is not self.train_mesh:
-            samples = jax.device_put(samples, jax.tree.map(
-                lambda x: row_sharding(self.train_mesh, SAMPLE_RULES, x.shape), samples))
+            samples = move_rows(samples, self.train_mesh, SAMPLE_RULES)
         rewards = to_global_rows(rollout.rewards, self.train_mesh, TRAIN_RULES, self.rows)
         timings["reward"] = rollout.score_seconds + time.perf_counter() - start
         return (dataclasses.replace(rollout, samples=samples),

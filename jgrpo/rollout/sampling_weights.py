@@ -24,7 +24,8 @@ import jax
 
 from jgrpo.models.llm import param_logical_axes
 from jgrpo.models.quantize import sampler_copy
-from jgrpo.parallel.mesh import SAMPLE_RULES, logical_shardings, param_copier
+from jgrpo.parallel.mesh import SAMPLE_RULES, logical_shardings, param_copier, param_mover
+from jgrpo.parallel.process_crossing import ProcessCrossing
 from jgrpo.rl.behaviour_refresh import RefreshPolicy
 
 log = logging.getLogger(__name__)
@@ -63,11 +64,19 @@ class SamplingWeights:
         # v = 1 in the weights' own dtype: the current params, resharded (no conversion).
         self.resharding = logical_shardings(param_logical_axes(params), sample_mesh, SAMPLE_RULES, shapes=params)
         # A real copy (new buffers) even where the two layouts agree: the current params get donated.
-        copy = param_copier(self.shardings, self.convert, other_devices=sample_mesh is not train_mesh)
+        source = None if sample_mesh is train_mesh else train_mesh
+        copy = param_copier(self.shardings, self.convert, source=source)
+        self.reshard = param_mover(self.resharding, train_mesh)
         # int8: the copy is the quantization (with mesh.rollout_devices, and the move of its int8 bytes), timed as
         # `time/quantize` (part of `time/weight_sync`); `take_quantize_seconds` hands the sum over.
         self.quantize_seconds = 0.0
-        self.copy = self._timed(copy) if config.sampler.weights_dtype == "int8" else copy
+        timed = self._timed if config.sampler.weights_dtype == "int8" else (lambda f: f)
+        self.copy = timed(copy)
+        # The sampler on other processes (`ProcessCrossing`): the behaviour copy stays on the trainer's processes,
+        # which checkpoint it, as the crossing's twin; it crosses when it samples (again only after a refresh).
+        self.crossing = copy if isinstance(copy, ProcessCrossing) else None
+        self.behaviour_copy = timed(copy.twin) if self.crossing else self.copy
+        self._sent = (None, None)  # (version, the behaviour copy on the sampler's devices)
         self.policy = RefreshPolicy(config.grpo)
         g = config.grpo
         quantized = [f"sampler.{key}=int8" for key in ("weights_dtype", "kv_cache_dtype")
@@ -98,10 +107,15 @@ class SamplingWeights:
         resharded)."""
         if self.copy_kind == "behaviour":
             params = refresh.behaviour if refresh is not None else state.behaviour
+            if self.crossing is not None:
+                version = refresh.version if refresh is not None else state.behaviour_version
+                if self._sent[0] != version:
+                    self._sent = (version, self.crossing.send(params))
+                params = self._sent[1]
         elif self.copy_kind == "cast":
             params = self.copy(state.params)
         else:  # v = 1: the current params, resharded
-            params = jax.device_put(state.params, self.resharding)
+            params = self.reshard(state.params)
         return jax.block_until_ready(self.frozen.join_sample(params))
 
     def published(self, state):
@@ -121,9 +135,10 @@ class SamplingWeights:
         if why is None:
             return None
         log.info("iteration %d: behaviour <- current params (%s)", k + 1, why)
-        return Refresh(self.copy(state.params), k)
+        return Refresh(self.behaviour_copy(state.params), k)
 
     def abstract_copy(self, params):
         """The behaviour copy's shapes, dtypes (`sampler.weights_dtype`; int8: values and scales) and shardings."""
+        shardings = self.crossing.twin_shardings if self.crossing else self.shardings
         return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                            jax.eval_shape(self.convert, params), self.shardings)
+                            jax.eval_shape(self.convert, params), shardings)

@@ -28,7 +28,7 @@ import jax
 import numpy as np
 
 from jgrpo.data import bucketed_length
-from jgrpo.parallel.host_arrays import global_max, local_rows, process_rank, to_global_rows
+from jgrpo.parallel.host_arrays import global_max, local_rows, row_block, to_global_rows
 from jgrpo.parallel.mesh import SAMPLE_RULES
 from jgrpo.rollout.collect import Scoring, prompt_arrays, sample_and_score
 from jgrpo.rollout.records import Rollout
@@ -146,7 +146,7 @@ class RolloutSource:
         # Each prompt's iteration key and its index in that iteration's global batch, next to it on its process.
         keys = np.concatenate([np.repeat(np.asarray(jax.random.key_data(jax.random.fold_in(sample_root(
             c.run.seed), first + j)))[None], local, axis=0) for j in range(len(batches))])
-        index = np.tile(process_rank(self.mesh) * local + np.arange(local), len(batches))
+        index = np.tile(row_block(self.mesh) * local + np.arange(local), len(batches))
         rows = len(batches) * B * G
         index = to_global_rows(index.astype(np.int32), self.mesh, SAMPLE_RULES, len(batches) * B)
         pool = self.sampler.replace(slots=c.sampler.slots or B * G)  # one iteration's rows decode at once

@@ -145,21 +145,27 @@ def _type_handlers():
 class _ArrayHandler(ocp.StandardCheckpointHandler):
     """Orbax's standard handler with compression as a choice (`checkpoint.compress`); reads either kind."""
 
-    def __init__(self, use_compression: bool):
-        super().__init__()
+    def __init__(self, use_compression: bool, multiprocessing_options: ocp.options.MultiprocessingOptions):
+        super().__init__(multiprocessing_options=multiprocessing_options)
         self._impl = ocp.PyTreeCheckpointHandler(use_compression=use_compression,
-                                                 type_handler_registry=_type_handlers())
+                                                 type_handler_registry=_type_handlers(),
+                                                 multiprocessing_options=multiprocessing_options)
 
 
 class Checkpointer:
     """Save and restore `TrainState` under `run_dir/checkpoints` with Orbax's CheckpointManager."""
 
     def __init__(self, run_dir: str | Path, config: CheckpointConfig, resolved_config: dict | None = None,
-                 read_only: bool = False, base: tuple[str, list[int]] | None = None):
+                 read_only: bool = False, base: tuple[str, list[int]] | None = None,
+                 processes: frozenset[int] | None = None):
         """`read_only` (evaluation, export) never writes, moves or cleans up anything: a training run may be
         saving into the same directory at that moment. `base` = (name, fingerprint) of a LoRA run's frozen
-        base: recorded with every save, and a checkpoint of adapters trained on another base is refused."""
+        base: recorded with every save, and a checkpoint of adapters trained on another base is refused.
+        `processes`: the processes that hold the state and make every call, when not all of them do
+        (`checkpoint_split.SplitCheckpointer`); the first writes the files."""
         self.base = base
+        self.processes = processes
+        self.primary = min(processes) if processes else 0
         self.run_dir = epath.Path(run_dir)  # a local folder or a bucket (gs://...)
         self.directory = self.run_dir / "checkpoints"
         self.config = config
@@ -167,20 +173,29 @@ class Checkpointer:
         self.read_only = read_only
         if not read_only:
             self._report_partial_saves()
+        # (every handler is told which processes call it: by default process 0 writes an item's files)
+        processing = ocp.options.MultiprocessingOptions(primary_host=self.primary, active_processes=processes)
         options = ocp.CheckpointManagerOptions(
             max_to_keep=config.keep,
             enable_async_checkpointing=config.async_save,
-            create=not read_only,
+            create=not read_only and processes is None,  # (Orbax refuses it with active_processes: made below)
             read_only=read_only,
             cleanup_tmp_directories=not read_only,  # partial saves of a killed run; reported above, then removed
+            multiprocessing_options=processing,
         )
+        if processes is not None and not read_only:
+            self.directory.mkdir(parents=True, exist_ok=True)
         # Orbax wants an absolute path; a bucket path is one already (and absolute() would mangle its "//").
         directory = self.directory if "://" in str(self.directory) else self.directory.absolute()
         registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
         for name in _ARRAY_ITEMS + ("rng",):
-            handler = _ArrayHandler(use_compression=config.compress)
+            handler = _ArrayHandler(use_compression=config.compress, multiprocessing_options=processing)
             registry.add(name, ocp.args.StandardSave, handler)
             registry.add(name, ocp.args.StandardRestore, handler)
+        for name in ("meta", "data", "config"):
+            handler = ocp.JsonCheckpointHandler(multiprocessing_options=processing)
+            registry.add(name, ocp.args.JsonSave, handler)
+            registry.add(name, ocp.args.JsonRestore, handler)
         self.manager = ocp.CheckpointManager(directory, options=options, handler_registry=registry)
 
     # ------------------------------------------------------------------ save
@@ -204,8 +219,12 @@ class Checkpointer:
             arrays["behaviour"] = state.behaviour
         if state.reference is not None:
             arrays["reference"] = state.reference
+        # One holder among several processes: Orbax takes its arrays (all addressable here) for pmap's host-local
+        # ones and refuses them; as numpy the holder (process 0: Orbax writes numpy from there) writes them whole,
+        # and a restore lays them out as before.
+        saved = jax.device_get(arrays) if self.processes is not None and len(self.processes) == 1 else arrays
         items = {
-            **{name: ocp.args.StandardSave(tree) for name, tree in arrays.items()},
+            **{name: ocp.args.StandardSave(tree) for name, tree in saved.items()},
             "meta": ocp.args.JsonSave(
                 {
                     "iteration": state.iteration,
@@ -352,7 +371,7 @@ class Checkpointer:
                 f"from this run's base {self.base[0]!r} (content fingerprints differ): resume on the same base")
 
     def _report_partial_saves(self) -> None:
-        if jax.process_index() != 0 or not self.directory.is_dir():
+        if jax.process_index() != self.primary or not self.directory.is_dir():
             return
         for path in sorted(self.directory.iterdir()):
             if ".orbax-checkpoint-tmp" in path.name:
@@ -360,7 +379,7 @@ class Checkpointer:
 
     def _quarantine(self, step: int) -> None:
         """Move an unusable step aside: kept for inspection, and the run may save that step number again."""
-        if jax.process_index() == 0:
+        if jax.process_index() == self.primary:
             src = self.directory / str(step)
             if src.exists():
                 dest_dir = self.run_dir / "checkpoints_corrupt"
@@ -369,9 +388,7 @@ class Checkpointer:
                 src.rename(dest)
                 log.warning("moved unusable checkpoint step %d to %s", step, dest)
         if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
-            multihost_utils.sync_global_devices(f"jgrpo_quarantine_{step}")
+            ocp.multihost.sync_global_processes(f"jgrpo_quarantine_{step}", processes=self.processes)
         self.manager.reload()
 
 

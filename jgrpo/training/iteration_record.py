@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jgrpo.parallel.host_arrays import global_sum
+from jgrpo.parallel.host_arrays import fetch, global_sum
 from jgrpo.rl.diagnostics import MEAN_COUNTS, extreme_kind
 
 log = logging.getLogger("jgrpo.training.trainer")  # the trainer's log: these lines are its warnings
@@ -141,7 +141,7 @@ def iteration_metrics(rollout, update_metrics: list[dict], facts: IterationFacts
     the finalised `update_metrics`, the global `reward_table` [R, 1 + F] and `prompt_mask` [B, P]."""
     out, result, timings = rollout.samples, rollout.scores, facts.timings
     reward_names, inner_steps = facts.reward_names, facts.inner_steps
-    stats = jax.device_get(_batch_stats(reward_table, out.lengths, out.truncated, prompt_mask))
+    stats = fetch(_batch_stats(reward_table, out.lengths, out.truncated, prompt_mask))
     record = {"reward/mean": float(stats["mean"][0]), "reward/std": float(stats["std"][0])}
     functions = [n for n in reward_names if n in result.failures]  # (not the overlong punishment's column)
     failures = global_sum(np.asarray([result.failures[n] for n in functions] +

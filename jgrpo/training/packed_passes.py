@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jgrpo.models.packed_forward import forward_packed, predecessor_hidden
+from jgrpo.parallel.host_arrays import fetch
 from jgrpo.parallel.mesh import row_sharding
 from jgrpo.training.packing import pack, pack_prompts, plan_packing
 
@@ -93,7 +94,7 @@ def plan_batch(sizes: PackedSizes, prompt_tokens, prompt_mask, tokens, completio
     """Plan a batch's packing from its lengths (on the host) and gather its fields into it (on the device).
     prompt_tokens, prompt_mask [B, P] (left-padded); tokens, completion_mask [R, N] (real tokens first, R = B·G);
     `prompt_routing` [B, P, L, k] and `routing` [R, N, L, k]: experts to replay, if any."""
-    prompt_real, real = (np.asarray(x).astype(bool) for x in jax.device_get((prompt_mask, completion_mask)))
+    prompt_real, real = (np.asarray(x).astype(bool) for x in fetch((prompt_mask, completion_mask)))
     prompt_lengths = prompt_real.sum(1)
     P = prompt_real.shape[1]
     if not (prompt_real == (np.arange(P)[None] >= (P - prompt_lengths)[:, None])).all():
@@ -173,7 +174,7 @@ def pack_minibatches(mesh, rules, minibatches: int, width: int, group_size: int,
     sizes = packed_sizes(rows=r, new_tokens=N, prompt_width=P, group_size=G, groups=rows // G,
                          shards=data_shards(mesh, rules, C, C * r), width=width)
     # The masks on the host in one round trip (each minibatch's plan reads them there).
-    lengths, prompt_mask = (np.asarray(x) for x in jax.device_get((lengths, input_mask[..., :P])))
+    lengths, prompt_mask = (np.asarray(x) for x in fetch((lengths, input_mask[..., :P])))
     real = np.arange(N)[None] < lengths.reshape(C * r, 1)
     flat_inputs, flat_prompt_mask = inputs.reshape(C * r, -1), prompt_mask.reshape(C * r, P)
     flat_targets = targets.reshape(C * r, N)

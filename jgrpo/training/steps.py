@@ -30,6 +30,7 @@ from jgrpo.models.attention_backends import mesh_context_factory
 from jgrpo.models.llm import abstract_model, merge_model, model_config, param_logical_axes, position_ids_from_mask
 from jgrpo.models.lora import is_adapter, join_adapters, without_lora
 from jgrpo.models.shared_prompt import forward_shared_prompts
+from jgrpo.parallel.host_arrays import fetch
 from jgrpo.parallel.mesh import (
     TRAIN_RULES,
     Rules,
@@ -215,7 +216,7 @@ class StepFunctions(PackedSteps):
                 params, opt_state, m = step(params, opt_state, dealt, jnp.int32(minibatch), jnp.bool_(first),
                                             frozen=frozen)
                 metrics.append(m)
-        return params, opt_state, jax.device_get(metrics)
+        return params, opt_state, fetch(metrics)
 
     def _assemble(self, prompt_tokens, prompt_mask, samples: SampleOutput, rewards):
         """Sampler record + rewards -> StepBatch (without lp_k / lp_ref) and the flat advantages.

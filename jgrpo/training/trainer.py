@@ -37,7 +37,8 @@ from jgrpo.rollout.remote import RolloutJobLost
 from jgrpo.rollout.run_parts import load_run_parts
 from jgrpo.rollout.sampling_weights import Refresh, SamplingWeights
 from jgrpo.rollout.sources import DataExhausted, RolloutSource, sample_root
-from jgrpo.training.checkpoint import Checkpointer, PreemptionFlag, RunCounters, TrainState, latest_data_state
+from jgrpo.training.checkpoint import PreemptionFlag, RunCounters, TrainState, latest_data_state
+from jgrpo.training.checkpoint_split import make_checkpointer
 from jgrpo.training.fingerprint import fingerprint
 from jgrpo.training.iteration_record import IterationFacts, count_updates, iteration_metrics, sample_dump
 from jgrpo.training.metrics_log import MetricsLogger
@@ -96,8 +97,11 @@ class Trainer:
                                 rng=replicated_key(config.run.seed, self.mesh),  # restored with this sharding
                                 iteration=0, epoch=0, behaviour_version=0, data_state=self.data.get_state(),
                                 counters=RunCounters())
-        base = (config.model.name, fingerprint(self.frozen.train)) if self.frozen.lora else None
-        self.checkpointer = Checkpointer(self.run_dir, config.checkpoint, resolved_config=to_dict(config), base=base)
+        # (a LoRA base's fingerprint where the trainer's processes hold it: only they write checkpoints)
+        holds = any(d.process_index == jax.process_index() for d in self.mesh.devices.flat)
+        base = (config.model.name, fingerprint(self.frozen.train)) if self.frozen.lora and holds else None
+        self.checkpointer = make_checkpointer(self.run_dir, config.checkpoint, self.mesh,
+                                              resolved_config=to_dict(config), base=base)
         self.preemption = PreemptionFlag()
         self.evaluator = None
         if config.run.eval_every or config.run.eval_before:
