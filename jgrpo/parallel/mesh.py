@@ -219,7 +219,7 @@ def param_copier(shardings, convert=None, *, source: Mesh | None = None):
     if _processes(source) == _processes(target):
         convert_all = jax.jit(convert)
         return lambda params: jax.device_put(convert_all(params), shardings)
-    return ProcessCrossing(shardings, convert, source, target)
+    return ProcessCrossing(shardings, lambda on: param_copier(on, convert), source, target)
 
 
 def param_mover(shardings, source: Mesh):

@@ -24,10 +24,11 @@ from jax.sharding import Mesh, NamedSharding
 
 
 class ProcessCrossing:
-    """`convert` the params on the trainer's devices into the twin of `shardings` (`twin`), then `send` it to the
-    sampler's devices (`target`); calling it does both. Every process calls it, in the same order."""
+    """Copy the params on the trainer's devices into the twin of `shardings` (`twin`), then `send` it to the
+    sampler's devices (`target`); calling it does both. Every process calls it, in the same order. `copier`:
+    (shardings) -> a jitted copy of the params onto them through the sampler's conversion (`mesh.param_copier`)."""
 
-    def __init__(self, shardings, convert, source: Mesh, target: Mesh):
+    def __init__(self, shardings, copier, source: Mesh, target: Mesh):
         devices = list(source.devices.flat)
         copies, rest = divmod(len(devices), target.devices.size)
         if rest:
@@ -39,7 +40,7 @@ class ProcessCrossing:
         self.shardings = shardings
         self.twin_shardings = jax.tree.map(lambda s: NamedSharding(wide, s.spec), shardings)
         self._on_bridge = jax.tree.map(lambda s: NamedSharding(bridge, s.spec), shardings)
-        self.twin = jax.jit(lambda params: jax.tree.map(jnp.copy, convert(params)), out_shardings=self.twin_shardings)
+        self.twin = copier(self.twin_shardings)
         # check_vma off: the values are "replicated" over copies in name only (real on copy 0, zeros on the sampler).
         permute = jax.shard_map(
             lambda tree: jax.tree.map(lambda a: jax.lax.ppermute(a, "copies", [(0, copies)]), tree),

@@ -75,7 +75,7 @@ class SamplingWeights:
         # The sampler on other processes (`ProcessCrossing`): the behaviour copy stays on the trainer's processes,
         # which checkpoint it, as the crossing's twin; it crosses when it samples (again only after a refresh).
         self.crossing = copy if isinstance(copy, ProcessCrossing) else None
-        self.behaviour_copy = timed(copy.twin) if self.crossing else self.copy
+        self.twin = timed(copy.twin) if self.crossing else None
         self._sent = (None, None)  # (version, the behaviour copy on the sampler's devices)
         self.policy = RefreshPolicy(config.grpo)
         g = config.grpo
@@ -135,7 +135,7 @@ class SamplingWeights:
         if why is None:
             return None
         log.info("iteration %d: behaviour <- current params (%s)", k + 1, why)
-        return Refresh(self.behaviour_copy(state.params), k)
+        return Refresh((self.twin or self.copy)(state.params), k)
 
     def abstract_copy(self, params):
         """The behaviour copy's shapes, dtypes (`sampler.weights_dtype`; int8: values and scales) and shardings."""
