@@ -66,6 +66,7 @@ if jax.process_index() == 2:
 """
 
 
+@pytest.mark.slow
 def test_weights_cross_from_the_trainers_processes_to_the_samplers_bit_for_bit(tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
@@ -117,6 +118,7 @@ def _finish(procs):
 
 
 @pytest.mark.pod
+@pytest.mark.slow
 @pytest.mark.parametrize("processes, overrides, atol", [
     (2, [], 0.0),  # 1 + 1, v = 1: bit for bit
     (2, ["grpo.behaviour_refresh=2", "rollout.mode=window"], 0.0),  # saved inside a window of 2
