@@ -33,15 +33,10 @@ def to_global_rows(local: np.ndarray, mesh: Mesh, rules: Rules, global_rows: int
     global_shape = (global_rows,) + local.shape[1:]
     sharding = row_sharding(mesh, rules, global_shape)
     if not spans_all_processes(mesh):
-        rows = _gather_rows(local, global_rows)
+        rows = np.concatenate(list(_process_blocks(local, global_rows)))  # in process order
         return jax.make_array_from_callback(global_shape, sharding, lambda index: rows[index], dtype=rows.dtype)
     if jax.process_count() > 1 and sharding.is_fully_replicated:
-        from jax.experimental import multihost_utils
-
-        if global_rows % jax.process_count() or local.shape[0] != global_rows // jax.process_count():
-            raise ValueError(f"{global_rows} rows cannot be split evenly over {jax.process_count()} processes "
-                             f"(this one has {local.shape[0]})")
-        blocks = np.asarray(multihost_utils.process_allgather(local))  # [processes, local rows, ...]
+        blocks = _process_blocks(local, global_rows)
         ordered = [blocks[p] for p in sorted(range(len(blocks)), key=lambda p: process_rank(mesh, p))]
         local = np.concatenate(ordered)
     return jax.make_array_from_process_local_data(sharding, local, global_shape)
@@ -49,12 +44,16 @@ def to_global_rows(local: np.ndarray, mesh: Mesh, rules: Rules, global_rows: int
 
 def spans_all_processes(mesh: Mesh) -> bool:
     """Whether every process holds devices of `mesh` (always, with one process)."""
-    return len({d.process_index for d in mesh.devices.flat}) == jax.process_count()
+    return _on_every_process(mesh.devices.flat)
 
 
 def _held_by_all(x: jax.Array) -> bool:
     """Whether every process holds a part of `x`: the same answer on every process (unlike what it can address)."""
-    return len({d.process_index for d in x.sharding.device_set}) == jax.process_count()
+    return _on_every_process(x.sharding.device_set)
+
+
+def _on_every_process(devices) -> bool:
+    return len({d.process_index for d in devices}) == jax.process_count()
 
 
 def row_block(mesh: Mesh) -> int:
@@ -63,14 +62,14 @@ def row_block(mesh: Mesh) -> int:
     return process_rank(mesh) if spans_all_processes(mesh) else jax.process_index()
 
 
-def _gather_rows(local: np.ndarray, global_rows: int) -> np.ndarray:
-    """Every process's rows, in process order, on every host (a collective: each process holds its block)."""
+def _process_blocks(local: np.ndarray, global_rows: int) -> np.ndarray:
+    """Every process's rows on every host, [processes, local rows, ...] (a collective: each holds its block)."""
     from jax.experimental import multihost_utils
 
     if global_rows % jax.process_count() or local.shape[0] != global_rows // jax.process_count():
         raise ValueError(f"{global_rows} rows cannot be split evenly over {jax.process_count()} processes "
                          f"(this one has {local.shape[0]})")
-    return np.concatenate(list(np.asarray(multihost_utils.process_allgather(local))))
+    return np.asarray(multihost_utils.process_allgather(local))
 
 
 def fetch(tree):
@@ -201,10 +200,11 @@ def _gather_whole(array: jax.Array) -> np.ndarray:
     from jax.experimental import multihost_utils
 
     held = np.zeros(array.shape, array.dtype)
-    have = np.zeros(array.shape, np.uint8)
     for shard in array.addressable_shards:
         held[shard.index] = np.asarray(shard.data)
-        have[shard.index] = 1
+    # Which process holds each element follows from the sharding alone (the same on every process): one gather.
+    owner = np.zeros(array.shape, np.int32)
+    for device, index in array.sharding.devices_indices_map(array.shape).items():
+        owner[index] = device.process_index
     gathered = np.asarray(multihost_utils.process_allgather(held))  # [processes, ...]
-    owners = np.asarray(multihost_utils.process_allgather(have))
-    return np.take_along_axis(gathered, np.argmax(owners, axis=0)[None], axis=0)[0]  # each element from a holder
+    return np.take_along_axis(gathered, owner[None], axis=0)[0]

@@ -91,12 +91,14 @@ def make_meshes(config: MeshConfig) -> tuple[Mesh, Mesh]:
     if not n:
         mesh = make_mesh(config)
         return mesh, mesh
-    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
-    if jax.process_count() > 1:
-        check_process_split(n, jax.local_device_count(), len(devices))
+    devices = jax.devices()
     if n >= len(devices):
         raise ConfigError(f"mesh.rollout_devices={n} leaves no device for the trainer ({len(devices)} devices)")
-    sampler, trainer = (devices[-n:], devices[:-n]) if jax.process_count() > 1 else (devices[:n], devices[n:])
+    sampler, trainer = devices[:n], devices[n:]
+    if jax.process_count() > 1:
+        check_process_split(n, jax.local_device_count(), len(devices))
+        devices = sorted(devices, key=lambda d: (d.process_index, d.id))
+        sampler, trainer = devices[-n:], devices[:-n]
     try:
         return make_mesh(config, trainer), make_mesh(config, sampler)
     except ConfigError as e:
