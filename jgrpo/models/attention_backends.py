@@ -1,11 +1,11 @@
 """Which attention implementation the model runs (`model.attention`), chosen per backend.
 
 Every implementation computes the same thing: softmax(q k^T / sqrt(Dh)) v over the allowed key slots, with
-grouped-query heads. The model's forwards (training, scoring, prefill) only ever need one mask shape: the T
+grouped-query heads. The padded forwards (training, scoring, prefill) only ever need one mask shape: the T
 queries are the last T of the S key slots, each sees the slots up to its own and only real (unpadded) ones.
 `causal_attention` takes exactly that, so the Pallas kernel can express it as a static causal mask plus
-per-row segment ids, and `dense_attention` serves the rare caller with an arbitrary mask (a cache filled at a
-traced offset).
+per-row segment ids. `masked_attention` takes a mask per row (the packed forward's), and `dense_attention` serves
+the rare caller with an arbitrary mask (a cache filled at a traced offset).
 
 - `custom`: `jgrpo.models.attention`, plain XLA ops with a hand-written backward that keeps O(T) residuals.
   Fastest on CPU (measured: docs/configuration.md).
@@ -67,7 +67,7 @@ def causal_attention(implementation: str, q: jax.Array, k: jax.Array, v: jax.Arr
     T, S = q.shape[1], k.shape[1]
     if implementation == "splash":
         if _splits_evenly(q.shape[0], k.shape[2]):
-            return _splash(q, k, v, kv_valid)
+            return _splash(q, k, v, kv_valid=kv_valid)
         implementation = "xla"  # the kernel would run whole on every device: let the partitioner split xla's
     return dense_attention(implementation, q, k, v, slot_mask(jnp.arange(T) + (S - T), kv_valid))
 
@@ -104,16 +104,35 @@ def cudnn_inputs(q, k, v, allowed):
     return q, k, v, allowed.at[:, :, 0].set(allowed[:, :, 0] | ~jnp.any(allowed, axis=-1))
 
 
-def _splash(q, k, v, kv_valid):
+def masked_attention(implementation: str, q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array):
+    """Attention under a per-row mask allowed [B, T, S] that no causal mask plus segment ids can express (the packed
+    forward's: a completion sees its group's prompt and its own segment; models/packed_forward.py). `splash` runs
+    the kernel with each row's mask as data (a "dynamic" mask: it skips the key blocks a query block sees nothing
+    of and masks the rest elementwise, never materialising the scores); the others are `dense_attention`."""
+    if implementation == "splash" and _splits_evenly(q.shape[0], k.shape[2]):
+        return _splash(q, k, v, allowed=allowed)
+    return dense_attention(implementation, q, k, v, allowed)
+
+
+def _splash(q, k, v, kv_valid=None, allowed=None):
+    """Splash attention under `causal_attention`'s mask (from kv_valid [B, S]) or, with `allowed` [B, T, S], under
+    any mask per row."""
     B, T, H, Dh = q.shape
     S, KVH = k.shape[1], k.shape[2]
-    # Pad both sequences at the front to whole blocks; the front keys are padding (segment 0), so the mask's
-    # relation "queries are the last T of the S slots" survives as a causal mask with offset Sp - Tp. At least
-    # one padding key when queries are padded: every padded query then sees key 0 (no empty softmax).
+    # Pad both sequences at the front to whole blocks. Causal: the front keys are padding (segment 0), so the
+    # mask's relation "queries are the last T of the S slots" survives as a causal mask with offset Sp - Tp; at
+    # least one padding key when queries are padded: every padded query then sees key 0 (no empty softmax).
     pad_q = -T % _SPLASH_BLOCK
-    pad_kv = -S % _SPLASH_BLOCK or (_SPLASH_BLOCK if pad_q else 0)
-    valid = jnp.pad(kv_valid.astype(jnp.int32), ((0, 0), (pad_kv, 0)))  # [B, Sp]
-    q_segments = valid[:, valid.shape[1] - T - pad_q:]  # a query's segment is its own slot's
+    if allowed is None:
+        pad_kv = -S % _SPLASH_BLOCK or (_SPLASH_BLOCK if pad_q else 0)
+        valid = jnp.pad(kv_valid.astype(jnp.int32), ((0, 0), (pad_kv, 0)))  # [B, Sp]
+        per_row = (valid[:, valid.shape[1] - T - pad_q:], valid)  # a query's segment is its own slot's
+    else:
+        pad_kv = -S % _SPLASH_BLOCK
+        allowed = jnp.pad(allowed.astype(bool), ((0, 0), (pad_q, 0), (pad_kv, 0)))
+        # A query that sees no key (a padding slot) sees key 0 instead: the kernel skips every block without an
+        # allowed pair, and a query whose blocks are all skipped would divide 0 by 0. Callers mask those queries.
+        per_row = (allowed.at[:, :, 0].set(allowed[:, :, 0] | ~jnp.any(allowed, axis=-1)),)
     q = jnp.pad(q * jnp.asarray(Dh**-0.5, q.dtype), ((0, 0), (pad_q, 0), (0, 0), (0, 0)))
     k, v = (jnp.pad(x, ((0, 0), (pad_kv, 0), (0, 0), (0, 0))) for x in (k, v))
     # Kernel layouts: q [B, KVH, G, Tp, Dh] (one multi-query kernel per kv head), k, v [B, KVH, Sp, Dh].
@@ -121,27 +140,32 @@ def _splash(q, k, v, kv_valid):
     k, v = (x.transpose(0, 2, 1, 3) for x in (k, v))
     mesh = jax.sharding.get_abstract_mesh()
     interpret = context_platform() != "tpu"  # Pallas TPU kernels run elsewhere only in the (slow) interpreter
-    kernel = _splash_kernel(H // KVH, T + pad_q, S + pad_kv, interpret)
 
-    def per_device(q, k, v, q_segments, valid):
-        from jax.experimental.pallas.ops.tpu.splash_attention.splash_attention_kernel import SegmentIds
+    if allowed is None:
+        kernel = _splash_kernel(H // KVH, T + pad_q, S + pad_kv, interpret)
 
         def one_row(q, k, v, qs, ks):
-            return jax.vmap(lambda q, k, v: kernel(q, k, v, segment_ids=SegmentIds(q=qs, kv=ks)))(q, k, v)
+            from jax.experimental.pallas.ops.tpu.splash_attention.splash_attention_kernel import SegmentIds
 
-        return jax.vmap(one_row)(q, k, v, q_segments, valid)
+            return jax.vmap(lambda q, k, v: kernel(q, k, v, segment_ids=SegmentIds(q=qs, kv=ks)))(q, k, v)
+    else:
+        def one_row(q, k, v, mask):
+            return jax.vmap(_masked_splash_kernel(mask[None], interpret))(q, k, v)  # one mask for every head
+
+    def per_device(q, k, v, *row_data):
+        return jax.vmap(one_row)(q, k, v, *row_data)
 
     if not mesh.empty:  # rows over the batch axes, kv heads over tensor (as the projections shard them)
         rows = dividing_axes(mesh, BATCH_AXES, B)
         heads = dividing_axes(mesh, ("tensor",), KVH)
-        qkv, seg = PartitionSpec(rows, heads), PartitionSpec(rows)
-        per_device = jax.shard_map(per_device, mesh=mesh, in_specs=(qkv, qkv, qkv, seg, seg), out_specs=qkv,
-                                   check_vma=False)
+        qkv, row = PartitionSpec(rows, heads), PartitionSpec(rows)
+        per_device = jax.shard_map(per_device, mesh=mesh, in_specs=(qkv, qkv, qkv, *[row] * len(per_row)),
+                                   out_specs=qkv, check_vma=False)
     # Mosaic rejects bf16 matmuls at "highest" precision (a global setting some users and our tests choose); for
     # bf16 operands the MXU's products are exact at any precision, so the kernel keeps the default.
     exact = jax.default_matmul_precision("default") if q.dtype == jnp.bfloat16 else contextlib.nullcontext()
     with exact:
-        out = per_device(q, k, v, q_segments, valid)  # [B, KVH, G, Tp, Dh]
+        out = per_device(q, k, v, *per_row)  # [B, KVH, G, Tp, Dh]
     return out[:, :, :, pad_q:].transpose(0, 3, 1, 2, 4).reshape(B, T, H, Dh)
 
 
@@ -155,17 +179,36 @@ def _splits_evenly(rows: int, kv_heads: int) -> bool:
                for names, size in wanted)
 
 
+def _block_sizes():
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+
+    b = _SPLASH_BLOCK
+    return sk.BlockSizes(block_q=b, block_kv=b, block_kv_compute=b, block_q_dkv=b, block_kv_dkv=b,
+                         block_kv_dkv_compute=b, block_q_dq=b, block_kv_dq=b)
+
+
 def _splash_kernel(group: int, q_len: int, kv_len: int, interpret: bool):
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
 
     mask = sm.MultiHeadMask([sm.CausalMask((q_len, kv_len), offset=kv_len - q_len)] * group)
-    b = _SPLASH_BLOCK
-    blocks = sk.BlockSizes(block_q=b, block_kv=b, block_kv_compute=b, block_q_dkv=b, block_kv_dkv=b,
-                           block_kv_dkv_compute=b, block_q_dq=b, block_kv_dq=b)
     # Made inside the caller's trace (its mask tables become that program's constants), never cached across traces.
-    return sk.make_splash_mqa_single_device(mask, block_sizes=blocks, interpret=interpret)
+    return sk.make_splash_mqa_single_device(mask, block_sizes=_block_sizes(), interpret=interpret)
 
 
-__all__ = ["AUTO", "IMPLEMENTATIONS", "causal_attention", "dense_attention", "mesh_context",
+def _masked_splash_kernel(mask: jax.Array, interpret: bool):
+    """The kernel for one row's mask [1, Tq, Sk] (bool, traced; one head: the kernel reads it for every head)."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+
+    kernel = sk.make_splash_mqa_single_device(mask, block_sizes=_block_sizes(), interpret=interpret)
+    # jax 0.10.2 stores the MaskInfo's `is_dynamic_mask` flag through `jnp.array`, which under jit is a tracer, and
+    # the kernel's `if` on it then fails: set it back to the Python bool it is.
+    for name in ("fwd_mask_info", "dq_mask_info", "dkv_mask_info"):
+        info = getattr(kernel, name)
+        if info is not None and hasattr(info, "is_dynamic_mask"):
+            setattr(kernel, name, info._replace(is_dynamic_mask=True))
+    return kernel
+
+
+__all__ = ["AUTO", "IMPLEMENTATIONS", "causal_attention", "dense_attention", "masked_attention", "mesh_context",
            "resolve_attention", "slot_mask"]

@@ -17,8 +17,10 @@ completions as there.
 The completion queries of a row attend to one key sequence [its group's prompt row | the row] (the prompt row's keys
 and values gathered per completion row, as the padded forward repeats a prompt's for its G rows), masked by group
 and segment: Wp + W keys where a padded row has P + N, the same number at Wp = P and W = N. Used by the trainer's
-log-prob passes and its update (`training/packed_passes.py`). The masks go to the `custom` / `xla` attention
-(`splash` takes `xla`'s path for an arbitrary mask: splash's segment ids are a later step on TPU).
+log-prob passes and its update (`training/packed_passes.py`). No causal mask with segment ids expresses "its
+group's prompt and its own segment" (a completion would need two segment ids), so the masks go whole to
+`attention_backends.masked_attention`: dense in `custom` / `xla`, and on TPU the splash kernel with each row's mask
+as data (a dynamic mask: it skips a row's key blocks that a query block sees nothing of).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jgrpo.models.attention_backends import dense_attention
+from jgrpo.models.attention_backends import masked_attention
 from jgrpo.models.layer_stack import scan_layers
 from jgrpo.models.llm import LLM, layer_output, layer_qkv, rms_norm
 from jgrpo.models.quantize import compute_weights
@@ -97,10 +99,10 @@ def forward_packed(
         # Each row's group's prompt before the row's own keys (the backward sums a prompt's gradients over its rows).
         keys, values = (jnp.concatenate([rows_prompt(x, prompt_row, shards), own], axis=1)
                         for x, own in ((kp, kc), (vp, vc)))
-        xp, ids_p, stats_p = layer_output(cfg, p, xp, dense_attention(cfg.attention, qp, kp, vp, prompt_allowed),
+        xp, ids_p, stats_p = layer_output(cfg, p, xp, masked_attention(cfg.attention, qp, kp, vp, prompt_allowed),
                                           replay_p, prompt_real)
-        xc, ids_c, stats_c = layer_output(cfg, p, xc, dense_attention(cfg.attention, qc, keys, values,
-                                                                      completion_allowed), replay_c, completed)
+        xc, ids_c, stats_c = layer_output(cfg, p, xc, masked_attention(cfg.attention, qc, keys, values,
+                                                                       completion_allowed), replay_c, completed)
         xp, xc = constrain(xp), constrain(xc)
         if ids_p is None:
             return (xp, xc), None

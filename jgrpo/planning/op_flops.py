@@ -1,6 +1,6 @@
 """The FLOPs of one HLO instruction: a `dot`, a `convolution` (TPU HLO's batched matmul, counting only the window
 positions on real input, as XLA's own cost analysis does), or a Pallas kernel (its author's `cost_estimate`;
-splash attention, which has none in jax 0.10.2, from the blocks its causal mask computes).
+splash attention, which has none in jax 0.10.2, from the blocks its mask computes).
 """
 
 from __future__ import annotations
@@ -41,10 +41,12 @@ def causal_block_pairs(q_len: int, kv_len: int, block_q: int, block_kv: int) -> 
 
 
 def splash_flops(ins: Instruction, types: dict[str, str]) -> float | None:
-    """FLOPs of a splash-attention kernel call (None for any other instruction). jgrpo builds splash with one
-    mask, causal with the queries as the last keys (`models/attention_backends._splash`), so the count is that
-    mask's non-empty blocks, read from q [..., Tq, Dh] and k [..., S, Dh] (its first two floating operands, after
-    the integer mask tables) and the block sizes the kernel records in its metadata (None without them)."""
+    """FLOPs of a splash-attention kernel call (None for any other instruction). jgrpo builds splash with two
+    masks (`models/attention_backends._splash`): causal with the queries as the last keys, counted as that mask's
+    non-empty blocks, or a mask per row given as data (a "dynamic" one, the packed forward's), whose skipped blocks
+    depend on the batch: counted as every block (the worst case, as the planner sizes memory). Read from q
+    [..., Tq, Dh] and k [..., S, Dh] (its first two floating operands, after the integer mask tables) and the block
+    sizes the kernel records in its metadata (None without them)."""
     kernel = ins.opcode == "custom-call" and "tpu_custom_call" in ins.attributes and _SPLASH.search(ins.attributes)
     if not kernel:
         return None
@@ -55,7 +57,10 @@ def splash_flops(ins: Instruction, types: dict[str, str]) -> float | None:
         return None
     q, k = shape_of(types[floats[0]]), shape_of(types[floats[1]])
     block_q, block_kv = (int(m.group(1)) for m in sizes)
-    pairs = causal_block_pairs(q[-2], k[-2], block_q, block_kv)
+    if "dynamic_sparsity_splash" in ins.attributes:  # the named scope jax's kernel traces a data mask under
+        pairs = -(-q[-2] // block_q) * block_q * -(-k[-2] // block_kv) * block_kv
+    else:
+        pairs = causal_block_pairs(q[-2], k[-2], block_q, block_kv)
     return float(math.prod(q[:-2]) * pairs * q[-1] * _SPLASH_FLOPS_PER_PAIR[kernel.group(1)])
 
 

@@ -3,6 +3,7 @@ gradients, at the queries the model uses), alone, inside the model and on the 8-
 platform. (`cudnn` runs on NVIDIA GPUs only: benchmarks/accelerator.py exercises it there.)"""
 
 import dataclasses
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +14,13 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jgrpo.config import ConfigError, MeshConfig
 from jgrpo.config.loading import load_config
-from jgrpo.models.attention_backends import causal_attention, cudnn_inputs, mesh_context, resolve_attention
+from jgrpo.models.attention_backends import (
+    causal_attention,
+    cudnn_inputs,
+    masked_attention,
+    mesh_context,
+    resolve_attention,
+)
 from jgrpo.models.llm import LLM, LLMConfig, merge_model, position_ids_from_mask, split_model
 from jgrpo.parallel.mesh import make_mesh
 from tests.helpers import reference_attention
@@ -33,25 +40,73 @@ def _inputs(T, S, heads=4, kv_heads=2, Dh=16, seed=0):
     return q, k, v, jnp.asarray(kv_valid), jnp.asarray(allowed), kv_valid[:, S - T:]
 
 
-@pytest.mark.parametrize("implementation", ON_CPU)
-@pytest.mark.parametrize(("T", "S"), [(9, 9), (6, 13), (130, 194)], ids=["self", "prompt_then_causal", "padded"])
-def test_values_and_gradients_match_the_softmax_formula(implementation, T, S):
-    q, k, v, kv_valid, allowed, q_valid = _inputs(T, S)
-    weights = jnp.asarray(np.random.default_rng(1).normal(size=q.shape) * q_valid[..., None, None], jnp.float32)
+def _equals_the_formula(attend, q, k, v, allowed, seen):
+    """attend(q, k, v) equals the softmax formula under `allowed` at the queries `seen` [B, T] (values, and the
+    gradients of a loss on them), and is finite everywhere (padding queries too)."""
+    weights = jnp.asarray(np.random.default_rng(1).normal(size=q.shape) * seen[..., None, None], jnp.float32)
 
     def loss(fn):
         return lambda q, k, v: jnp.sum(fn(q, k, v) * weights)
 
-    ours = jax.jit(lambda q, k, v: causal_attention(implementation, q, k, v, kv_valid))
+    ours = jax.jit(attend)
     reference = lambda q, k, v: reference_attention(q, k, v, allowed)  # noqa: E731
     out = ours(q, k, v)
-    assert bool(jnp.all(jnp.isfinite(out)))  # padding queries too
-    np.testing.assert_allclose(np.asarray(out)[q_valid], np.asarray(reference(q, k, v))[q_valid], atol=2e-6)
+    assert bool(jnp.all(jnp.isfinite(out)))
+    np.testing.assert_allclose(np.asarray(out)[seen], np.asarray(reference(q, k, v))[seen], atol=2e-6)
     grads = jax.jit(jax.grad(loss(ours), argnums=(0, 1, 2)))(q, k, v)
     expected = jax.grad(loss(reference), argnums=(0, 1, 2))(q, k, v)
     for name, a, b in zip("qkv", grads, expected, strict=True):
         assert bool(jnp.all(jnp.isfinite(a)))
         np.testing.assert_allclose(a, b, atol=2e-5, err_msg=f"d{name}")
+
+
+@pytest.mark.parametrize("implementation", ON_CPU)
+@pytest.mark.parametrize(("T", "S"), [(9, 9), (6, 13), (130, 194)], ids=["self", "prompt_then_causal", "padded"])
+def test_values_and_gradients_match_the_softmax_formula(implementation, T, S):
+    q, k, v, kv_valid, allowed, q_valid = _inputs(T, S)
+    _equals_the_formula(lambda q, k, v: causal_attention(implementation, q, k, v, kv_valid), q, k, v, allowed, q_valid)
+
+
+def _packed_masks(T, S):
+    """Masks as the packed forward makes them, one per row: [prompt keys | the row's own keys], each completion
+    segment seeing the prompt's real keys and itself causally; row 1 also holds padding queries that see nothing, row
+    2 is empty (no allowed pair at all: a whole block of queries the kernel would skip)."""
+    P = S - T
+    mask = np.zeros((3, T, S), bool)
+    for row, (prompt, cuts) in enumerate([(P, [0, 5, T]), (P - 2, [0, 3, T - 130 if T > 130 else T - 1])]):
+        for a, b in itertools.pairwise(cuts):
+            mask[row, a:b, :prompt] = True
+            mask[row, a:b, P + a:P + b] = np.tril(np.ones((b - a, b - a), bool))
+    return jnp.asarray(mask)
+
+
+@pytest.mark.parametrize("implementation", ON_CPU)
+@pytest.mark.parametrize(("T", "S"), [(9, 13), (300, 364)], ids=["small", "blocks_without_a_query"])
+def test_a_mask_per_row_matches_the_softmax_formula(implementation, T, S):
+    """`masked_attention` (the packed forward's) under masks only a per-row mask expresses; splash runs its
+    dynamic-mask kernel. Queries that see nothing get a finite output (callers mask them) and send no gradient."""
+    q, k, v, _, _, _ = _inputs(T, S)
+    allowed = _packed_masks(T, S)
+    _equals_the_formula(lambda q, k, v: masked_attention(implementation, q, k, v, allowed), q, k, v, allowed,
+                        np.asarray(allowed).any(-1))
+
+
+def test_splash_with_a_mask_per_row_on_the_mesh_is_placed_per_device():
+    """The dynamic-mask kernel under shard_map: rows over data x fsdp, kv heads over tensor, each row's mask with it."""
+    mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+    q, k, v, _, _, _ = _inputs(9, 13, heads=4, kv_heads=2)
+    q, k, v = (jnp.concatenate([x, x[:1]]) for x in (q, k, v))  # 4 rows: 2 x 2 row shards
+    allowed = jnp.concatenate([_packed_masks(9, 13), _packed_masks(9, 13)[:1]])
+    rows = NamedSharding(mesh, PartitionSpec(("data", "fsdp"), None, "tensor"))
+    placed = [jax.device_put(x, rows) for x in (q, k, v)]
+    attend = jax.jit(lambda q, k, v, m: masked_attention("splash", q, k, v, m))
+    with jax.set_mesh(mesh):
+        lowered = attend.lower(*placed, allowed)
+        got = attend(*placed, allowed)
+    assert "shard_map" in lowered.as_text() or "sdy.manual_computation" in lowered.as_text()
+    seen = np.asarray(allowed).any(-1)
+    np.testing.assert_allclose(np.asarray(got)[seen], np.asarray(reference_attention(q, k, v, allowed))[seen],
+                               atol=2e-6)
 
 
 @pytest.mark.parametrize(("T", "S"), [(9, 9), (6, 13), (7, 12), (8, 8)], ids=["both_odd", "kv_odd", "q_odd", "even"])

@@ -136,3 +136,29 @@ def test_hidden_states_predecessors_experts_and_gradients_match_the_padded_forwa
         np.testing.assert_array_equal(np.sort(got, -1), np.sort(np.asarray(want_ids[1])[real], -1))
     else:
         assert got_ids is None and want_ids is None
+
+
+def test_splash_gives_the_custom_attention_numbers():
+    """On TPU the packed forward runs splash with each row's mask as data (here in Pallas interpret mode): the same
+    hidden states and gradients as the `custom` attention's masks."""
+    graphdef, params = split_model(LLM(GQA, rngs=nnx.Rngs(params=3)))
+    splash, _ = split_model(LLM(dataclasses.replace(GQA, attention="splash"), rngs=nnx.Rngs(params=3)))
+    prompt_tokens, prompt_mask, tokens, completion_mask = _batch()
+    completion_mask[:G] = np.arange(N) < 3  # group 0's four completions share one row
+    inputs, plan, _, _ = _packed(prompt_tokens, prompt_mask, tokens, completion_mask)
+    weights = jax.random.normal(jax.random.key(1), (3, 24, GQA.hidden_size))
+
+    def run(graphdef):
+        def loss(params):
+            prompt, completion, _ = forward_packed(merge_model(graphdef, params), **inputs)
+            return jnp.sum(jnp.where(inputs["completion_group"][..., None] >= 0, completion, 0) * weights), completion
+
+        return jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+
+    (want_loss, want), want_grads = run(graphdef)
+    (got_loss, got), got_grads = run(splash)
+    real = np.asarray(inputs["completion_group"]) >= 0
+    np.testing.assert_allclose(np.asarray(got)[real], np.asarray(want)[real], atol=2e-5)
+    np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads), strict=True):
+        np.testing.assert_allclose(a, b, atol=2e-4, rtol=2e-4)

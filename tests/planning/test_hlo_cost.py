@@ -493,31 +493,25 @@ def test_the_megablox_moe_layer_compiles_for_tpu_forward_and_backward():
     assert HloCost(hlo).flops == pytest.approx(3 * 3 * 2 * (32 * 2) * D * F, rel=0.02)
 
 
-def test_splash_attention_counts_the_blocks_its_causal_mask_computes(monkeypatch):
-    # Splash's kernels carry no cost estimate (jax 0.10.2), so their FLOPs are counted from the blocks the mask
-    # leaves: 256 queries as the last of 384 keys, 128-blocks. Query block 0 (key slots 128..255) needs key
-    # blocks 0-1, query block 1 (256..383) blocks 0-2: 5 of 6 blocks, 5 x 128 x 128 pairs per head.
+def _splash_kernel_flops(monkeypatch, attend, last):
+    """attend(q, k, v, last)'s gradient compiled for a v5e chip with bf16 q [2, 256, 4, 64] and k, v [2, 384, 2, 64],
+    `last` [2, ...] bool: the HLO text and the FLOPs `splash_flops` gives each of its kernels (forward, dq, dkv)."""
     from jgrpo.models import attention_backends
     from jgrpo.planning.hlo_text import parse_hlo
-    from jgrpo.planning.op_flops import causal_block_pairs, splash_flops
+    from jgrpo.planning.op_flops import splash_flops
 
     monkeypatch.setattr(attention_backends, "context_platform", lambda: "tpu")
     devices, _ = topology_devices("v5e:2x4")
-    B, T, S_, H, KVH, Dh = 2, 256, 384, 4, 2, 64
     one = jax.sharding.SingleDeviceSharding(devices[0])
-    q = jax.ShapeDtypeStruct((B, T, H, Dh), jnp.bfloat16, sharding=one)
-    kv = jax.ShapeDtypeStruct((B, S_, KVH, Dh), jnp.bfloat16, sharding=one)
-    valid = jax.ShapeDtypeStruct((B, S_), jnp.bool_, sharding=one)
+    q = jax.ShapeDtypeStruct((2, 256, 4, 64), jnp.bfloat16, sharding=one)
+    kv = jax.ShapeDtypeStruct((2, 384, 2, 64), jnp.bfloat16, sharding=one)
 
-    def loss(q, k, v, valid):
-        return attention_backends._splash(q, k, v, valid).astype(jnp.float32).sum()
+    def loss(q, k, v, last):
+        return attend(q, k, v, last).astype(jnp.float32).sum()
 
     with jax.default_matmul_precision("default"):
-        hlo = _compile(jax.grad(loss, argnums=(0, 1, 2)), q, kv, kv, valid).as_text()
-    assert causal_block_pairs(T, S_, 128, 128) == 5 * 128 * 128
-    # The kernel's own block mask (printed while small: 2 = whole block, 1 = partial, 0 = skipped) agrees.
-    block_mask = re.search(r"s8\[1,2,3\]\S* constant\(\{ \{ \{ 2, 1, 0 \}, \{ 2, 2, 1 \} \} \}\)", hlo)
-    assert block_mask is not None
+        hlo = _compile(jax.grad(loss, argnums=(0, 1, 2)), q, kv, kv,
+                       jax.ShapeDtypeStruct(last, jnp.bool_, sharding=one)).as_text()
     computations, _ = parse_hlo(hlo)
     kernels = {}
     for body in computations.values():
@@ -526,6 +520,34 @@ def test_splash_attention_counts_the_blocks_its_causal_mask_computes(monkeypatch
             flops = splash_flops(ins, types)
             if flops is not None:
                 kernels[re.search(r"splash_mqa_(fwd|dq|dkv)", ins.attributes).group(1)] = flops
-    per_pair_dim = B * H * 5 * 128 * 128 * Dh
+    return hlo, kernels
+
+
+def test_splash_attention_counts_the_blocks_its_causal_mask_computes(monkeypatch):
+    # Splash's kernels carry no cost estimate (jax 0.10.2), so their FLOPs are counted from the blocks the mask
+    # leaves: 256 queries as the last of 384 keys, 128-blocks. Query block 0 (key slots 128..255) needs key
+    # blocks 0-1, query block 1 (256..383) blocks 0-2: 5 of 6 blocks, 5 x 128 x 128 pairs per head.
+    from jgrpo.models import attention_backends
+    from jgrpo.planning.op_flops import causal_block_pairs
+
+    hlo, kernels = _splash_kernel_flops(monkeypatch, attention_backends._splash, (2, 384))
+    assert causal_block_pairs(256, 384, 128, 128) == 5 * 128 * 128
+    # The kernel's own block mask (printed while small: 2 = whole block, 1 = partial, 0 = skipped) agrees.
+    block_mask = re.search(r"s8\[1,2,3\]\S* constant\(\{ \{ \{ 2, 1, 0 \}, \{ 2, 2, 1 \} \} \}\)", hlo)
+    assert block_mask is not None
+    per_pair_dim = 2 * 4 * 5 * 128 * 128 * 64  # rows x heads x pairs x Dh
     assert kernels == {"fwd": 4 * per_pair_dim, "dq": 6 * per_pair_dim, "dkv": 8 * per_pair_dim}
     assert HloCost(hlo).flops >= sum(kernels.values())
+
+
+def test_splash_with_a_mask_per_row_counts_every_block(monkeypatch):
+    # The packed forward's mask is data (a "dynamic" mask): which blocks a batch skips is not known when compiling,
+    # so its kernels count every block, here 2 query x 3 key blocks of 128 per head and row (the worst case).
+    from jgrpo.models import attention_backends
+
+    hlo, kernels = _splash_kernel_flops(monkeypatch, lambda q, k, v, m: attention_backends.masked_attention(
+        "splash", q, k, v, m), (2, 256, 384))
+    # One call per row (each row's mask is its own kernel's: a loop over the rows), each over the 4 heads.
+    per_pair_dim = 4 * 6 * 128 * 128 * 64
+    assert kernels == {"fwd": 4 * per_pair_dim, "dq": 6 * per_pair_dim, "dkv": 8 * per_pair_dim}
+    assert HloCost(hlo).flops >= 2 * sum(kernels.values())
