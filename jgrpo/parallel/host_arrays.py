@@ -73,14 +73,21 @@ def _process_blocks(local: np.ndarray, global_rows: int) -> np.ndarray:
 
 
 def fetch(tree):
-    """`tree`'s arrays as numpy on every host: `jax.device_get` where this process can read them whole; an array of
-    a mesh that leaves processes out is gathered from the processes that hold it (a collective: every process calls
-    it, in the same order)."""
+    """`tree`'s arrays as numpy on every host: `jax.device_get` where this process can read them whole; an array
+    split over several processes (a pod's rows, or a mesh that leaves processes out) is gathered from the processes
+    that hold it (a collective: every process calls it, in the same order)."""
     def one(x):
-        # Decided alike on every process (not by what this one holds): the gather is a collective.
-        if isinstance(x, jax.Array) and not _held_by_all(x):
+        if not isinstance(x, jax.Array):
+            return jax.device_get(x)
+        # Decided alike on every process (not by what this one can address: a process holding all of an array that
+        # others hold none of reads it whole), as the gather is a collective.
+        if not _held_by_all(x):
             return _gather_whole(x)
-        return jax.device_get(x)
+        if x.is_fully_addressable:  # one process (held by all and addressable here: nobody else holds any)
+            return jax.device_get(x)
+        if x.sharding.is_fully_replicated:  # every device holds all of it, this process's first one too
+            return np.asarray(x.addressable_data(0))
+        return _gather_whole(x)  # split over every process (a pod's rows)
 
     return jax.tree.map(one, tree)
 

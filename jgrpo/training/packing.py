@@ -6,8 +6,8 @@ width W (each one segment), so a micro-batch of r padded rows [r, N] becomes K p
 K·W = r·N (the caller sizes the blocks: `packed_passes.packed_sizes`), and fewer of them are needed. Shapes stay
 fixed: a buffer of U micro-batches, of which the plan uses 1 to U; the rest are padding the step skips.
 
-The plan is a host function of the completion lengths alone, deterministic (so every process could compute the
-same one from the global lengths; for now `model.packing` runs in one process), and the gathers that apply it run
+The plan is a host function of the completion lengths alone, deterministic (so every process of a pod computes the
+same one from the global lengths, which `host_arrays.fetch` brings to every host), and the gathers that apply it run
 on the device (`pack`, `unpack`: any per-token field, any trailing dims, with no code of its own). Rules, in order:
   - whole groups: a group's G completions share a prompt the packed forward computes once per micro-batch, so a
     group never spans two micro-batches; one that does not fit opens the next (overflow);

@@ -34,10 +34,6 @@ def step_functions(config: Config, *, graphdef, params, mesh, method, iterations
     steps = StepFunctions(graphdef=graphdef, params=params, frozen=frozen, mesh=mesh, rules=rules,
                           optimizer=make_optimizer(config.optim, total_updates), options=options)
     steps.check_rows(config.data.batch_size * g.num_generations)
-    if m.packing and jax.process_count() > 1:
-        raise ConfigError(f"model.packing=true plans each batch's packing from its lengths on the host, which needs "
-                          f"every row in one process; this run has {jax.process_count()} processes: set "
-                          "model.packing: false")
     n = config.mesh.expert
     if n > 1 and (not steps.num_experts or steps.num_experts % n):
         what = f"its {steps.num_experts} experts" if steps.num_experts else "no experts (a dense model)"

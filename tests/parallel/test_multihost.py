@@ -1,4 +1,5 @@
-"""Multi-host training, proven on one machine: two processes x 4 CPU devices joined by jax.distributed.
+"""Multi-host training, proven on one machine: two processes x 4 CPU devices joined by jax.distributed (and
+packed training over two processes x 2).
 
 Acceptance (issue 7): the tiny config run by two processes for 3 iterations, saved, and resumed for 2 more
 ends with the params of one process with 8 devices running 5 iterations straight (to 1e-5: collectives may
@@ -6,6 +7,7 @@ sum in another order), and the metrics file holds exactly one record per iterati
 `python -m jgrpo.train` process, as on a pod slice where each host launches the same command.
 """
 
+import json
 import os
 import socket
 import subprocess
@@ -57,20 +59,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _train(run_dir, env, iterations, devices, process=None):
-    """Start `python -m jgrpo.train` with `devices` CPU devices; `process` = (coordinator, count, id)."""
+def _train(run_dir, env, iterations, devices, process=None, extra=()):
+    """Start `python -m jgrpo.train` with `devices` CPU devices; `process` = (coordinator, count, id); `extra`
+    overrides after the module's."""
     env = dict(env, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
     if process is not None:
         coordinator, count, index = process
         env.update(JGRPO_COORDINATOR=coordinator, JGRPO_NUM_PROCESSES=str(count), JGRPO_PROCESS_ID=str(index))
     cmd = [sys.executable, "-m", "jgrpo.train", "configs/tiny.yaml", f"run.output_dir={run_dir}",
-           f"run.iterations={iterations}", *OVERRIDES]
+           f"run.iterations={iterations}", *OVERRIDES, *extra]
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def _two_processes(run_dir, env, iterations):
+def _two_processes(run_dir, env, iterations, devices=4, extra=()):
     coordinator = f"127.0.0.1:{_free_port()}"
-    return [_train(run_dir, env, iterations, 4, (coordinator, 2, i)) for i in range(2)]
+    return [_train(run_dir, env, iterations, devices, (coordinator, 2, i), extra) for i in range(2)]
 
 
 def _finish(procs, timeout=900):
@@ -115,6 +118,69 @@ def test_two_processes_save_resume_match_one_process(tmp_path, env):
     for r, ref in zip(records, reference_records, strict=True):
         for key in ("reward/mean", "completion/length_mean", "loss/loss", "kl/mean"):
             np.testing.assert_allclose(r[key], ref[key], rtol=1e-4, atol=1e-6, err_msg=f"{key} at {r['iteration']}")
+
+
+@pytest.mark.pod
+@pytest.mark.slow
+def test_a_packed_run_over_two_processes_matches_one_process(tmp_path, env):
+    # model.packing over 2 processes x 2 devices: every process fetches the batch's lengths (its rows are split over
+    # both), plans the same packing and gathers on the devices; 2 iterations equal one process with 4 devices (to
+    # rounding). Stop ids on a quarter of the vocabulary give the random model completions of 1 to 8 tokens, so
+    # rows hold several completions (the fill well below 1) in 2 minibatches, the reference's pass included.
+    stops = "[" + ",".join(str(i) for i in range(0, 49152, 4)) + "]"
+    extra = ("model.packing=true", "grpo.num_minibatches=2", "grpo.micro_batches=2", "checkpoint.every=2",
+             f"sampler.stop_token_ids={stops}")
+    multi, single = tmp_path / "two_processes", tmp_path / "one_process"
+    reference = _train(single, env, 2, 4, extra=extra)
+    _finish(_two_processes(multi, env, 2, devices=2, extra=extra))
+    _finish([reference])
+    for (path, w), g in zip(jax.tree.leaves_with_path(_params(single, 2)), jax.tree.leaves(_params(multi, 2)),
+                            strict=True):
+        np.testing.assert_allclose(g, w, rtol=0, atol=1e-5, err_msg=jax.tree_util.keystr(path))
+    records, reference_records = read_metrics(multi), read_metrics(single)
+    assert [r["iteration"] for r in records] == [1, 2]
+    assert all(r["packing/fill"] < 0.6 for r in records)
+    for r, ref in zip(records, reference_records, strict=True):
+        for key in ("packing/fill", "completion/length_mean", "loss/loss", "kl/mean"):
+            np.testing.assert_allclose(r[key], ref[key], rtol=1e-4, atol=1e-6, err_msg=f"{key} at {r['iteration']}")
+
+
+# `host_arrays.fetch` on 2 processes x 2 devices: rows split over all 4 devices (a pod's batch: what packing reads
+# its lengths from), a replicated array, and one held by process 1 alone all arrive whole on both hosts.
+FETCH_WORKER = """
+import json, sys
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+jax.distributed.initialize(sys.argv[1], 2, int(sys.argv[2]))
+from jgrpo.parallel.host_arrays import fetch
+devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+everywhere, second = Mesh(np.array(devices), ("fsdp",)), Mesh(np.array(devices[2:]), ("fsdp",))
+make = jax.jit(lambda: jnp.arange(24).reshape(8, 3), out_shardings=NamedSharding(everywhere, P("fsdp")))
+rows = make()
+replicated = jax.device_put(rows, NamedSharding(everywhere, P()))
+held = jax.jit(lambda: jnp.arange(6) * 2, out_shardings=NamedSharding(second, P("fsdp")))()
+got = fetch({"rows": rows, "replicated": replicated, "held": held, "plain": np.ones(2)})
+print(json.dumps({k: np.asarray(v).tolist() for k, v in got.items()}))
+"""
+
+
+@pytest.mark.slow
+def test_fetch_brings_arrays_split_over_processes_whole_to_every_host(tmp_path, env):
+    script = tmp_path / "worker.py"
+    script.write_text(FETCH_WORKER)
+    coordinator = f"127.0.0.1:{_free_port()}"
+    logs = [tmp_path / f"process{i}.log" for i in range(2)]  # files: a full pipe would stall its process
+    procs = [subprocess.Popen([sys.executable, str(script), coordinator, str(i)], cwd=ROOT, text=True,
+                              env=dict(env, XLA_FLAGS="--xla_force_host_platform_device_count=2"),
+                              stdout=log.open("w"), stderr=(tmp_path / f"process{i}.err").open("w"))
+             for i, log in enumerate(logs)]
+    for i, p in enumerate(procs):
+        assert p.wait(timeout=300) == 0, (tmp_path / f"process{i}.err").read_text()[-3000:]
+    want = {"rows": np.arange(24).reshape(8, 3).tolist(), "replicated": np.arange(24).reshape(8, 3).tolist(),
+            "held": (np.arange(6) * 2).tolist(), "plain": [1.0, 1.0]}
+    for log in logs:
+        assert json.loads(log.read_text().strip().splitlines()[-1]) == want
 
 
 def test_settings_from_env():
