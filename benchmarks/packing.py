@@ -1,6 +1,7 @@
 """How much padding packing removes: the packing plan (jgrpo/training/packing.py) on recorded length distributions.
 
     python benchmarks/packing.py [--rows 32] [--group 8] [--micro-batches 4] [--new-tokens 256] [--widths 1,2,4]
+                                 [--row-buckets 0.25,0.5,0.75,0.875]
 
 The update, the reference pass and the lp_k pass pad every completion to N = max_new_tokens. This script draws
 the completion lengths of many minibatches from the distributions the rollout benchmark recorded for SmolLM2-135M
@@ -49,10 +50,12 @@ def draw_lengths(name: str, count: int, new_tokens: int, rng) -> np.ndarray:
 
 
 def measure(name: str, *, rows: int, group: int, micro_batches: int, new_tokens: int, batches: int, factor: int,
-            seed: int = 0) -> dict:
+            seed: int = 0, row_buckets: tuple[float, ...] = ()) -> dict:
     rng = np.random.default_rng(seed)  # the same lengths for every width
     r = rows // micro_batches  # padded rows per micro-batch
-    real = padded = packed_slots = 0
+    K = r // factor
+    buckets = sorted({max(1, int(np.ceil(f * K))) for f in row_buckets} | {K})
+    real = padded = packed_slots = bucket_slots = 0
     used = []
     for _ in range(batches):
         lengths = draw_lengths(name, rows, new_tokens, rng)
@@ -62,11 +65,14 @@ def measure(name: str, *, rows: int, group: int, micro_batches: int, new_tokens:
         padded += rows * new_tokens
         packed_slots += plan.micro_batches * r * new_tokens
         used.append(plan.micro_batches)
+        for u in range(plan.micro_batches):
+            in_use = int((plan.row[u] >= 0).any(-1).sum())
+            bucket_slots += min(b for b in buckets if b >= in_use) * factor * new_tokens
     return {"lengths": name, "width": factor * new_tokens, "packed_rows": r // factor,
             "mean_length": real / (batches * rows), "padded_fill": real / padded,
             "bound": padded / real, "packed_fill": real / packed_slots,
             "micro_batches_mean": float(np.mean(used)), "micro_batches_max": int(np.max(used)),
-            "saving": padded / packed_slots}
+            "saving": padded / packed_slots, "row_bucket_saving": padded / bucket_slots}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,13 +83,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new-tokens", type=int, default=256, help="N = max_new_tokens")
     p.add_argument("--widths", default="1,2,4", help="packed widths as multiples f of N (K = r / f rows)")
     p.add_argument("--batches", type=int, default=200, help="minibatches drawn per distribution")
+    p.add_argument("--row-buckets", default="", help="fractions of K: also print the row-bucket ceiling")
     args = p.parse_args(argv)
     r = args.rows // args.micro_batches
     print(f"{args.rows} rows (groups of {args.group}) in {args.micro_batches} micro-batches of {r} x "
           f"{args.new_tokens} padded; {args.batches} minibatches per distribution")
+    row_buckets = tuple(float(f) for f in args.row_buckets.split(",") if f)
+    extra = (" row buckets |", "---:|") if row_buckets else ("", "")
     print("| lengths | mean | padded fill | bound | packed K x W | packed fill | micro-batches used (mean, max) | "
-          "saving |")
-    print("|---|---:|---:|---:|---|---:|---|---:|")
+          f"saving |{extra[0]}")
+    print(f"|---|---:|---:|---:|---|---:|---|---:|{extra[1]}")
     results = []
     for factor in (int(f) for f in args.widths.split(",")):
         if r % factor or (r // factor) * factor < args.group:
@@ -92,12 +101,12 @@ def main(argv: list[str] | None = None) -> int:
             continue
         for name in (*HISTOGRAMS, "full"):
             res = measure(name, rows=args.rows, group=args.group, micro_batches=args.micro_batches,
-                          new_tokens=args.new_tokens, batches=args.batches, factor=factor)
+                          new_tokens=args.new_tokens, batches=args.batches, factor=factor, row_buckets=row_buckets)
             results.append(res)
             print(f"| {name} | {res['mean_length']:.0f} | {res['padded_fill']:.2f} | {res['bound']:.2f}x | "
                   f"{res['packed_rows']} x {res['width']} | {res['packed_fill']:.2f} | "
                   f"{res['micro_batches_mean']:.2f}, {res['micro_batches_max']} of {args.micro_batches} | "
-                  f"{res['saving']:.2f}x |")
+                  f"{res['saving']:.2f}x |" + (f" {res['row_bucket_saving']:.2f}x |" if row_buckets else ""))
     print(json.dumps({"packing": results}))
     return 0
 
