@@ -1,6 +1,7 @@
 """The train step padded vs trimmed vs packed (`model.packing`), side by side in one run (#40's Measure).
 
     python benchmarks/packed_step.py [--rows 32] [--group 8] [--micro-batches 4] [--new-tokens 256] [--prompt 64]
+                                     [--row-buckets 0.25,0.5,0.75,0.875]
 
 SmolLM2-135M-Instruct (float32, its real weights) on this machine's CPU. Per length distribution (the rollout
 benchmark's arithmetic and gsm8k histograms at 256 new tokens, benchmarks/packing.py, and every row at full
@@ -11,7 +12,8 @@ here, so no pi_k pass), three ways:
   - padded: every completion padded to N (today's default);
   - trimmed: every completion padded to the batch's longest, rounded up to 64 (a second baseline; in a run it
     compiles a program per trimmed width; where a row reaches N it is the padded program, not run twice);
-  - packed: the host plans, then the packed passes and the packed update.
+  - packed: the host plans, then the packed passes and the packed update, each packed micro-batch computing only
+    its rows in use rounded up to a bucket (`--row-buckets`, default `model.packing_row_buckets`'; "" for all rows).
 Useful tokens/s = (real prompt tokens once per group + real completion tokens) / seconds, best of `--repeats`
 after a compiling call, the three alternating; the packed time includes planning on the host. Also the packed
 step's loss and gradient norm against the padded one's (the same numbers), its micro-batches and fill, and the
@@ -35,6 +37,7 @@ sys.path.insert(1, str(Path(__file__).parent.parent))
 from packing import HISTOGRAMS, draw_lengths  # noqa: E402 - benchmarks/packing.py, host only
 
 import jgrpo  # noqa: E402, F401 - first: it keeps jax on the CPU quietly where libtpu has no TPU
+from jgrpo.config import ModelConfig  # noqa: E402
 
 
 def measure(name: str, args, graphdef, params) -> dict:
@@ -64,7 +67,7 @@ def measure(name: str, args, graphdef, params) -> dict:
 
     def step_functions(packing, width):
         options = StepOptions(grpo=grpo, method=SamplingMethod(), new_tokens=width, logprob_chunk=256,
-                              packing=packing)
+                              packing=packing, packing_row_buckets=args.row_buckets if packing else ())
         return StepFunctions(graphdef=graphdef, params=params, mesh=mesh, optimizer=optax.sgd(1e-6), options=options)
 
     def samples(width, logprobs):
@@ -114,6 +117,7 @@ def measure(name: str, args, graphdef, params) -> dict:
             "speedup": seconds["padded"] / seconds["packed"], "trimmed_speedup": seconds["padded"] / seconds["trimmed"],
             "packed_micro_batches": float(packed["packing_micro_batches"]), "fill": float(packed["packing_fill"]),
             "prompt_fill": float(packed["packing_prompt_fill"]), "bound": R * N / lengths.sum(),
+            "rows_computed": float(packed["packing_rows_computed"]),
             "loss_diff": abs(float(packed["loss"]) - float(padded["loss"])),
             "grad_norm": float(padded["grad_norm"]),
             "grad_norm_rel_diff": abs(float(packed["grad_norm"]) / float(padded["grad_norm"]) - 1)}
@@ -129,13 +133,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=1, help="timed calls per way and round")
     p.add_argument("--rounds", type=int, default=2, help="rounds of the three ways, alternating")
     p.add_argument("--lengths", default=",".join((*HISTOGRAMS, "full")))
+    p.add_argument("--row-buckets", default=",".join(str(f) for f in ModelConfig().packing_row_buckets),
+                   help="model.packing_row_buckets of the packed way, comma-separated ('' for every row)")
     args = p.parse_args(argv)
+    args.row_buckets = tuple(float(f) for f in args.row_buckets.split(",") if f)
     from jgrpo.models.hf import load_model
 
     graphdef, params, _ = load_model("smollm2-135m-instruct")
     print(f"SmolLM2-135M float32, {args.rows} rows (groups of {args.group}), {args.micro_batches} padded micro-batches "
           f"of {args.rows // args.micro_batches} x ({args.prompt} + {args.new_tokens})", file=sys.stderr)
-    print("| lengths | mean | bound | padded s | trimmed s (width) | packed s (micro-batches, fill) "
+    print("| lengths | mean | bound | padded s | trimmed s (width) | packed s (micro-batches, fill, rows computed) "
           "| useful tok/s padded | trimmed | packed | packed / padded | trimmed / padded | loss, grad norm diff |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     results = []
@@ -143,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
         r = measure(name, args, graphdef, params)
         results.append(r)
         print(f"| {name} | {r['mean_length']:.0f} | {r['bound']:.2f}x | {r['padded_s']:.2f} | {r['trimmed_s']:.2f} "
-              f"({r['trimmed_width']}) | {r['packed_s']:.2f} ({r['packed_micro_batches']:.0f}, {r['fill']:.2f}) | "
+              f"({r['trimmed_width']}) | {r['packed_s']:.2f} ({r['packed_micro_batches']:.0f}, {r['fill']:.2f}, "
+              f"{r['rows_computed']:.2f}) | "
               f"{r['padded_tokens_per_s']:.0f} | {r['trimmed_tokens_per_s']:.0f} | {r['packed_tokens_per_s']:.0f} | "
               f"**{r['speedup']:.2f}x** | {r['trimmed_speedup']:.2f}x | {r['loss_diff']:.1e}, "
               f"{r['grad_norm_rel_diff']:.1e} |", flush=True)

@@ -76,6 +76,9 @@ class ModelConfig:
     packing: bool = False
     # The slots of a packed row: 0 = the completion width (max_new_tokens, or env.max_total_tokens) rounded up to 8.
     packing_width: int = 0
+    # A packed micro-batch computes only its rows in use, rounded up to the first of these fractions of its rows
+    # that holds them (or all): one program per bucket, all compiled in the first iteration. () = always all rows.
+    packing_row_buckets: tuple[float, ...] = (0.25, 0.5, 0.75, 0.875)
     lora: LoraConfig = LoraConfig()
 
     def __post_init__(self):
@@ -84,6 +87,8 @@ class ModelConfig:
                "it needs model.share_prompts=true (packing keeps the shared-prompt forward: each group's prompt "
                "once); set model.share_prompts: true, or model.packing: false")
         _check(self.packing_width >= 0, "model.packing_width", self.packing_width, "0 (auto) or a positive integer")
+        _check(all(0 < f < 1 for f in self.packing_row_buckets), "model.packing_row_buckets",
+               list(self.packing_row_buckets), "fractions strictly between 0 and 1, e.g. [0.5, 0.75] (or [])")
         for name in ("router_aux_loss_coef", "router_z_loss_coef"):
             _check(getattr(self, name) >= 0, f"model.{name}", getattr(self, name), "a number >= 0 (0 = off)")
 

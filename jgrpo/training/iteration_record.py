@@ -69,6 +69,7 @@ _SECTIONS = {
     "packing_prompt_fill": "packing/prompt_fill",
     "packing_micro_batches": "packing/micro_batches",
     "packing_micro_batches_max": "packing/micro_batches_max",
+    "packing_rows_computed": "packing/rows_computed",
 }
 _FIRST_UPDATE_ONLY = ("logprob_mismatch_mean", "logprob_mismatch_max", "mismatch_token_count", "outside_support_frac",
                       "routing_mismatch", "routing_count")

@@ -87,6 +87,11 @@ class PackedBatch(NamedTuple):
     owns: jax.Array  # [U, n] bool: the rows (of the n packed) whose group the micro-batch holds, each row in one
     prompt_routing: jax.Array | None = None  # MoE replay: [U, Kp, Wp, L, k]
     routing: jax.Array | None = None  # [U, K, W, L, k]
+    rows_used: jax.Array | None = None  # [U]: the rows in use of each data shard's (a prefix; the most of any shard)
+
+
+# The fields with a packed completion row on axis 0 of a micro-batch: what running fewer rows cuts.
+ROW_FIELDS = ("tokens", "group", "segment", "positions", "row", "index", "prompt_last", "prompt_row", "routing")
 
 
 def plan_batch(sizes: PackedSizes, prompt_tokens, prompt_mask, tokens, completion_mask, group_size: int,
@@ -125,7 +130,55 @@ def plan_batch(sizes: PackedSizes, prompt_tokens, prompt_mask, tokens, completio
         prompt_row=jnp.asarray(plan.prompt_row),
         count=jnp.int32(plan.micro_batches), owns=jnp.asarray(plan.owner[None] == np.arange(U)[:, None]),
         prompt_routing=None if prompt_routing is None else pack_prompts(prompt_routing, plan, prompt_lengths),
-        routing=None if routing is None else pack(routing, plan))
+        routing=None if routing is None else pack(routing, plan), rows_used=jnp.asarray(_rows_used(plan.row, sizes)))
+
+
+def _rows_used(row: np.ndarray, sizes: PackedSizes) -> np.ndarray:
+    """[U]: how many of each data shard's rows a micro-batch uses, counted to its last row in use (first fit fills
+    a shard's rows from its first), the most of any shard."""
+    U, K = row.shape[:2]
+    in_use = (row >= 0).any(-1).reshape(U, sizes.shards, K // sizes.shards)
+    last = np.where(in_use.any(-1), in_use.shape[-1] - np.argmax(in_use[..., ::-1], axis=-1), 0)
+    return last.max(-1).astype(np.int32)
+
+
+def row_buckets(rows_per_shard: int, fractions) -> list[int]:
+    """The rows per data shard a packed micro-batch can run at (`model.packing_row_buckets`): each fraction of its
+    rows, rounded up, and all of them."""
+    return sorted({max(1, math.ceil(f * rows_per_shard)) for f in fractions} | {rows_per_shard})
+
+
+def on_rows_in_use(fn, micro: PackedBatch, fractions, shards: int, on_rows=None, rows_out: bool = False):
+    """fn(micro) computed on the rows `micro` uses only: each data shard's first k rows, k the first of the
+    `row_buckets` that holds `micro.rows_used` (one branch per bucket, `lax.switch`: every one compiled, one run).
+    `rows_out`: fn returns [rows, ...], given back as [K, ...] with zeros in the rows not run; else the same shapes
+    in every branch. `on_rows`: the sharding constraint for the cut rows."""
+    K = micro.tokens.shape[0]
+    sizes = row_buckets(K // shards, fractions)
+    if len(sizes) == 1:
+        return fn(micro)
+
+    def branch(k):
+        def run(m):
+            out = fn(first_rows(m, k, shards, on_rows))
+            if not rows_out:
+                return out
+            per_shard = out.reshape(shards, k, *out.shape[1:])
+            padding = ((0, 0), (0, K // shards - k)) + ((0, 0),) * (out.ndim - 1)
+            return jnp.pad(per_shard, padding).reshape(K, *out.shape[1:])
+        return run
+
+    index = jnp.searchsorted(jnp.asarray(sizes, jnp.int32), micro.rows_used)
+    return jax.lax.switch(index, [branch(k) for k in sizes], micro)
+
+
+def first_rows(micro: PackedBatch, k: int, shards: int, on_rows=None) -> PackedBatch:
+    """A micro-batch cut to each data shard's first k rows (its `ROW_FIELDS`; the prompt block stays whole)."""
+    def cut(x):
+        x = x.reshape(shards, -1, *x.shape[1:])[:, :k].reshape(shards * k, *x.shape[1:])
+        return x if on_rows is None else on_rows(x)
+
+    return micro._replace(**{f: cut(getattr(micro, f)) for f in ROW_FIELDS if getattr(micro, f) is not None})
 
 
 def packed_shapes(sizes: PackedSizes, rows: int, routing: tuple | None = None,
@@ -144,7 +197,7 @@ def packed_shapes(sizes: PackedSizes, rows: int, routing: tuple | None = None,
                        shaped(lead + (U, sizes.rows)), shaped(lead),
                        shaped(lead + (U, rows), bool),
                        shaped(prompt + routing[:2], routing[2]) if replayed else None,
-                       shaped(block + routing[:2], routing[2]) if replayed else None)
+                       shaped(block + routing[:2], routing[2]) if replayed else None, shaped(lead + (U,)))
 
 
 def pack_batch(mesh, rules, chunks: int, width: int, prompt_tokens, prompt_mask, tokens, completion_mask,

@@ -10,7 +10,9 @@ sizes, one micro-batch's forward), from the same batch record, for the same numb
     `grpo_loss` over the rows whose group the micro-batch holds. Every other per-token field (lp_alpha, lp_k,
     lp_ref, the loss and M2PO masks) stays in the padded layout: the loss reads it there. Each row is in exactly
     one micro-batch, the step's normaliser fixes every token's weight, so the sum over micro-batches is the
-    padded step's loss, gradient and metrics (tests/training/test_packed_update.py).
+    padded step's loss, gradient and metrics (tests/training/test_packed_update.py);
+  - in both, a micro-batch computes only its rows in use, rounded up to a bucket (`model.packing_row_buckets`,
+    `packed_passes.on_rows_in_use`: a branch per bucket), so a group that leaves a row or two empty costs less.
 A mixture of experts' router losses are a micro-batch's mean as padded, over the packed micro-batches used.
 """
 
@@ -24,7 +26,15 @@ from jgrpo.models.moe import RouterStats
 from jgrpo.parallel.mesh import row_sharding
 from jgrpo.rl.diagnostics import combine_metrics, extreme_kind
 from jgrpo.rl.routing_replay import forward_metrics, routing_metrics
-from jgrpo.training.packed_passes import PackedBatch, data_shards, pack_batch, pack_minibatches, predicting_states
+from jgrpo.training.packed_passes import (
+    PackedBatch,
+    data_shards,
+    on_rows_in_use,
+    pack_batch,
+    pack_minibatches,
+    predicting_states,
+    row_buckets,
+)
 from jgrpo.training.packing import PackingPlan, unpack
 
 
@@ -49,10 +59,14 @@ class PackedSteps:
         shards = data_shards(self.mesh, self.rules, self.chunks, rows)  # as pack_batch dealt the groups
         fields = packed._replace(count=None)
 
+        def logprobs(micro):
+            hidden = predicting_states(model, micro, self.routing_replay, shards, on_rows=self._on_rows)
+            return self._token_logprobs(model, hidden, micro.tokens, kind)[0]
+
         def one(u, lp):
             micro = self._micro(fields, u)
-            hidden = predicting_states(model, micro, self.routing_replay, shards, on_rows=self._on_rows)
-            return lp.at[u].set(self._token_logprobs(model, hidden, micro.tokens, kind)[0])
+            return lp.at[u].set(on_rows_in_use(logprobs, micro, self.packing_row_buckets, shards, self._on_rows,
+                                               rows_out=True))
 
         # Only the micro-batches that hold tokens: a loop with a traced trip count over the fixed buffer.
         lp = jax.lax.fori_loop(0, packed.count, one, jnp.zeros(packed.tokens.shape, jnp.float32))
@@ -67,8 +81,8 @@ class PackedSteps:
 
     def _micro(self, fields: PackedBatch, u) -> PackedBatch:
         """Packed micro-batch `u` of a plan's fields, its rows (axis 0) on the data shards the plan dealt them to."""
-        micro = jax.tree.map(lambda x: self._on_rows(x[u]), fields._replace(owns=None))
-        return micro._replace(owns=fields.owns[u])
+        micro = jax.tree.map(lambda x: self._on_rows(x[u]), fields._replace(owns=None, rows_used=None))
+        return micro._replace(owns=fields.owns[u], rows_used=fields.rows_used[u])
 
     def _train_step_packed(self, params, opt_state, batch, minibatch, first_update, frozen=None, packed=None):
         """`_train_step` over minibatch `minibatch`'s packed micro-batches (`packed`: `pack_minibatches`)."""
@@ -77,11 +91,14 @@ class PackedSteps:
         plan = jax.tree.map(lambda x: x[minibatch], packed)
         count, fields = plan.count, plan._replace(count=None)
         grad_fn = jax.value_and_grad(self._packed_loss, has_aux=True)
+        shards = self._update_shards(rows)
 
         def micro_step(u, carry):
             grads, loss, metrics = carry
             micro = self._micro(fields, u)
-            (micro_loss, micro_metrics), g = grad_fn(params, rows, micro, count, norm, first_update, frozen)
+            (micro_loss, micro_metrics), g = on_rows_in_use(
+                lambda m: grad_fn(params, rows, m, count, norm, first_update, frozen), micro,
+                self.packing_row_buckets, shards, self._on_rows)
             return jax.tree.map(jnp.add, grads, g), loss + micro_loss, combine_metrics(metrics, micro_metrics)
 
         first = jax.tree.map(lambda x: x[0], fields)
@@ -91,12 +108,17 @@ class PackedSteps:
         zeros = jax.tree.map(jnp.zeros_like, params)
         grads, loss, metrics = jax.lax.fori_loop(0, count, micro_step, (zeros, jnp.float32(0.0), empty))
         params, opt_state, out = self._apply(params, opt_state, grads, loss, metrics, mb, norm, first_update)
-        return params, opt_state, {**out, **_packing_metrics(plan)}
+        buckets = row_buckets(plan.tokens.shape[1] // shards, self.packing_row_buckets)
+        return params, opt_state, {**out, **_packing_metrics(plan, buckets, shards)}
+
+    def _update_shards(self, rows) -> int:
+        """D of the update's packed rows (as `pack_minibatches` dealt them): from the minibatch's `rows`."""
+        return data_shards(self.mesh, self.rules, self.chunks, rows.targets.shape[0] * self.grpo.num_minibatches)
 
     def _packed_loss(self, params, rows, micro: PackedBatch, count, norm, first_update, frozen=None):
         """One packed micro-batch's loss over the minibatch's `rows` (`_objective` of the rows it holds)."""
         model = self._model(join_adapters(params, frozen))
-        shards = data_shards(self.mesh, self.rules, self.chunks, rows.targets.shape[0] * self.grpo.num_minibatches)
+        shards = self._update_shards(rows)
         moe = bool(self.num_experts)
         out = predicting_states(model, micro, self.routing_replay, shards, self.grpo.num_generations,
                                 self.new_tokens if moe else None, self._on_rows)
@@ -122,15 +144,19 @@ def _router_metrics(router: RouterStats, chosen, micro: PackedBatch, group_size:
     return metrics
 
 
-def _packing_metrics(plan: PackedBatch) -> dict:
-    """The packed micro-batches a step used (`packing_micro_batches`, and `_max` over an iteration's steps) and
-    their fill: real tokens over packed slots, per stream."""
+def _packing_metrics(plan: PackedBatch, buckets: list[int], shards: int) -> dict:
+    """The packed micro-batches a step used (`packing_micro_batches`, and `_max` over an iteration's steps), their
+    fill (real tokens over packed slots, per stream) and the share of their rows computed (`buckets`: the rows per
+    data shard a micro-batch can run at, `packed_passes.row_buckets`)."""
     used = jnp.arange(plan.tokens.shape[0]) < plan.count  # [U]
     count = plan.count.astype(jnp.float32)
+    run = jnp.asarray(buckets, jnp.int32)[jnp.searchsorted(jnp.asarray(buckets, jnp.int32), plan.rows_used)]
+    computed = jnp.sum(jnp.where(used, run, 0)) * shards / jnp.maximum(count * plan.tokens.shape[1], 1.0)
 
     def fill(real):  # [U, rows, width] bool
         slots = count * real.shape[1] * real.shape[2]
         return jnp.sum(real & used[:, None, None]) / jnp.maximum(slots, 1.0)
 
     return {"packing_micro_batches": count, "packing_micro_batches_max": count,
-            "packing_fill": fill(plan.row >= 0), "packing_prompt_fill": fill(plan.prompt_group >= 0)}
+            "packing_fill": fill(plan.row >= 0), "packing_prompt_fill": fill(plan.prompt_group >= 0),
+            "packing_rows_computed": computed}

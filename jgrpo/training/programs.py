@@ -30,7 +30,8 @@ def step_functions(config: Config, *, graphdef, params, mesh, method, iterations
                           reward_weights=config.reward.component_weights(), on_policy=config.samples_on_policy,
                           routing_replay=m.routing_replay == "rollout",
                           router_loss_coefs=(m.router_aux_loss_coef, m.router_z_loss_coef),
-                          packing=m.packing, packing_width=m.packing_width)
+                          packing=m.packing, packing_width=m.packing_width,
+                          packing_row_buckets=m.packing_row_buckets)
     steps = StepFunctions(graphdef=graphdef, params=params, frozen=frozen, mesh=mesh, rules=rules,
                           optimizer=make_optimizer(config.optim, total_updates), options=options)
     steps.check_rows(config.data.batch_size * g.num_generations)

@@ -107,6 +107,7 @@ class StepOptions(NamedTuple):
     router_loss_coefs: tuple[float, float] = (0.0, 0.0)  # load balance, z (`model.router_*_loss_coef`)
     packing: bool = False  # the log-prob passes over packed micro-batches (`model.packing`, `packed_passes`)
     packing_width: int = 0  # W of a packed row (`model.packing_width`; 0: max_new_tokens rounded up to 8)
+    packing_row_buckets: tuple[float, ...] = ()  # `model.packing_row_buckets`: () = every packed row computed
 
 
 class StepFunctions(PackedSteps):
@@ -127,7 +128,7 @@ class StepFunctions(PackedSteps):
         self.method, self.chunk, self.new_tokens = o.method, o.logprob_chunk, o.new_tokens
         self.share_prompts, self.skip_empty_steps, self.rules = o.share_prompts, o.skip_empty_steps, rules
         self.routing_replay, self.router_loss_coefs = o.routing_replay, o.router_loss_coefs
-        self.packing, self.packing_width = o.packing, o.packing_width
+        self.packing, self.packing_width, self.packing_row_buckets = o.packing, o.packing_width, o.packing_row_buckets
         self.chunks = grpo.num_minibatches * grpo.micro_batches
         self.lp_k_source = lp_k_source(grpo, o.on_policy)
         # Log-probs shard the vocabulary over the axes that shard the weights (`token_logprobs`): rows over the

@@ -23,10 +23,10 @@ from tests.models.test_shared_prompt import GQA, PROMPTS, G, N, _batch
 MESHES = {"fsdp8": MeshConfig(), "data2_tensor4": MeshConfig(data=2, fsdp=1, tensor=4)}
 
 
-def _steps(cfg, params, graphdef, mesh, packing, micro_batches, replay=False):
+def _steps(cfg, params, graphdef, mesh, packing, micro_batches, replay=False, row_buckets=()):
     grpo = GRPOConfig(num_generations=G, beta=0.04, micro_batches=micro_batches)
     options = StepOptions(grpo=grpo, method=SamplingMethod(temperature=0.7, top_k=100), logprob_chunk=4, new_tokens=N,
-                          packing=packing, routing_replay=replay)
+                          packing=packing, routing_replay=replay, packing_row_buckets=row_buckets)
     return StepFunctions(graphdef=graphdef, params=params, mesh=make_mesh(MESHES[mesh]), options=options,
                          optimizer=optax.sgd(1.0))
 
@@ -38,10 +38,12 @@ def test_packed_passes_give_the_padded_log_probs(mesh, micro_batches):
     prompt_tokens, prompt_mask, tokens, completion_mask = _batch(seed=1)
     samples = sampled(tokens, completion_mask, jnp.zeros(tokens.shape, jnp.float32))
     rewards = jnp.asarray(np.random.default_rng(2).integers(0, 2, PROMPTS * G), jnp.float32)
-    padded, packed = (_steps(GQA, params, graphdef, mesh, p, micro_batches) for p in (False, True))
+    padded = _steps(GQA, params, graphdef, mesh, False, micro_batches)
+    packed = _steps(GQA, params, graphdef, mesh, True, micro_batches, row_buckets=(0.5,))  # half the rows or all
     placed = padded.copy_params(params)
     batch, _ = padded.assemble(prompt_tokens, prompt_mask, samples, rewards)
     plan = packed.pack(prompt_tokens, prompt_mask, samples, batch)
+    assert 0 < int(plan.rows_used[:int(plan.count)].min()) <= plan.tokens.shape[1] // 2  # a half-size branch runs
     shards = data_shards(packed.mesh, packed.rules, packed.chunks, PROMPTS * G)
     assert shards == (2 if mesh == "data2_tensor4" else 1)  # 12 rows split over data (2), not over fsdp (8)
     # The packed micro-batches used, of a buffer of one per group. On one shard 1 for the 12 rows (the 3 groups in
@@ -129,6 +131,8 @@ def test_a_packed_run_trains_as_the_padded_one_and_never_recompiles(tmp_path, mo
                                                           "model.share_prompts=true"),
     (["model.packing=true", "model.packing_width=6"], "model.packing_width=6 is not allowed: >= the completion "
                                                       "width 8"),
+    (["model.packing_row_buckets=[0.5,1]"], "model.packing_row_buckets=\\[0.5, 1.0\\] is not allowed: fractions "
+                                            "strictly between 0 and 1"),
 ])
 def test_packing_settings_that_cannot_work_are_config_errors(overrides, message):
     from jgrpo.config import ConfigError
@@ -136,3 +140,22 @@ def test_packing_settings_that_cannot_work_are_config_errors(overrides, message)
 
     with pytest.raises(ConfigError, match=message):
         tiny_config(None, *overrides)
+
+
+def test_rows_in_use_and_their_buckets_by_hand():
+    # 2 micro-batches of K = 8 rows in 2 data shards of 4: micro-batch 0 uses shard 0's first row and shard 1's
+    # first 3 (3 a shard, the most of any), micro-batch 1 none. With buckets of a quarter and a half of 4 rows (1,
+    # 2) and all (4), 3 rows run as 4; a cut keeps each shard's first k rows and leaves the prompt block whole.
+    from jgrpo.training.packed_passes import PackedBatch, PackedSizes, _rows_used, first_rows, row_buckets
+
+    row = np.full((2, 8, 5), -1)
+    row[0, 0, :2] = 0
+    row[0, 4:7, 0] = 1
+    sizes = PackedSizes(rows=8, width=5, prompt_rows=2, prompt_width=3, micro_batches=2, shards=2)
+    np.testing.assert_array_equal(_rows_used(row, sizes), [3, 0])
+    assert row_buckets(4, (0.25, 0.5)) == [1, 2, 4] and row_buckets(4, ()) == [4] and row_buckets(8, (0.9,)) == [8]
+    fields = dict(tokens=np.arange(8 * 5).reshape(8, 5), prompt_tokens=np.zeros((2, 3)))
+    micro = PackedBatch(**{f: None for f in PackedBatch._fields} | {k: jnp.asarray(v) for k, v in fields.items()})
+    cut = first_rows(micro, 2, shards=2)
+    np.testing.assert_array_equal(cut.tokens, np.arange(40).reshape(8, 5)[[0, 1, 4, 5]])
+    assert cut.prompt_tokens.shape == (2, 3)

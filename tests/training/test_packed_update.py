@@ -80,10 +80,11 @@ def _assert_same_update(padded, packed):
     assert len(metrics_a) == len(metrics_b)
     for step_a, step_b in zip(metrics_a, metrics_b, strict=True):
         assert set(step_b) - set(step_a) == {"packing_fill", "packing_prompt_fill", "packing_micro_batches",
-                                             "packing_micro_batches_max"}
+                                             "packing_micro_batches_max", "packing_rows_computed"}
         for key, value in step_a.items():
             np.testing.assert_allclose(step_b[key], value, rtol=1e-5, atol=1e-6, err_msg=key)
         assert 0 < step_b["packing_fill"] <= 1 and 1 <= step_b["packing_micro_batches"]
+        assert 0 < step_b["packing_rows_computed"] <= 1
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -91,7 +92,10 @@ def test_the_packed_update_is_the_padded_update(case, compile_counter):
     # 2 inner steps (the second over shuffled groups, planned anew) of one minibatch, 3 micro-batches padded.
     grpo = GRPOConfig(num_generations=G, inner_steps=2, num_minibatches=1, micro_batches=3, **CASES[case])
     graphdef, params = split_model(LLM(GQA, rngs=nnx.Rngs(params=5)))
-    padded, packed = (_steps(GQA, params, graphdef, grpo, "fsdp8", p) for p in (False, True))
+    # Packed micro-batches run only their rows in use, rounded up to a quarter, half, three quarters or all of K
+    # (`model.packing_row_buckets`): a branch per bucket, each the padded numbers.
+    padded = _steps(GQA, params, graphdef, grpo, "fsdp8", False)
+    packed = _steps(GQA, params, graphdef, grpo, "fsdp8", True, packing_row_buckets=(0.25, 0.5, 0.75))
     assert padded.lp_k_source == "computed"
     placed = padded.copy_params(params)
     reference = jax.tree.map(lambda x: x + 0.02 * jnp.sign(x), placed)
@@ -115,6 +119,8 @@ def test_the_packed_update_is_the_padded_update(case, compile_counter):
         assert compile_counter.count == 0, f"rows of {length} tokens compiled {compile_counter.count} programs"
         _assert_same_update(want, got)
         assert [m["packing_micro_batches"] for m in got[1]] == [micro_batches] * 2
+        computed = [float(m["packing_rows_computed"]) for m in got[1]]
+        assert computed == [1.0] * 2 if length == N else max(computed) < 0.5  # a row a group: few rows in use
 
 
 def test_the_packed_update_over_data_shards_and_minibatches():
