@@ -113,9 +113,26 @@ def collectives_in_loops(hlo: str | HloCost) -> list[LoopOp]:
 
 def collective_bytes(hlo: str | HloCost) -> float:
     """Bytes each chip sends over the interconnect per program run, loops counted: a collective's output
-    size (an all-reduce moves it twice: reduce-scatter then all-gather)."""
+    size (an all-reduce moves it twice: reduce-scatter then all-gather). A `conditional` runs one branch: its
+    largest (as `HloCost` counts its FLOPs and bytes), not their sum."""
     cost = _cost(hlo)
-    return sum(_sent(ins) * trips for _, ins, trips, _, _ in _walk(cost, cost.entry, 1, None, None))
+    return _collective_bytes(cost, cost.entry)
+
+
+def _collective_bytes(cost: HloCost, computation: str) -> float:
+    total = 0.0
+    for ins in cost.computations[computation]:
+        total += _sent(ins)
+        if ins.opcode == "while":
+            total += cost.trip_count(computation, ins) * _collective_bytes(cost, called_computations(ins, "body")[0])
+        elif ins.opcode == "conditional":
+            branches = (called_computations(ins, "branch_computations")
+                        or called_computations(ins, "true_computation") + called_computations(ins, "false_computation"))
+            total += max((_collective_bytes(cost, b) for b in branches if b in cost.computations), default=0.0)
+        elif ins.opcode not in ("reduce", "sort", "scatter", "map", "reduce-window", "select-and-scatter"):
+            called = called_computations(ins, "calls") + called_computations(ins, "to_apply")
+            total += sum(_collective_bytes(cost, c) for c in called if c in cost.computations)
+    return total
 
 
 def _sent(ins: Instruction) -> int:

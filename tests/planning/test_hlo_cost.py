@@ -161,6 +161,32 @@ ENTRY %main (x: f32[4,2]) -> f32[8,2] {
     assert collective_bytes(text) == 8 * 2 * 4
 
 
+def test_a_conditional_sends_its_largest_branchs_collectives_not_their_sum():
+    # A conditional runs one branch (the packed passes' row buckets are one): its bytes are the largest branch's,
+    # as its FLOPs and HBM bytes are.
+    from jgrpo.planning.hlo_inspect import collective_bytes
+
+    text = """HloModule m
+%small (a: f32[4]) -> f32[8] {
+  %a = f32[4]{0} parameter(0)
+  ROOT %g = f32[8]{0} all-gather(%a), dimensions={0}, channel_id=1
+}
+
+%large (b: f32[4]) -> f32[16] {
+  %b = f32[4]{0} parameter(0)
+  ROOT %h = f32[16]{0} all-gather(%b), dimensions={0}, channel_id=2
+}
+
+ENTRY %main (i: s32[], x: f32[4]) -> f32[8] {
+  %i = s32[] parameter(0)
+  %x = f32[4]{0} parameter(1)
+  %c = f32[16]{0} conditional(%i, %x, %x), branch_computations={%small, %large}
+  ROOT %r = f32[8]{0} all-gather(%x), dimensions={0}, channel_id=3
+}
+"""
+    assert collective_bytes(text) == 16 * 4 + 8 * 4
+
+
 def test_a_scanned_matmul_counts_every_iteration(mesh):
     def layers(x, ws):
         return jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)[0]

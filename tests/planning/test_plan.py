@@ -229,11 +229,13 @@ def test_a_packed_run_plans_its_packed_programs_at_a_chosen_count(v5e):
     # model.packing: the planner lowers the packed passes and update (their plans as abstract arrays on the data
     # shards); their loop over the micro-batches used has a traced trip count, which the cost counts at the count
     # asked for (default grpo.micro_batches, as padded) and refuses to guess without one. Memory is the fixed
-    # buffer's: one compiled program for every count.
+    # buffer's: one compiled program for every count. Two row buckets (half the rows, or all): a conditional in the
+    # loop, costed at its largest branch.
     from jgrpo.planning.abstract_run import lower_iteration
     from jgrpo.planning.hlo_cost import HloCost
 
-    config = load_config("configs/tiny.yaml", [*TINY, "model.packing=true", "grpo.micro_batches=2", "grpo.beta=0.04"])
+    config = load_config("configs/tiny.yaml", [*TINY, "model.packing=true", "grpo.micro_batches=2", "grpo.beta=0.04",
+                                               "model.packing_row_buckets=[0.5]"])
     names = ("update",)  # (the passes' loop is the same kind: `_all_logprobs_packed`)
     assert [p.traced_trips for p in lower_iteration(config, v5e, names=("ref_logprobs", *names)).programs] == [2, 2]
     iteration = lower_iteration(config, v5e, names=names, packed_micro_batches=1)

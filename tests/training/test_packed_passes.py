@@ -106,6 +106,7 @@ def test_a_packed_run_trains_as_the_padded_one_and_never_recompiles(tmp_path, mo
     for packing in (False, True):
         trainer = Trainer(tiny_config(tmp_path / str(packing), *QUIET, f"model.packing={packing}",
                                       "grpo.masked_is=token", "grpo.num_minibatches=2", "run.iterations=3",
+                                      "model.packing_row_buckets=[0.5]",
                                       "model.lora.rank=4", "model.lora.alpha=8", "optim.learning_rate=1e-2"))
         try:
             assert trainer.steps.lp_k_source == "computed" and trainer.steps.packing == packing
