@@ -100,8 +100,13 @@ def cudnn_inputs(q, k, v, allowed):
     pad_t, pad_s = T % 2, S % 2
     q = jnp.pad(q, ((0, 0), (0, pad_t), (0, 0), (0, 0)))
     k, v = (jnp.pad(x, ((0, 0), (0, pad_s), (0, 0), (0, 0))) for x in (k, v))
-    allowed = jnp.pad(allowed, ((0, 0), (0, pad_t), (0, pad_s)))
-    return q, k, v, allowed.at[:, :, 0].set(allowed[:, :, 0] | ~jnp.any(allowed, axis=-1))
+    return q, k, v, _key_0_for_the_blind(jnp.pad(allowed, ((0, 0), (0, pad_t), (0, pad_s))))
+
+
+def _key_0_for_the_blind(allowed: jax.Array) -> jax.Array:
+    """allowed [B, T, S] with key 0 let in for every query that sees no key: a flash kernel's softmax over only
+    masked keys is 0/0 (cuDNN's backward; splash skips such a query's blocks). Callers mask those queries."""
+    return allowed.at[:, :, 0].set(allowed[:, :, 0] | ~jnp.any(allowed, axis=-1))
 
 
 def masked_attention(implementation: str, q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array):
@@ -130,9 +135,7 @@ def _splash(q, k, v, kv_valid=None, allowed=None):
     else:
         pad_kv = -S % _SPLASH_BLOCK
         allowed = jnp.pad(allowed.astype(bool), ((0, 0), (pad_q, 0), (pad_kv, 0)))
-        # A query that sees no key (a padding slot) sees key 0 instead: the kernel skips every block without an
-        # allowed pair, and a query whose blocks are all skipped would divide 0 by 0. Callers mask those queries.
-        per_row = (allowed.at[:, :, 0].set(allowed[:, :, 0] | ~jnp.any(allowed, axis=-1)),)
+        per_row = (_key_0_for_the_blind(allowed),)  # a padding query: its blocks all skipped, it would divide 0 by 0
     q = jnp.pad(q * jnp.asarray(Dh**-0.5, q.dtype), ((0, 0), (pad_q, 0), (0, 0), (0, 0)))
     k, v = (jnp.pad(x, ((0, 0), (pad_kv, 0), (0, 0), (0, 0))) for x in (k, v))
     # Kernel layouts: q [B, KVH, G, Tp, Dh] (one multi-query kernel per kv head), k, v [B, KVH, Sp, Dh].

@@ -29,7 +29,15 @@ from __future__ import annotations
 
 import re
 
-from jgrpo.planning.hlo_text import Instruction, array_types, called_computations, hbm_bytes, parse_hlo, type_bytes
+from jgrpo.planning.hlo_text import (
+    Instruction,
+    array_types,
+    branch_computations,
+    called_computations,
+    hbm_bytes,
+    parse_hlo,
+    type_bytes,
+)
 from jgrpo.planning.op_flops import convolution_flops, dot_flops, kernel_estimate, splash_flops
 
 # Opcodes that move no HBM bytes of their own (bookkeeping, or accounted for in what they call).
@@ -150,9 +158,7 @@ class HloCost:
             body = called_computations(ins, "body")[0]
             return self.trip_count(computation, ins) * self._cost(body, kind)
         if ins.opcode == "conditional":
-            branches = (called_computations(ins, "branch_computations") or
-                        called_computations(ins, "true_computation") + called_computations(ins, "false_computation"))
-            return max((self._cost(b, kind) for b in branches), default=0.0)
+            return max((self._cost(b, kind) for b in branch_computations(ins)), default=0.0)
         if ins.opcode == "call":
             return sum(self._cost(c, kind) for c in called_computations(ins, "to_apply"))
         if kind == "flops":

@@ -12,7 +12,14 @@ import dataclasses
 import math
 
 from jgrpo.planning.hlo_cost import HloCost
-from jgrpo.planning.hlo_text import Instruction, array_dims, called_computations, hbm_bytes, type_bytes
+from jgrpo.planning.hlo_text import (
+    Instruction,
+    array_dims,
+    branch_computations,
+    called_computations,
+    hbm_bytes,
+    type_bytes,
+)
 
 # A ragged all-to-all (expert parallelism) counts its output buffer, the static worst case: an upper bound of what
 # it moves (the rows actually routed).
@@ -126,9 +133,8 @@ def _collective_bytes(cost: HloCost, computation: str) -> float:
         if ins.opcode == "while":
             total += cost.trip_count(computation, ins) * _collective_bytes(cost, called_computations(ins, "body")[0])
         elif ins.opcode == "conditional":
-            branches = (called_computations(ins, "branch_computations")
-                        or called_computations(ins, "true_computation") + called_computations(ins, "false_computation"))
-            total += max((_collective_bytes(cost, b) for b in branches if b in cost.computations), default=0.0)
+            branches = [b for b in branch_computations(ins) if b in cost.computations]
+            total += max((_collective_bytes(cost, b) for b in branches), default=0.0)
         elif ins.opcode not in ("reduce", "sort", "scatter", "map", "reduce-window", "select-and-scatter"):
             called = called_computations(ins, "calls") + called_computations(ins, "to_apply")
             total += sum(_collective_bytes(cost, c) for c in called if c in cost.computations)

@@ -174,3 +174,10 @@ def shape_of(type_: str) -> tuple[int, ...]:
 def called_computations(instruction: Instruction, key: str) -> list[str]:
     match = re.search(rf"\b{key}=\{{?([^}},]+(?:,\s*%[\w.\-]+)*)\}}?", instruction.attributes)
     return [] if not match else [name.strip().lstrip("%") for name in match.group(1).split(",")]
+
+
+def branch_computations(conditional: Instruction) -> list[str]:
+    """The branches of a `conditional`: indexed (`branch_computations`) or true / false."""
+    indexed = called_computations(conditional, "branch_computations")
+    two = ("true_computation", "false_computation")
+    return indexed or [name for key in two for name in called_computations(conditional, key)]
