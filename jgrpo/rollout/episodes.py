@@ -217,7 +217,8 @@ class EpisodeRunner:
                     state = sampler.resume(params, state, slot, row, t.ids, version)
                 ep.pauses += t.ids is not None
                 del waiting[row]
-            if not waiting and state.idle():
+            # (A turn that ends at its first token, a stop id, pauses again as it is appended: not done yet.)
+            if not waiting and state.idle() and not (state.status().state == PAUSED).any():
                 break
             state = sampler.advance(params, state, 1, version)
             boundary += 1

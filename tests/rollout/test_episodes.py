@@ -110,6 +110,25 @@ def test_paused_episodes_give_their_slots_to_the_next(scripted):
     np.testing.assert_allclose(b.logprobs, a.logprobs, atol=1e-5)
 
 
+def test_a_turn_that_ends_at_its_first_token_is_answered_too(scripted):
+    # Every id a stop id: each turn is one token, and after a reply the next turn ends as it is appended (its
+    # first token drawn by the append). The host loop stopped there when no other slot decoded, leaving those
+    # episodes unfinished (RuntimeError "episodes did not complete").
+    trainer, batch = scripted
+    runner = trainer.episodes
+    sampler = runner.sampler
+    runner.sampler = sampler.replace(stop_ids=tuple(range(trainer.model_config.vocab_size)))
+    try:
+        rollout = play(trainer, batch)
+    finally:
+        runner.sampler = sampler
+    s = jax.device_get(rollout.samples)
+    # Scripted: 3 turns of one drawn token each, two replies between them, reward 0.25 + 0.25 + 1.
+    assert (s.loss_mask.sum(axis=1) == 3).all() and (s.completion_mask & ~s.loss_mask).any(axis=1).all()
+    assert rollout.metrics["env/turns"] == 3.0 and rollout.metrics["env/pauses"] == 2 * len(s.tokens)
+    np.testing.assert_allclose(rollout.rewards[:, 0], 1.5)
+
+
 def test_evaluation_plays_greedy_episodes(scripted):
     from jgrpo.rollout.evaluator import Evaluator
 
