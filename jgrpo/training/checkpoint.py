@@ -36,6 +36,7 @@ from etils import epath
 
 from jgrpo.config import CheckpointConfig
 from jgrpo.config.errors import UserError
+from jgrpo.parallel.host_arrays import broadcast_json
 from jgrpo.training.fingerprint import fingerprint
 
 log = logging.getLogger(__name__)
@@ -106,9 +107,10 @@ def _abstract(tree):
 def latest_data_state(run_dir) -> dict | None:
     """The data iterator state of the newest checkpoint in `run_dir`, read without any array (None when there is
     no checkpoint or it cannot be read: the full restore then decides), so a resume onto other data can be
-    refused before a model loads."""
+    refused before a model loads. With several processes, process 0 decides whether there is one for all (a
+    collective): a process that looked after another had made the folder would open Orbax's barriers alone."""
     directory = epath.Path(run_dir) / "checkpoints"
-    if not directory.is_dir():
+    if not broadcast_json(directory.is_dir()):
         return None
     try:
         manager = ocp.CheckpointManager(directory if "://" in str(directory) else directory.absolute(),

@@ -183,6 +183,47 @@ def test_fetch_brings_arrays_split_over_processes_whole_to_every_host(tmp_path, 
         assert json.loads(log.read_text().strip().splitlines()[-1]) == want
 
 
+# `latest_data_state` on 2 processes, the second 3 s late: process 0 finds no checkpoint and goes on to make the
+# folder (as its checkpointer does), then waits at a barrier. Deciding by what each process saw, the late one
+# found the folder and opened Orbax's barriers alone (a name mismatch, or a hang); now process 0 decides for both.
+RESUME_CHECK_WORKER = """
+import sys, time
+import jax
+from jax.experimental import multihost_utils
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+jax.distributed.initialize(sys.argv[1], 2, int(sys.argv[2]))
+from etils import epath
+from jgrpo.training.checkpoint import latest_data_state
+run_dir = epath.Path(sys.argv[3])
+if jax.process_index() == 1:
+    time.sleep(3)
+print("state", latest_data_state(run_dir), flush=True)
+if jax.process_index() == 0:
+    (run_dir / "checkpoints").mkdir(parents=True)
+multihost_utils.sync_global_devices("after the resume check")
+print("agreed", flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_every_process_agrees_whether_a_run_has_a_checkpoint(tmp_path, env):
+    script = tmp_path / "worker.py"
+    script.write_text(RESUME_CHECK_WORKER)
+    coordinator = f"127.0.0.1:{_free_port()}"
+    logs = [tmp_path / f"process{i}.log" for i in range(2)]
+    procs = [subprocess.Popen([sys.executable, str(script), coordinator, str(i), str(tmp_path / "run")], cwd=ROOT,
+                              env=dict(env, XLA_FLAGS="--xla_force_host_platform_device_count=1"), text=True,
+                              stdout=log.open("w"), stderr=subprocess.STDOUT)
+             for i, log in enumerate(logs)]
+    for p, log in zip(procs, logs, strict=True):
+        try:
+            assert p.wait(timeout=90) == 0, log.read_text()[-3000:]
+        finally:
+            p.kill()
+    for log in logs:
+        assert log.read_text().splitlines()[-2:] == ["state None", "agreed"]
+
+
 def test_settings_from_env():
     assert distributed.settings_from_env({}) is None
     assert distributed.settings_from_env({"JGRPO_COORDINATOR": "10.0.0.2:8476", "JGRPO_NUM_PROCESSES": "4",
