@@ -19,7 +19,7 @@ import numpy as np
 
 from jgrpo.config import RewardConfig
 from jgrpo.data.prompts import left_pad
-from jgrpo.parallel.host_arrays import local_rows, to_global_rows
+from jgrpo.parallel.host_arrays import gather_json, local_rows, to_global_rows
 from jgrpo.parallel.mesh import SAMPLE_RULES
 from jgrpo.rewards import RewardScorer
 from jgrpo.rewards.overlong import overlong_punishment
@@ -82,7 +82,7 @@ class Scoring:
                               scores.timeouts)
         out = out._replace(truncated=np.asarray([ep.truncated for ep in episodes]),
                            valid=~failed if on_failure == "mask" else np.ones(R, bool))
-        samples = out.map(lambda x: to_global_rows(np.asarray(x), mesh, SAMPLE_RULES, R))
+        samples = out.map(lambda x: to_global_rows(np.asarray(x), mesh, SAMPLE_RULES, R * jax.process_count()))
         completions = self.tokenizer.batch_decode([row[:n] for row, n in zip(out.tokens, out.lengths, strict=True)],
                                                   skip_special_tokens=False)
         table = reward_table(scores, np.asarray(out.lengths), self.reward, self.max_new_tokens)
@@ -92,16 +92,25 @@ class Scoring:
 
 def episode_metrics(episodes) -> dict:
     """env/*: per episode means (turns, reward, truncated, failed) and per batch sums (pauses, tool calls, the
-    environments' counters, failures by kind), and the time the host waited for environments."""
-    counts = collections.Counter()
+    environments' counters, failures by kind), and the time the hosts waited for environments: over the episodes
+    of every process (each plays its own rows'; a collective with several)."""
+    counts = collections.Counter()  # the environments' own counters (`info`), and the runner's
     for ep in episodes:
         counts.update(ep.counts)
-    n = len(episodes)
-    metrics = {"env/turns": sum(ep.turns for ep in episodes) / n,
-               "env/pauses": float(sum(ep.pauses for ep in episodes)),
-               "env/reward": sum(ep.reward for ep in episodes) / n,
-               "env/truncated": sum(ep.truncated for ep in episodes) / n,
-               "env/failed": sum(ep.failed is not None for ep in episodes) / n,
+    totals = collections.Counter(episodes=len(episodes), turns=sum(ep.turns for ep in episodes),
+                                 pauses=sum(ep.pauses for ep in episodes), reward=sum(ep.reward for ep in episodes),
+                                 truncated=sum(ep.truncated for ep in episodes),
+                                 failed=sum(ep.failed is not None for ep in episodes))
+    if jax.process_count() > 1:
+        parts = gather_json([{k: float(v) for k, v in c.items()} for c in (totals, counts)])
+        totals, counts = collections.Counter(), collections.Counter()  # update, not +: keeps zeros and negatives
+        for part_totals, part_counts in parts:
+            totals.update(part_totals)
+            counts.update(part_counts)
+    n = totals["episodes"]
+    metrics = {"env/turns": totals["turns"] / n, "env/pauses": float(totals["pauses"]),
+               "env/reward": totals["reward"] / n, "env/truncated": totals["truncated"] / n,
+               "env/failed": totals["failed"] / n,
                "env/tool_calls": float(counts.pop("tool_calls", 0)), "env/wait_s": float(counts.pop("wait_s", 0.0))}
     metrics.update({f"env/{k}": float(v) for k, v in counts.items()})
     return metrics

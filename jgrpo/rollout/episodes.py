@@ -33,6 +33,7 @@ from jgrpo.envs.base import Turn, row_of
 from jgrpo.envs.rendering import Renderer
 from jgrpo.envs.tool_format import outside_tool_calls, parse_tool_calls
 from jgrpo.envs.workers import EnvironmentWorkers
+from jgrpo.parallel.host_arrays import fetch, gather_json, row_block
 from jgrpo.sampling.sampler import Prompts, SampleOutput, Sampler
 from jgrpo.sampling.turns import DECODING, DONE, EMPTY, PAUSED
 
@@ -105,9 +106,6 @@ class EpisodeRunner:
         from jgrpo.envs.builtin import environment_class
 
         e = config.env
-        if jax.process_count() > 1:
-            raise ConfigError(f"env.name={e.name} runs in one process (this run has {jax.process_count()}): the "
-                              "host drives the slot pool turn by turn")
         try:
             tools = environment_class(e.name)(config).tools
         except Exception as error:  # the user's environment: its failure is a setup error  # noqa: BLE001
@@ -132,14 +130,22 @@ class EpisodeRunner:
         episodes of a group, and a resumed run, get the same one)."""
         return int(np.random.SeedSequence([self.config.run.seed, step, prompt]).generate_state(1)[0])
 
+    def _first_row(self, rows: int) -> int:
+        """The global row of this process's first episode, of its `rows` (process p's are the p-th block)."""
+        return row_block(self.sampler.mesh) * rows
+
     def open(self, batch):
-        """`batch` with the prompts its environments open with; the episodes wait for `run`."""
+        """`batch` (this process's prompts) with the prompts its environments open with; the episodes wait for
+        `run`. Ids and seeds count the run's global rows and prompts, so a run's episodes are the same over any
+        number of processes."""
         G, R = self.group, len(batch) * self.group
+        first, everyone = self._first_row(R), R * jax.process_count()
         episodes = []
         for b, (question, reference) in enumerate(zip(batch.questions, batch.references, strict=True)):
             for g in range(G):
-                episodes.append(Episode(batch.step * R + b * G + g, []))
-                self.workers.submit(episodes[-1].id, "reset", row_of(question, reference), self.seed(batch.step, b))
+                episodes.append(Episode(batch.step * everyone + first + b * G + g, []))
+                self.workers.submit(episodes[-1].id, "reset", row_of(question, reference),
+                                    self.seed(batch.step, first // G + b))
         token_ids, texts = list(batch.token_ids), list(batch.texts)
         for b in range(len(batch)):
             group = episodes[b * G:(b + 1) * G]
@@ -170,11 +176,18 @@ class EpisodeRunner:
 
         With fewer slots than episodes (`sampler.slots`) and `env.schedule: pool`, a paused episode gives its slot
         to the next episode (`Sampler.park`) and rejoins in a free slot of its queue (`Sampler.resume`, lowest
-        slot first, episodes in the order they became due); otherwise it keeps its slot (`Sampler.append`)."""
+        slot first, episodes in the order they became due); otherwise it keeps its slot (`Sampler.append`).
+
+        With several processes each plays its own rows' episodes (their environments run on its host) and every
+        process drives the one slot pool alike: the pool's status is read on every host, and the answers due at
+        a boundary are exchanged before anyone appends (`gather_json`), so every process makes the same calls.
+        The rows returned are this process's."""
         episodes = self.opened.pop(batch.step)
         sampler, env = self.sampler, self.env
+        first = self._first_row(len(episodes))
+        mine = range(first, first + len(episodes))  # this process's rows, of the pool's global ones
         turn_sync = env.schedule == "turn_sync"
-        handoff = not turn_sync and sampler.slots is not None and sampler.slots < len(episodes)
+        handoff = not turn_sync and sampler.slots is not None and sampler.slots < len(episodes) * jax.process_count()
         state = sampler.start(params, prompts, key, version)
         waiting: dict[int, Turnaround] = {}  # row -> its turn's way back
         boundary, wait_s = 0, 0.0
@@ -183,26 +196,23 @@ class EpisodeRunner:
             decoding = (status.state == DECODING).any()
             newly = [s for s in np.flatnonzero(status.state == PAUSED) if int(status.row[s]) not in waiting]
             if newly and not (turn_sync and decoding):
-                tokens = np.asarray(jax.device_get(state.pool.rows.tokens))
+                tokens = fetch(state.pool.rows.tokens)
                 tokens = tokens.reshape(-1, tokens.shape[-1])
                 for slot in newly:
                     row, end, stopped = int(status.row[slot]), int(status.length[slot]), bool(status.stopped[slot])
-                    self._submit(episodes[row], tokens[row, end - int(status.turn_length[slot]):end], stopped)
+                    if row in mine:
+                        self._submit(episodes[row - first], tokens[row, end - int(status.turn_length[slot]):end],
+                                     stopped)
                     if handoff:
                         state, _ = sampler.park(state, int(slot))
                     waiting[row] = Turnaround(boundary + env.resume_after, stopped, end, None if handoff else int(slot))
                 status = state.status()
             due = sorted((t.due, row) for row, t in waiting.items()
                          if (not decoding if turn_sync else t.due <= boundary))
+            wait_s += self._answer_due([row for _, row in due], waiting, episodes, first)
             free = [int(s) for s in np.flatnonzero((status.state == DONE) | (status.state == EMPTY))]
             for _, row in due:
-                t, ep = waiting[row], episodes[row]
-                if not t.answered:
-                    start = time.perf_counter()
-                    reply = self._answer(ep)
-                    wait_s += time.perf_counter() - start
-                    t.ids = None if reply is None else self._delta(ep, reply, t.stopped, t.length)
-                    t.answered = True
+                t = waiting[row]
                 if t.slot is not None:  # it kept its slot
                     state = (sampler.finish(state, t.slot) if t.ids is None else
                              sampler.append(params, state, t.slot, t.ids, version))
@@ -215,7 +225,8 @@ class EpisodeRunner:
                         continue  # no free slot in its queue yet: the next boundary
                     free.remove(slot)
                     state = sampler.resume(params, state, slot, row, t.ids, version)
-                ep.pauses += t.ids is not None
+                if row in mine:
+                    episodes[row - first].pauses += t.ids is not None
                 del waiting[row]
             # (A turn that ends at its first token, a stop id, pauses again as it is appended: not done yet.)
             if not waiting and state.idle() and not (state.status().state == PAUSED).any():
@@ -223,13 +234,39 @@ class EpisodeRunner:
             state = sampler.advance(params, state, 1, version)
             boundary += 1
         rows, out, state = sampler.drain(state)
-        if len(rows) != len(episodes):
-            raise RuntimeError(f"{len(episodes) - len(rows)} episodes did not complete")  # a bug, not bad input
+        if len(rows) != len(episodes) * jax.process_count():
+            raise RuntimeError(f"{len(episodes) * jax.process_count() - len(rows)} episodes did not complete")  # a bug
+        out = out.map(lambda x: x[first:first + len(episodes)])  # every row is complete: row r is at r
         for ep, truncated in zip(episodes, out.truncated, strict=True):
             ep.truncated = ep.truncated or (bool(truncated) and not ep.final_reward)
         episodes[0].counts["wait_s"] += wait_s
         self.workers.forget(ep.id for ep in episodes)
         return out, episodes
+
+    def _answer_due(self, rows: list[int], waiting: dict[int, Turnaround], episodes: list[Episode],
+                    first: int) -> float:
+        """The replies' ids of the due turns not answered yet (None: the episode ends), from this process's
+        environments for its rows and, with several processes, from the others' for theirs. Returns the seconds
+        spent waiting for them."""
+        rows = [row for row in rows if not waiting[row].answered]
+        if not rows:  # the same on every process: the exchange below is a collective
+            return 0.0
+        answers, waited = {}, 0.0
+        for row in rows:
+            if first <= row < first + len(episodes):
+                ep, t = episodes[row - first], waiting[row]
+                start = time.perf_counter()
+                reply = self._answer(ep)
+                waited += time.perf_counter() - start
+                ids = None if reply is None else self._delta(ep, reply, t.stopped, t.length)
+                answers[row] = None if ids is None else [int(i) for i in ids]
+        if jax.process_count() > 1:
+            start = time.perf_counter()
+            answers = {row: ids for part in gather_json(list(answers.items())) for row, ids in part}
+            waited += time.perf_counter() - start
+        for row in rows:
+            waiting[row].ids, waiting[row].answered = answers[row], True
+        return waited
 
     def _submit(self, ep: Episode, ids: np.ndarray, stopped: bool) -> None:
         """A turn ended: read it, and hand it to its environment (unless the episode failed already)."""

@@ -131,11 +131,12 @@ class Evaluator:
             metrics.update({f"{mode}_length": float(sums["length"] / rows),
                             f"{mode}_truncated": float(sums["truncated"] / rows)})
         if self.episodes is not None:  # greedy episodes: turns, and how many tool calls were well-formed
-            counts = self.env_counts
-            calls = counts["tool_calls"]
+            counts = self.env_counts  # this process's episodes; summed over every process
             errors = sum(v for k, v in counts.items() if k.startswith("tool_call_errors/"))
-            metrics.update({"turns": counts["turns"] / counts["episodes"],
-                            "tool_call_validity": calls / (calls + errors) if calls + errors else 0.0})
+            episodes, turns, calls, errors = global_sum(np.asarray([counts["episodes"], counts["turns"],
+                                                                    counts["tool_calls"], errors], np.float64))
+            metrics.update({"turns": float(turns / episodes),
+                            "tool_call_validity": float(calls / (calls + errors)) if calls + errors else 0.0})
         return metrics
 
     def _run(self, params, sampler: Sampler, mode: str, batches: int) -> dict[str, float]:

@@ -47,6 +47,7 @@ from jgrpo.models import kv_quant
 from jgrpo.models.decode import DecodeCache
 from jgrpo.models.layer_stack import unstack_layers
 from jgrpo.models.llm import KVCache, merge_model
+from jgrpo.parallel.host_arrays import fetch
 from jgrpo.sampling.pool import Pool, PoolSpec, PromptStore, SampleOutput, record, turn_ends
 from jgrpo.sampling.slot_pool import decode_chunk, draw, local_prompt, outputs, start, weights
 
@@ -80,7 +81,7 @@ class SlotState:
 
     def status(self) -> SlotStatus:
         plan = self.spec.plan
-        sl, stopped = jax.device_get((self.pool.slots, self.pool.rows.stopped))
+        sl, stopped = fetch((self.pool.slots, self.pool.rows.stopped))
         Rq = plan.rows_per_queue
         queue = np.repeat(np.arange(plan.queues), plan.slots_per_queue)
         local, done, held = (np.asarray(x).reshape(-1) for x in (sl.row, sl.done, sl.held))
@@ -94,7 +95,7 @@ class SlotState:
     def idle(self) -> bool:
         """Nothing can decode until the host appends to or finishes a paused row (or every row is complete)."""
         plan = self.spec.plan
-        sl, pending = jax.device_get((self.pool.slots, self.pool.pending))
+        sl, pending = fetch((self.pool.slots, self.pool.pending))
         free = sl.done & ~sl.held
         return bool(sl.done.all() and (~free.any(axis=1) | (pending >= plan.rows_per_queue)).all())
 
@@ -131,7 +132,7 @@ def advance(graphdef, params, state: SlotState, chunks: int, version: int) -> Sl
     for _ in range(chunks):
         if state.idle():
             break
-        clock = int(state.pool.clock)
+        clock = int(fetch(state.pool.clock))
         chunk, lap = (clock // plan.chunk_len) % plan.chunks, clock >= plan.ring
         pool = _decode_chunk(graphdef, params, layers, state.store, state.pool, np.int32(version), spec=state.spec,
                              chunk=chunk, lap=lap)
@@ -348,7 +349,7 @@ def resume(graphdef, params, state: SlotState, slot: int, row: int, token_ids, v
     if status.state[slot] not in (DONE, EMPTY) or slot // plan.slots_per_queue != row // plan.rows_per_queue:
         raise ValueError(f"slot {slot} is {status.state[slot]} or of another queue than row {row}: a parked row "
                          "resumes in a free slot of its queue")
-    ids = _padded_ids(plan, token_ids, int(jax.device_get(state.pool.rows.lengths).reshape(-1)[row]), row)
+    ids = _padded_ids(plan, token_ids, int(fetch(state.pool.rows.lengths).reshape(-1)[row]), row)
     parked = dict(state.parked)
     pool = _resume(graphdef, params, state.store, state.pool, np.int32(slot), np.int32(row % plan.rows_per_queue),
                    parked.pop(row), *ids, np.int32(version), spec=state.spec)
@@ -372,8 +373,8 @@ def finish_row(state: SlotState, row: int) -> SlotState:
 def drain(state: SlotState) -> tuple[np.ndarray, SampleOutput, SlotState]:
     """(row indices, their outputs as numpy [n, ...], the state with them marked drained): the complete rows not
     drained before, in row order."""
-    out = jax.device_get(outputs(state.spec.plan, state.pool, prompts=state.store))
-    complete = np.asarray(jax.device_get(state.pool.rows.finished)).reshape(-1) & ~state.drained
+    out = fetch(outputs(state.spec.plan, state.pool, prompts=state.store))
+    complete = np.asarray(fetch(state.pool.rows.finished)).reshape(-1) & ~state.drained
     rows = np.flatnonzero(complete)
     drained = state.drained | complete
     return rows, out.map(lambda x: np.asarray(x)[rows]), dataclasses.replace(state, drained=drained)

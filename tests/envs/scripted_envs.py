@@ -57,3 +57,20 @@ class DoesNotBuild(Environment):
 def pays_for_any_text(prompt, completion, reference):
     """A reward function (`reward.functions`): 1 for a non-empty scored text, 0 for an empty one."""
     return float(bool(completion.strip()))
+
+
+class Lengths(Environment):
+    """Answers each turn with its length in characters until a turn's length is a multiple of 3 or 3 turns are
+    done; reward 0.1 per reply and (the last turn's length mod 5) / 4 at the end: episodes whose turns, lengths and
+    rewards follow the sampled tokens (a group's spread)."""
+
+    def reset(self, row, seed):
+        self.seen = 0
+        return [{"role": "user", "content": f"{row['question']} (seed {seed % 1000})"}]
+
+    def step(self, turn):
+        self.seen += 1
+        n = len(turn.text)
+        if n % 3 == 0 or self.seen >= 3:
+            return StepResult([], (n % 5) / 4, True)
+        return StepResult([{"role": "user", "content": f"{n} characters"}], 0.1, False)
