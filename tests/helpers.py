@@ -19,6 +19,16 @@ EVEN_PARITY_REWARD = "reward.functions=[tests.helpers:parity_on_even_answers]"
 QUIET = ["checkpoint.every=0", "logging.samples_every=0"]  # no checkpoint writes, no sample dumps
 
 
+def child_xla_flags(devices: int) -> str:
+    """XLA_FLAGS for a process a test starts: `devices` CPU devices, and otherwise the suite's flags (tests/conftest.py:
+    XLA:CPU's LLVM passes off, ~30% of a compile). Children with the same flags share the suite's compilation
+    cache; a child at other flags would compile every program again, and more slowly."""
+    import os
+
+    kept = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device")]
+    return " ".join([*kept, f"--xla_force_host_platform_device_count={devices}"])
+
+
 def tiny_config(run_dir=None, *overrides: str, reward: str | None = SPACE_REWARD):
     """configs/tiny.yaml (a tiny random Llama on 1-digit addition) for a run in `run_dir`, scored by `reward`
     (a `reward.functions=[...]` override; None keeps tiny.yaml's), then `overrides`."""

@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from tests.helpers import ROOT
+from tests.helpers import ROOT, child_xla_flags
 
 
 @pytest.fixture(scope="module")
@@ -12,7 +12,7 @@ def env():
     env = dict(os.environ)
     env.update(
         JAX_PLATFORMS="cpu",
-        XLA_FLAGS="--xla_force_host_platform_device_count=8",
+        XLA_FLAGS=child_xla_flags(8),
         PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]),
         # JAX_COMPILATION_CACHE_DIR: the suite's (tests/conftest.py), inherited: only the first process compiles.
     )

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT
+from tests.helpers import ROOT, child_xla_flags
 
 NO_MODEL = "model.name=/nonexistent/model.gguf"  # loading it would fail: the expected error must come first
 LOG_LINE = re.compile(r"^\d\d:\d\d:\d\d (DEBUG|INFO|WARNING|ERROR) ")
@@ -78,7 +78,7 @@ CASES = [
 
 def _env(**extra) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "JGRPO_DEBUG"}
-    return {**env, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+    return {**env, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": child_xla_flags(8),
             "HF_HUB_OFFLINE": "1", **extra}
 
 

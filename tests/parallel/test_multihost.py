@@ -25,7 +25,7 @@ from jgrpo.config import LoggingConfig
 from jgrpo.config.loading import load_config, save_config
 from jgrpo.parallel import distributed
 from jgrpo.training.metrics_log import MetricsLogger, read_jsonl, read_metrics
-from tests.helpers import ROOT
+from tests.helpers import ROOT, child_xla_flags
 
 # A reward with spread inside each group (the tiny model never solves additions, which would leave every
 # advantage 0 and the params unchanged), v = 5 so a behaviour copy is saved at 3 and restored across processes,
@@ -62,7 +62,7 @@ def _free_port() -> int:
 def _train(run_dir, env, iterations, devices, process=None, extra=()):
     """Start `python -m jgrpo.train` with `devices` CPU devices; `process` = (coordinator, count, id); `extra`
     overrides after the module's."""
-    env = dict(env, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    env = dict(env, XLA_FLAGS=child_xla_flags(devices))
     if process is not None:
         coordinator, count, index = process
         env.update(JGRPO_COORDINATOR=coordinator, JGRPO_NUM_PROCESSES=str(count), JGRPO_PROCESS_ID=str(index))
@@ -172,7 +172,7 @@ def test_fetch_brings_arrays_split_over_processes_whole_to_every_host(tmp_path, 
     coordinator = f"127.0.0.1:{_free_port()}"
     logs = [tmp_path / f"process{i}.log" for i in range(2)]  # files: a full pipe would stall its process
     procs = [subprocess.Popen([sys.executable, str(script), coordinator, str(i)], cwd=ROOT, text=True,
-                              env=dict(env, XLA_FLAGS="--xla_force_host_platform_device_count=2"),
+                              env=dict(env, XLA_FLAGS=child_xla_flags(2)),
                               stdout=log.open("w"), stderr=(tmp_path / f"process{i}.err").open("w"))
              for i, log in enumerate(logs)]
     for i, p in enumerate(procs):
@@ -212,7 +212,7 @@ def test_every_process_agrees_whether_a_run_has_a_checkpoint(tmp_path, env):
     coordinator = f"127.0.0.1:{_free_port()}"
     logs = [tmp_path / f"process{i}.log" for i in range(2)]
     procs = [subprocess.Popen([sys.executable, str(script), coordinator, str(i), str(tmp_path / "run")], cwd=ROOT,
-                              env=dict(env, XLA_FLAGS="--xla_force_host_platform_device_count=1"), text=True,
+                              env=dict(env, XLA_FLAGS=child_xla_flags(1)), text=True,
                               stdout=log.open("w"), stderr=subprocess.STDOUT)
              for i, log in enumerate(logs)]
     for p, log in zip(procs, logs, strict=True):

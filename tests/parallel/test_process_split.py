@@ -18,7 +18,7 @@ import pytest
 from jgrpo.config import ConfigError
 from jgrpo.parallel.mesh import check_process_split
 from jgrpo.training.metrics_log import read_metrics
-from tests.helpers import ROOT
+from tests.helpers import ROOT, child_xla_flags
 from tests.parallel.test_multihost import _free_port, _params
 
 
@@ -71,7 +71,7 @@ def test_weights_cross_from_the_trainers_processes_to_the_samplers_bit_for_bit(t
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     env = {k: v for k, v in os.environ.items() if not k.startswith("JGRPO_")}
-    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2",
+    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=child_xla_flags(2),
                PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
     coordinator = f"127.0.0.1:{_free_port()}"
     logs = [tmp_path / f"process{i}.log" for i in range(3)]  # files: a full pipe would stall its process
@@ -101,11 +101,10 @@ def _run(run_dir, iterations, processes, *overrides):
     cmd = [sys.executable, "-m", "jgrpo.train", "configs/tiny.yaml", f"run.output_dir={run_dir}",
            f"run.iterations={iterations}", *OVERRIDES, *overrides]
     if isinstance(processes, tuple):  # (one process, its devices)
-        return [subprocess.Popen(cmd, cwd=ROOT, env=dict(env, XLA_FLAGS=f"--xla_force_host_platform_device_count="
-                                                                            f"{processes[1]}"),
+        return [subprocess.Popen(cmd, cwd=ROOT, env=dict(env, XLA_FLAGS=child_xla_flags(processes[1])),
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)]
     coordinator = f"127.0.0.1:{_free_port()}"
-    return [subprocess.Popen(cmd, cwd=ROOT, env=dict(env, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+    return [subprocess.Popen(cmd, cwd=ROOT, env=dict(env, XLA_FLAGS=child_xla_flags(2),
                                                      JGRPO_COORDINATOR=coordinator,
                                                      JGRPO_NUM_PROCESSES=str(processes), JGRPO_PROCESS_ID=str(i)),
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(processes)]

@@ -28,7 +28,7 @@ from jgrpo.rollout.process_links import split_rollout
 from jgrpo.rollout.remote import CODEC, RemoteRollouts, RolloutJobLost, config_differences
 from jgrpo.training.metrics_log import read_jsonl, read_metrics
 from jgrpo.training.trainer import Trainer
-from tests.helpers import ROOT, tiny_config
+from tests.helpers import ROOT, child_xla_flags, tiny_config
 from tests.parallel.test_multihost import _finish, _free_port, _params
 
 ASYNC = ["reward.functions=[tests.helpers:space_fraction]", "rollout.mode=async", "rollout.max_staleness=0",
@@ -84,7 +84,7 @@ def test_a_trainer_without_its_rollout_job_saves_and_stops_naming_the_endpoint(t
 def _job(run_dir, role, *overrides, devices=2, process=None):
     """`python -m jgrpo.train` as one process of a job; `process` = (coordinator, count, index) of its world."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("JGRPO_")}
-    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=child_xla_flags(devices),
                PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
     if process is not None:
         coordinator, count, index = process
