@@ -398,9 +398,6 @@ class Config:
         e = self.env
         _check(e.max_total_tokens >= self.sampler.max_new_tokens, "env.max_total_tokens", e.max_total_tokens,
                f">= sampler.max_new_tokens={self.sampler.max_new_tokens} (one turn's budget)")
-        _check(self.rollout.mode != "async", "rollout.mode", "async",
-               f"sync or window with env.name={e.name}: episodes are driven from the host through the slot "
-               "interface turn by turn, and the async producer samples whole batches in one call")
         _check(self.grpo.advantage_reward_normalisation != "per_reward", "grpo.advantage_reward_normalisation",
                "per_reward", f"group with env.name={e.name}: the environment's rewards are no reward.functions "
                              "column to normalise on its own")

@@ -37,6 +37,7 @@ from jgrpo.parallel.mesh import make_meshes, replicated
 from jgrpo.parallel.weight_buckets import receive_weights
 from jgrpo.rollout.async_producer import AGREE_POLL_S, AsyncRollouts
 from jgrpo.rollout.collect import Scoring
+from jgrpo.rollout.episodes import EpisodeRunner
 from jgrpo.rollout.process_links import rollout_targets, split_rollout
 from jgrpo.rollout.remote import CODEC
 from jgrpo.rollout.run_parts import load_run_parts
@@ -65,7 +66,11 @@ class RolloutJob:
         self.like, self.shardings = weights.abstract_copy(parts.params), weights.shardings
         root = jax.jit(lambda: sample_root(config.run.seed), out_shardings=replicated(mesh))()
         scoring = Scoring(parts.tokenizer, parts.scorer, config.reward, config.completion_tokens)
-        self.source = RolloutSource(config, data=parts.data, sampler=parts.sampler, scoring=scoring, root=root)
+        # (rows are multi-turn episodes with an environment: its workers run on this job's hosts)
+        self.episodes = (EpisodeRunner.from_config(config, sampler=parts.sampler, tokenizer=parts.tokenizer)
+                         if config.env.on else None)
+        self.source = RolloutSource(config, data=parts.data, sampler=parts.sampler, scoring=scoring, root=root,
+                                    episodes=self.episodes)
         del parts, weights  # the loaded weights: only their structure is needed, the values come from the trainer
         self.discarded = 0  # batches sampled and then drawn again after a restart (rollout/discarded_on_resume)
         self._drawn = 0  # batches the last connection's producer drew (the index after its last)
@@ -230,4 +235,6 @@ class RolloutJob:
 
     def close(self) -> None:
         self.scorer.close()
+        if self.episodes is not None:
+            self.episodes.close()
 

@@ -103,10 +103,13 @@ class Trainer:
         self.checkpointer = make_checkpointer(self.run_dir, config.checkpoint, self.mesh,
                                               resolved_config=to_dict(config), base=base)
         self.preemption = PreemptionFlag()
-        self.evaluator = None
+        self.evaluator, self.eval_episodes = None, self.episodes
         if config.run.eval_every or config.run.eval_before:
+            if self.episodes is not None and config.rollout.mode == "async" and config.rollout.role == "both":
+                # The producer thread plays its episodes while an evaluation plays others: each its own workers.
+                self.eval_episodes = EpisodeRunner.from_config(config, sampler=self.sampler, tokenizer=self.tokenizer)
             self.evaluator = Evaluator(config, self.sampler.replace(mesh=self.mesh), self.tokenizer, scorer=self.scorer,
-                                       episodes=self.episodes)
+                                       episodes=self.eval_episodes)
 
     def _load(self):
         """Tokenizer, data, rewards, then the model and its sampler (`load_run_parts`); returns the params that
@@ -196,6 +199,8 @@ class Trainer:
         self.scorer.close()
         if self.episodes is not None:
             self.episodes.close()
+        if self.eval_episodes is not self.episodes:  # one-job async: the evaluator's own environment workers
+            self.eval_episodes.close()
 
     def train_iteration(self, logger: MetricsLogger | None = None) -> dict:
         """One iteration of the loop (the module doc; paper Algorithm 1); returns its metrics record."""

@@ -45,7 +45,6 @@ def test_calculator_environment_tools_follow_env_tools():
     (["env.name=calculator", "env.tools=[search]"], "env.tools=['search'] is not allowed"),
     (["env.name=calculator", "env.max_total_tokens=4"], "env.max_total_tokens=4 is not allowed: >= "
                                                          "sampler.max_new_tokens=8"),
-    (["env.name=calculator", "rollout.mode=async"], "rollout.mode='async' is not allowed: sync or window"),
     (["env.name=calculator", "env.timeout_s=0"], "env.timeout_s=0.0 is not allowed"),
 ])
 def test_bad_env_config_names_the_key(overrides, message):

@@ -201,3 +201,26 @@ def test_failing_environments_are_contained_and_the_run_goes_on(tmp_path, name, 
         assert r["env/failed"] == 1.0
         assert r.get("env/failures/step", 0) + r.get("env/failures/worker", 0) == rows
         assert r["reward/mean"] == 0.0
+
+
+def test_async_at_staleness_0_plays_the_episodes_sync_plays(tmp_path):
+    # One-job async: the producer thread opens and plays each batch's episodes. At max_staleness 0 it samples every
+    # batch with the params sync samples it with (same keys, same environment seeds): the same episodes, rewards and
+    # updates. Its evaluation after each iteration plays episodes on environment workers of its own while the
+    # producer plays the next batch's.
+    stops = "[" + ",".join(str(i) for i in range(0, 49152, 4)) + "]"  # turns of 1 to ~40 tokens
+    common = ("env.name=tests.envs.scripted_envs:Lengths", "env.turn_prefix=", f"sampler.stop_token_ids={stops}",
+              "run.iterations=2")
+    _, sync, _ = run_to_end(tools_config(tmp_path / "sync", *common))
+    _, asyn, trainer = run_to_end(tools_config(tmp_path / "async", *common, "rollout.mode=async",
+                                               "rollout.max_staleness=0", "run.eval_every=1"))
+    assert trainer.eval_episodes is not trainer.episodes
+    assert [r["iteration"] for r in asyn] == [1, 2] and all(r["rollout/staleness"] == 0 for r in asyn)
+    assert all(r["eval/turns"] >= 1 for r in asyn)
+    for got, want in zip(asyn, sync, strict=True):
+        keys = sorted(k for k in want if k.startswith("env/") and k != "env/wait_s")
+        assert keys == sorted(k for k in got if k.startswith("env/") and k != "env/wait_s")
+        for key in keys + ["reward/mean", "reward/std", "completion/length_mean"]:
+            assert got[key] == want[key], (key, got["iteration"])
+        np.testing.assert_allclose(got["loss/loss"], want["loss/loss"], rtol=0, atol=1e-6)
+    assert any(r["env/turns"] % 1 for r in sync) and all(r["reward/std"] > 0 for r in sync)

@@ -6,7 +6,8 @@ at different boundaries), as 2 processes x 2 devices, equals one process with 4 
 (every env/* metric), rewards, loss and, after the update, params (to rounding: sums over processes in another
 order). In CI: fewer slots than episodes, so paused episodes give their slots away and resume in others (the
 answers of one process's environments reach the other's calls). Under `pod`: the sampler on its own process
-(`mesh.rollout_devices`), window mode, `env.schedule: turn_sync` and a held-out evaluation of episodes.
+(`mesh.rollout_devices`), window mode, `env.schedule: turn_sync` and a held-out evaluation of episodes; and two
+jobs, the episodes played by a rollout job of 2 processes.
 """
 
 import os
@@ -18,7 +19,7 @@ import numpy as np
 import pytest
 
 from jgrpo.training.metrics_log import read_metrics
-from tests.helpers import ROOT
+from tests.helpers import ROOT, child_xla_flags
 from tests.parallel.test_multihost import _free_port, _params
 
 STOPS = "[" + ",".join(str(i) for i in range(0, 49152, 4)) + "]"
@@ -26,20 +27,20 @@ OVERRIDES = ["env.name=tests.envs.scripted_envs:Lengths", "env.turn_prefix=", f"
              "logging.samples_every=0", "optim.eps=1e-5"]
 
 
-def _run(run_dir, iterations, processes, *overrides):
-    """`python -m jgrpo.train` of the tools config as `processes` processes of 2 devices, or (1, devices)."""
+def _run(run_dir, iterations, processes, *overrides, devices=2, name=None):
+    """`python -m jgrpo.train` of the tools config as `processes` processes of `devices` devices, or (1, devices)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("JGRPO_")}
     env.update(JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
     cmd = [sys.executable, "-m", "jgrpo.train", "configs/tiny_tools.yaml", f"run.output_dir={run_dir}",
            f"run.iterations={iterations}", f"checkpoint.every={iterations}", *OVERRIDES, *overrides]
     if isinstance(processes, tuple):
-        worlds = [dict(env, XLA_FLAGS=f"--xla_force_host_platform_device_count={processes[1]}")]
+        worlds = [dict(env, XLA_FLAGS=child_xla_flags(processes[1]))]
     else:
         coordinator = f"127.0.0.1:{_free_port()}"
-        worlds = [dict(env, XLA_FLAGS="--xla_force_host_platform_device_count=2", JGRPO_COORDINATOR=coordinator,
+        worlds = [dict(env, XLA_FLAGS=child_xla_flags(devices), JGRPO_COORDINATOR=coordinator,
                        JGRPO_NUM_PROCESSES=str(processes), JGRPO_PROCESS_ID=str(i)) for i in range(processes)]
     # Output to files: a full pipe would stall its process.
-    logs = [run_dir.parent / f"{run_dir.name}_process{i}.log" for i in range(len(worlds))]
+    logs = [run_dir.parent / f"{name or run_dir.name}_process{i}.log" for i in range(len(worlds))]
     return [(subprocess.Popen(cmd, cwd=ROOT, env=world, stdout=log.open("w"), stderr=subprocess.STDOUT), log)
             for world, log in zip(worlds, logs, strict=True)]
 
@@ -92,3 +93,20 @@ def test_episodes_with_the_sampler_on_its_own_process_equal_one_process(tmp_path
     _finish(reference)
     _same_runs(split, one, 2)
     assert "eval/turns" in read_metrics(split)[0]
+
+
+@pytest.mark.pod
+@pytest.mark.slow
+def test_episodes_in_a_rollout_job_of_two_processes_equal_one_job(tmp_path):
+    # Two jobs: a trainer job (1 process x 2 devices) and a rollout job of 2 processes x 1 device, which play the
+    # episodes (each rollout process its rows' environments) and send the records; at max_staleness 0, as one job
+    # with the sampler on 2 of its 4 devices.
+    common = ("rollout.mode=async", "rollout.max_staleness=0")
+    endpoint = f"rollout.endpoint=127.0.0.1:{_free_port()}"
+    split, one = tmp_path / "two_jobs", tmp_path / "one"
+    reference = _run(one, 2, (1, 4), *common, "mesh.rollout_devices=2")
+    trainer = _run(split, 2, (1, 2), *common, "rollout.role=trainer", endpoint)
+    rollout = _run(split, 2, 2, *common, "rollout.role=rollout", endpoint, devices=1, name="rollout_job")
+    _finish(trainer + rollout)
+    _finish(reference)
+    _same_runs(split, one, 2)
