@@ -33,7 +33,7 @@ from jgrpo.envs.base import Turn, row_of
 from jgrpo.envs.rendering import Renderer
 from jgrpo.envs.tool_format import outside_tool_calls, parse_tool_calls
 from jgrpo.envs.workers import EnvironmentWorkers
-from jgrpo.parallel.host_arrays import fetch, gather_json, row_block
+from jgrpo.parallel.host_arrays import gather_json, row_block
 from jgrpo.sampling.sampler import Prompts, SampleOutput, Sampler
 from jgrpo.sampling.turns import DECODING, DONE, EMPTY, PAUSED
 
@@ -196,13 +196,11 @@ class EpisodeRunner:
             decoding = (status.state == DECODING).any()
             newly = [s for s in np.flatnonzero(status.state == PAUSED) if int(status.row[s]) not in waiting]
             if newly and not (turn_sync and decoding):
-                tokens = fetch(state.pool.rows.tokens)
-                tokens = tokens.reshape(-1, tokens.shape[-1])
+                turns = state.turns()
                 for slot in newly:
                     row, end, stopped = int(status.row[slot]), int(status.length[slot]), bool(status.stopped[slot])
                     if row in mine:
-                        self._submit(episodes[row - first], tokens[row, end - int(status.turn_length[slot]):end],
-                                     stopped)
+                        self._submit(episodes[row - first], turns[slot, :int(status.turn_length[slot])], stopped)
                     if handoff:
                         state, _ = sampler.park(state, int(slot))
                     waiting[row] = Turnaround(boundary + env.resume_after, stopped, end, None if handoff else int(slot))

@@ -25,7 +25,8 @@ from jgrpo.sampling.pool import Plan, decode_chunking
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """Shardings of the decode state; hashable (part of a program's static `PoolSpec`) and called by it as
-    `pin(name, x)` to constrain the prefill cache, the decode cache, the per-queue arrays and the prompt store."""
+    `pin(name, x)` to constrain the prefill cache, the decode cache, the per-queue arrays and the prompt store,
+    or to replicate a small array every host reads ("replicated")."""
 
     prefill_cache: NamedSharding  # [L, B, P, KVH, Dh]
     prompt_cache: NamedSharding  # one layer's prompt segment [S, KVH, P, Dh]
@@ -37,6 +38,8 @@ class Layout:
             return jax.tree.map(lambda c: _constrain(c, self.prefill_cache), x)
         if name == "cache":
             return _constrain_cache(x, self)
+        if name == "replicated":
+            return _constrain(x, NamedSharding(self.prefill_cache.mesh, PartitionSpec()))
         if self.queues is None:
             return x
         if name == "store":  # [L, Q, W, KVH, P, Dh]

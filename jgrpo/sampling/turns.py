@@ -92,12 +92,30 @@ class SlotState:
                           np.where(real, (sl.count - sl.turn_start).reshape(-1), 0), state,
                           (state == PAUSED) & np.asarray(stopped).reshape(-1)[np.maximum(row, 0)])
 
+    def turns(self) -> np.ndarray:
+        """Each slot's current turn, [S, turn_limit] int32 on every host (its first `status().turn_length` ids
+        are the turn's). Cut out and replicated on the devices: a host reads no other part of the pool's rows
+        (with several processes, reading the rows themselves would gather all of them through every host)."""
+        return np.asarray(fetch(_turns(self.pool, spec=self.spec)))
+
     def idle(self) -> bool:
         """Nothing can decode until the host appends to or finishes a paused row (or every row is complete)."""
         plan = self.spec.plan
         sl, pending = fetch((self.pool.slots, self.pool.pending))
         free = sl.done & ~sl.held
         return bool(sl.done.all() and (~free.any(axis=1) | (pending >= plan.rows_per_queue)).all())
+
+
+@functools.partial(jax.jit, static_argnames=("spec",))
+def _turns(pool: Pool, *, spec: PoolSpec) -> jax.Array:
+    """Each slot's row's tokens from its turn's first drawn one, [S, turn_limit] (0 past the row's end)."""
+    plan = spec.plan
+    sl = pool.slots
+    rows = jnp.minimum(sl.row, plan.rows_per_queue - 1)[..., None]  # [Q, Sq, 1] (an empty slot: any row)
+    columns = sl.turn_start[..., None] + jnp.arange(plan.turn_limit)  # [Q, Sq, T]
+    queues = jnp.arange(plan.queues)[:, None, None]
+    turns = pool.rows.tokens.at[queues, rows, columns].get(mode="fill", fill_value=0)
+    return spec.pin("replicated", turns.reshape(plan.slots, plan.turn_limit))
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "spec"))

@@ -72,7 +72,12 @@ def test_an_append_continues_the_row_as_if_its_context_were_the_prompt(tiny_llam
     turns = {}
 
     def reply(state, slot):
-        row = int(state.status().row[slot])
+        status = state.status()
+        row, end, length = int(status.row[slot]), int(status.length[slot]), int(status.turn_length[slot])
+        # The paused turn as `turns()` cuts it out: the row's last `length` tokens.
+        whole = np.asarray(state.pool.rows.tokens).reshape(-1, state.pool.rows.tokens.shape[-1])
+        np.testing.assert_array_equal(state.turns()[slot, :length], whole[row, end - length:end])
+        assert length == 4
         turns[row] = turns.get(row, 0) + 1
         if turns[row] <= 2:
             return sampler.append(params, state, slot, replies[row][turns[row] - 1])
