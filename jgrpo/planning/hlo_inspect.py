@@ -44,6 +44,10 @@ def _cost(hlo: str | HloCost) -> HloCost:
     return hlo if isinstance(hlo, HloCost) else HloCost(hlo)
 
 
+# Opcodes whose called computation is applied per element (a reduction's or sort's comparator): nothing to walk.
+_PER_ELEMENT = ("reduce", "sort", "scatter", "map", "reduce-window", "select-and-scatter")
+
+
 def _walk(cost: HloCost, computation: str, trips: int, loop: Instruction | None, body: str | None):
     """(computation, instruction, times it runs, innermost loop, that loop's body) for all the program runs."""
     for ins in cost.computations[computation]:
@@ -54,8 +58,7 @@ def _walk(cost: HloCost, computation: str, trips: int, loop: Instruction | None,
             continue
         for key in ("calls", "to_apply", "branch_computations", "true_computation", "false_computation"):
             for called in called_computations(ins, key):
-                if called in cost.computations and ins.opcode not in ("reduce", "sort", "scatter", "map",
-                                                                      "reduce-window", "select-and-scatter"):
+                if called in cost.computations and ins.opcode not in _PER_ELEMENT:
                     yield from _walk(cost, called, trips, loop, body)
 
 
@@ -135,7 +138,7 @@ def _collective_bytes(cost: HloCost, computation: str) -> float:
         elif ins.opcode == "conditional":
             branches = [b for b in branch_computations(ins) if b in cost.computations]
             total += max((_collective_bytes(cost, b) for b in branches), default=0.0)
-        elif ins.opcode not in ("reduce", "sort", "scatter", "map", "reduce-window", "select-and-scatter"):
+        elif ins.opcode not in _PER_ELEMENT:
             called = called_computations(ins, "calls") + called_computations(ins, "to_apply")
             total += sum(_collective_bytes(cost, c) for c in called if c in cost.computations)
     return total

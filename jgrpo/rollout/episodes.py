@@ -184,10 +184,10 @@ class EpisodeRunner:
         The rows returned are this process's."""
         episodes = self.opened.pop(batch.step)
         sampler, env = self.sampler, self.env
-        first = self._first_row(len(episodes))
+        first, everyone = self._first_row(len(episodes)), len(episodes) * jax.process_count()
         mine = range(first, first + len(episodes))  # this process's rows, of the pool's global ones
         turn_sync = env.schedule == "turn_sync"
-        handoff = not turn_sync and sampler.slots is not None and sampler.slots < len(episodes) * jax.process_count()
+        handoff = not turn_sync and sampler.slots is not None and sampler.slots < everyone
         state = sampler.start(params, prompts, key, version)
         waiting: dict[int, Turnaround] = {}  # row -> its turn's way back
         boundary, wait_s = 0, 0.0
@@ -207,7 +207,7 @@ class EpisodeRunner:
                 status = state.status()
             due = sorted((t.due, row) for row, t in waiting.items()
                          if (not decoding if turn_sync else t.due <= boundary))
-            wait_s += self._answer_due([row for _, row in due], waiting, episodes, first)
+            wait_s += self._answer_due([row for _, row in due], waiting, episodes, mine)
             free = [int(s) for s in np.flatnonzero((status.state == DONE) | (status.state == EMPTY))]
             for _, row in due:
                 t = waiting[row]
@@ -232,8 +232,8 @@ class EpisodeRunner:
             state = sampler.advance(params, state, 1, version)
             boundary += 1
         rows, out, state = sampler.drain(state)
-        if len(rows) != len(episodes) * jax.process_count():
-            raise RuntimeError(f"{len(episodes) * jax.process_count() - len(rows)} episodes did not complete")  # a bug
+        if len(rows) != everyone:
+            raise RuntimeError(f"{everyone - len(rows)} episodes did not complete")  # a bug, not bad input
         out = out.map(lambda x: x[first:first + len(episodes)])  # every row is complete: row r is at r
         for ep, truncated in zip(episodes, out.truncated, strict=True):
             ep.truncated = ep.truncated or (bool(truncated) and not ep.final_reward)
@@ -242,7 +242,7 @@ class EpisodeRunner:
         return out, episodes
 
     def _answer_due(self, rows: list[int], waiting: dict[int, Turnaround], episodes: list[Episode],
-                    first: int) -> float:
+                    mine: range) -> float:
         """The replies' ids of the due turns not answered yet (None: the episode ends), from this process's
         environments for its rows and, with several processes, from the others' for theirs. Returns the seconds
         spent waiting for them."""
@@ -251,8 +251,8 @@ class EpisodeRunner:
             return 0.0
         answers, waited = {}, 0.0
         for row in rows:
-            if first <= row < first + len(episodes):
-                ep, t = episodes[row - first], waiting[row]
+            if row in mine:
+                ep, t = episodes[row - mine.start], waiting[row]
                 start = time.perf_counter()
                 reply = self._answer(ep)
                 waited += time.perf_counter() - start
