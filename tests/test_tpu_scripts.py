@@ -29,6 +29,7 @@ def test_v5e_8_single_host_lifecycle():
     assert scp.endswith(f"rl:\\~/jgrpo {scope} --worker=all")
     assert pip.startswith(f"gcloud compute tpus tpu-vm ssh rl {scope} --worker=all --command=")
     assert "pip\\ install\\ -q\\ -e\\ \\'.\\[tpu\\]\\'" in pip
+    assert "apt-get\\ install\\ -y\\ -qq\\ bubblewrap" in pip  # the python tool's sandbox
     [launch] = dry("launch", "configs/quickstart.yaml", "run.output_dir=gs://bucket/run1", *flags)
     assert launch.startswith(f"gcloud compute tpus tpu-vm ssh rl {scope} --worker=all --command=")
     assert "python3\\ -m\\ jgrpo.train\\ configs/quickstart.yaml\\ run.output_dir=gs://bucket/run1" in launch

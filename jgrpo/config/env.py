@@ -45,6 +45,16 @@ class EnvConfig:
     # A failed episode (the environment raised, hung past timeout_s, or its worker died): mask leaves it out of
     # the loss and of its group's statistics; zero_reward keeps it with reward 0. Counted in env/failures/*.
     on_failure: Literal["mask", "zero_reward"] = "mask"
+    # python tool: where the model's code runs. bwrap: inside bubblewrap, each call in namespaces of its own with
+    # read-only binds of only the interpreter and sandbox_packages, a fresh /tmp of sandbox_disk_mb, no network,
+    # an unprivileged uid (docs/environments.md, Tools). auto: bwrap where it runs, else the tool is refused at
+    # start (saying what to install). process: a plain subprocess with the limits below only (logged once).
+    sandbox: Literal["auto", "bwrap", "process"] = "auto"
+    sandbox_disk_mb: int = 64  # python tool: the writable /tmp (its working directory), in MB of memory (tmpfs)
+    # python tool: the installed distributions the code may import (with what they require), e.g. [numpy, sympy];
+    # [] offers the standard library only. jgrpo and the trainer's other packages are never there.
+    sandbox_packages: tuple[str, ...] = ()
+    sandbox_read_only: tuple[str, ...] = ()  # python tool: more paths it may read (a task's data), bound read-only
     sandbox_cpu_s: int = 5  # python tool: CPU seconds per call (RLIMIT_CPU)
     sandbox_memory_mb: int = 512  # python tool: address space (RLIMIT_AS)
     sandbox_file_mb: int = 16  # python tool: largest file it may write (RLIMIT_FSIZE)
@@ -64,7 +74,7 @@ class EnvConfig:
         _check(self.max_append_tokens >= 1, "env.max_append_tokens", self.max_append_tokens, "a positive integer")
         _check(self.num_workers >= 0, "env.num_workers", self.num_workers, ">= 0 (0: in the trainer's process)")
         _check(self.timeout_s > 0, "env.timeout_s", self.timeout_s, "a positive number of seconds")
-        for key in ("sandbox_cpu_s", "sandbox_memory_mb", "sandbox_file_mb", "sandbox_output_chars"):
+        for key in ("sandbox_cpu_s", "sandbox_memory_mb", "sandbox_file_mb", "sandbox_output_chars", "sandbox_disk_mb"):
             _check(getattr(self, key) > 0, f"env.{key}", getattr(self, key), "a positive number")
         _check(self.sandbox_processes >= 0, "env.sandbox_processes", self.sandbox_processes, ">= 0")
         _check(self.sandbox_timeout_s > 0, "env.sandbox_timeout_s", self.sandbox_timeout_s, "a positive number")

@@ -15,7 +15,9 @@ import importlib
 import random
 import re
 
+from jgrpo.config.errors import ConfigError
 from jgrpo.envs.base import Environment, StepResult, ToolEnvironment, Turn
+from jgrpo.envs.sandbox import python_sandbox
 
 
 class CalculatorEnvironment(ToolEnvironment):
@@ -65,3 +67,19 @@ def environment_class(name: str) -> type[Environment]:
     if not (isinstance(cls, type) and issubclass(cls, Environment)):
         raise ValueError(f"{name!r}: {module_name} has no Environment subclass named {class_name!r}")
     return cls
+
+
+def check_tools(config) -> None:
+    """Before any model loads: the tools the run's environment uses can run here (the python tool needs its
+    sandbox, `env.sandbox`: bubblewrap under `auto`), else ConfigError saying what to install or set."""
+    e = config.env
+    if not e.on:
+        return
+    names = e.tools
+    if names is None:
+        try:
+            names = getattr(environment_class(e.name), "default_tools", ())
+        except ValueError as error:
+            raise ConfigError(f"env.name={e.name}: {error}") from error
+    if "python" in names:
+        python_sandbox(e)

@@ -108,6 +108,8 @@ class EpisodeRunner:
         e = config.env
         try:
             tools = environment_class(e.name)(config).tools
+        except ConfigError:  # a setting of ours (the python tool's sandbox): its own message says what to do
+            raise
         except Exception as error:  # the user's environment: its failure is a setup error  # noqa: BLE001
             raise ConfigError(f"env.name={e.name}: the environment does not build: {type(error).__name__}: "
                               f"{error}") from error

@@ -2,9 +2,9 @@
 
 Each check raises a `UserError` whose message names the key, path or file and what to do. None of them reads
 weights or data rows: that the data source exists (not its rows: `jgrpo.data` reports bad rows by file and
-line when it reads them), that the reward functions import, that the mesh fits the devices, that the run
-directory can be written. Calling `check_before_loading` twice is harmless (the trainer calls it, and
-`python -m jgrpo.train` calls it before it writes the run's config.yaml).
+line when it reads them), that the reward functions import, that the python tool's sandbox runs, that the mesh
+fits the devices, that the run directory can be written. Calling `check_before_loading` twice is harmless (the
+trainer calls it, and `python -m jgrpo.train` calls it before it writes the run's config.yaml).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from jgrpo.config import Config, ConfigError
 from jgrpo.config.errors import PathError
 from jgrpo.data.sources import BUILTIN_TASKS, locate
 from jgrpo.data.tasks import check_split
+from jgrpo.envs.builtin import check_tools
 from jgrpo.parallel.mesh import make_meshes
 from jgrpo.rewards.registry import get_reward, reward_path
 from jgrpo.training.wandb_sink import require_wandb
@@ -73,5 +74,6 @@ def check_before_loading(config: Config) -> None:
     make_meshes(config.mesh)  # the axis sizes against the devices jax sees
     check_data_source(config)
     check_rewards(config)
+    check_tools(config)
     require_wandb(config.logging)
 

@@ -72,6 +72,9 @@ CASES = [
     ("plot_no_metrics", "plot", ["{tmp}", "-o", "{tmp}/curves.png"], r"metrics\.jsonl: no metrics"),
     ("sample_no_such_model", "sample", ["/nonexistent/model", "--prompt", "hi"],
      r"model '/nonexistent/model': no such directory or \.gguf file"),
+    ("sandbox_package_missing", "train", ["configs/tiny_tools.yaml", "env.tools=[python]",
+                                          "env.sandbox_packages=[no-such-dist]", NO_MODEL],
+     r"env\.sandbox_packages names 'no-such-dist', which is not installed"),
     ("plan_unknown_topology", "plan", ["configs/tiny.yaml", "--topology", "v9:2x2"], r"unknown TPU topology 'v9:2x2'"),
 ]
 
@@ -111,6 +114,17 @@ def test_bad_input_is_one_paragraph_and_exit_status_2(outcomes, case_id, entrypo
     assert len(paragraph) <= 4, paragraph
     assert re.search(message, " ".join(line.strip() for line in paragraph)), paragraph
     assert code == 2, (code, err[-3000:])
+
+
+def test_the_python_tool_without_bubblewrap_is_refused_at_start(tmp_path):
+    """`env.sandbox: auto` never runs a model's code unconfined: without bwrap (a PATH without it) the python tool
+    is refused before the model loads, naming the package to install and the key that accepts a plain process."""
+    proc = _start("train", ["configs/tiny_tools.yaml", "env.tools=[python]", NO_MODEL], tmp_path,
+                  PATH=str(Path(sys.executable).parent))
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in err, err[-3000:]
+    assert re.search(r"error: env\.sandbox=auto: .* bubblewrap.*\(bwrap is not installed\).*apt-get install "
+                     r"bubblewrap.*env\.sandbox=process", err), err[-3000:]
 
 
 def test_a_run_that_fails_to_start_leaves_no_config_behind(outcomes):

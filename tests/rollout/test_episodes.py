@@ -13,6 +13,7 @@ from jgrpo.config.loading import load_config
 from jgrpo.envs.workers import EnvironmentWorkers
 from jgrpo.training.metrics_log import read_metrics
 from jgrpo.training.trainer import Trainer
+from tests.envs.test_sandbox_escapes import bwrap_problem_or_skip
 from tests.helpers import ROOT
 
 TOOLS_YAML = ROOT / "configs" / "tiny_tools.yaml"
@@ -201,6 +202,19 @@ def test_failing_environments_are_contained_and_the_run_goes_on(tmp_path, name, 
         assert r["env/failed"] == 1.0
         assert r.get("env/failures/step", 0) + r.get("env/failures/worker", 0) == rows
         assert r["reward/mean"] == 0.0
+
+
+def test_a_python_tool_run_completes_in_the_sandbox(tmp_path):
+    # Every turn opens with a whole python call, run under the default sandbox (env.sandbox: auto, bubblewrap where
+    # it runs: tests/envs/test_sandbox_escapes.py) by an environment worker: 2 prompts x 4 episodes x 2 turns.
+    bwrap_problem_or_skip()
+    call = '<tool_call>{"name": "python", "arguments": {"code": "print(6 * 7)"}}</tool_call>'
+    status, records, trainer = run_to_end(tools_config(
+        tmp_path, "env.tools=[python]", f"env.turn_prefix={call}", "env.max_turns=2", "run.iterations=2"))
+    assert status == "done" and len(records) == 2 and trainer.config.env.sandbox == "auto"
+    for r in records:
+        assert r["env/tool_calls"] == 16 and r["env/failed"] == 0 and r["env/turns"] == 2, r
+        assert not any(k.startswith("env/tool_call_errors") for k in r), r
 
 
 def test_async_at_staleness_0_plays_the_episodes_sync_plays(tmp_path):
