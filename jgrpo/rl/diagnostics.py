@@ -23,6 +23,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jgrpo.rl.loss_records import LossExtras, LossInputs, LossTerms
+
 # Sequence log-ratios are clamped here before exp: a sum over hundreds of tokens overflows float32 easily,
 # and a ratio of e^20 already makes the bound vacuous.
 SEQUENCE_LOG_RATIO_LIMIT = 20.0
@@ -40,23 +42,24 @@ def _max(x, where) -> jax.Array:
     return jnp.max(jnp.where(where, x, -jnp.inf)).astype(jnp.float32)
 
 
-def loss_metrics(*, lp, lp_alpha, lp_k, adv, valid, mask, ratio, clipped_low, clipped_high, dual_clipped, kl,
-                 is_weight, pg_loss, kl_loss, entropy, lp_behaviour_trainer, staleness,
-                 sequence_masked=None, mis_dropped=None, m2po_dropped=None, rows=None) -> dict[str, jax.Array]:
-    """Accumulators for one micro-batch (see module doc). Inputs as inside `objectives.grpo_loss` (`rows`: the
-    rows it covers, None for all)."""
+def loss_metrics(inputs: LossInputs, terms: LossTerms, extras: LossExtras) -> dict[str, jax.Array]:
+    """Accumulators for one micro-batch (see module doc), from `objectives.grpo_loss`'s `inputs` as it masked them
+    (log-probs zeroed outside the completion mask, the advantages' rows restricted to `extras.rows`), the `terms`
+    it computed and its `extras`."""
     sg = jax.lax.stop_gradient
-    lp, ratio = sg(lp), sg(ratio)
-    rows = jnp.ones(valid.shape[:1], bool) if rows is None else rows
+    lp, lp_alpha, lp_k, adv, valid = inputs
+    mask, ratio = terms.mask, sg(terms.ratio)
+    lp = sg(lp)
+    rows = jnp.ones(valid.shape[:1], bool) if extras.rows is None else extras.rows
     m = {
-        "pg_loss": sg(pg_loss).astype(jnp.float32),
-        "kl_loss": sg(kl_loss).astype(jnp.float32),
+        "pg_loss": sg(terms.pg_loss).astype(jnp.float32),
+        "kl_loss": sg(terms.kl_loss).astype(jnp.float32),
         "token_count": _sum(1.0, mask),
         "completion_token_count": _sum(1.0, valid),
         "row_count": _sum(1.0, rows),
-        "clip_low_count": _sum(1.0, clipped_low & mask),
-        "clip_high_count": _sum(1.0, clipped_high & mask),
-        "dual_clip_count": _sum(1.0, dual_clipped & mask),
+        "clip_low_count": _sum(1.0, terms.clipped_low & mask),
+        "clip_high_count": _sum(1.0, terms.clipped_high & mask),
+        "dual_clip_count": _sum(1.0, terms.dual_clipped & mask),
         "ratio_sum": _sum(ratio, mask),
         "ratio_min": _min(ratio, mask),
         "ratio_max": _max(ratio, mask),
@@ -68,36 +71,37 @@ def loss_metrics(*, lp, lp_alpha, lp_k, adv, valid, mask, ratio, clipped_low, cl
         "advantage_max": _max(adv.advantages, rows),
         "zero_variance_row_count": _sum(1.0, adv.zero_variance),
     }
-    if kl is not None:
-        m["kl_sum"] = _sum(sg(kl), mask)
-    if is_weight is not None:
-        m["is_weight_sum"] = _sum(is_weight, mask)
-    if sequence_masked is not None:  # rows in the loss that the off-policy sequence masking dropped
-        m["sequence_masked_row_count"] = _sum(1.0, sequence_masked & adv.in_loss.astype(bool))
-    if mis_dropped is not None:  # loss tokens masked importance sampling dropped
-        m["mis_drop_count"] = _sum(1.0, mis_dropped & mask)
-    if m2po_dropped is not None:
-        m["m2po_drop_count"] = _sum(1.0, m2po_dropped & mask)
-    if entropy is not None:
-        m["entropy_sum"] = _sum(sg(entropy), valid)
-    if lp_behaviour_trainer is not None:
+    if terms.kl is not None:
+        m["kl_sum"] = _sum(sg(terms.kl), mask)
+    if terms.is_weight is not None:
+        m["is_weight_sum"] = _sum(terms.is_weight, mask)
+    if terms.sequence_masked is not None:  # rows in the loss that the off-policy sequence masking dropped
+        m["sequence_masked_row_count"] = _sum(1.0, terms.sequence_masked & adv.in_loss.astype(bool))
+    if terms.mis_dropped is not None:  # loss tokens masked importance sampling dropped
+        m["mis_drop_count"] = _sum(1.0, terms.mis_dropped & mask)
+    if extras.m2po_drop is not None:
+        m["m2po_drop_count"] = _sum(1.0, extras.m2po_drop & mask)
+    if extras.entropy is not None:
+        m["entropy_sum"] = _sum(sg(extras.entropy), valid)
+    if extras.lp_behaviour_trainer is not None:
         # A sampled token outside the trainer's truncated support (lp = -inf, e.g. at a top-p edge that rounding
         # moved) is a mismatch of support, not of value: counted, and kept out of the gap statistics.
-        trainer_lp = jnp.where(valid, sg(lp_behaviour_trainer), 0.0)
+        trainer_lp = jnp.where(valid, sg(extras.lp_behaviour_trainer), 0.0)
         inside = valid & jnp.isfinite(trainer_lp)
         gap = jnp.abs(lp_alpha - jnp.where(inside, trainer_lp, 0.0))
         m["logprob_mismatch_sum"] = _sum(gap, inside)
         m["logprob_mismatch_max"] = _max(gap, inside)
         m["mismatch_token_count"] = _sum(1.0, inside)
         m["outside_support_count"] = _sum(1.0, valid & ~inside)
-    if staleness is not None:
-        m["staleness_max"] = jnp.asarray(staleness, jnp.float32)
-    m.update(theorem1_accumulators(lp, lp_alpha, lp_k, adv, valid))
+    if extras.staleness is not None:
+        m["staleness_max"] = jnp.asarray(extras.staleness, jnp.float32)
+    m.update(theorem1_accumulators(inputs._replace(lp=lp)))
     return m
 
 
-def theorem1_accumulators(lp, lp_alpha, lp_k, adv, valid) -> dict[str, jax.Array]:
+def theorem1_accumulators(inputs: LossInputs) -> dict[str, jax.Array]:
     """Sums over the rows in the loss of the quantities whose means make Theorem 1's bound."""
+    lp, lp_alpha, lp_k, adv, valid = inputs
 
     def sequence_ratio(log_num):  # [N, T] -> [N]: p(y)/alpha(y) over the whole completion
         log_ratio = jnp.sum(jnp.where(valid, log_num - lp_alpha, 0.0), axis=1)

@@ -3,7 +3,8 @@
 Pure functions of arrays; no model inside. Shapes: N completion rows (B prompts x G samples), T
 completion tokens. Per-token log-probs are `lp` (current params, the only input with a gradient),
 `lp_alpha` (behaviour policy, recorded by the sampler), `lp_k` (params at the start of the outer
-iteration) and `lp_ref` (reference policy).
+iteration) and `lp_ref` (reference policy); `grpo_loss` takes them as records (`loss_records`: the inputs every
+objective needs, and the optional extras) and hands them, with the terms it computed, whole to its metrics.
 
 Micro-batching and sharding invariance: every token's weight in the loss is fixed by counts over the
 *whole optimiser step* (`step_normaliser`, computed before the micro-batch loop), so the loss is a
@@ -29,6 +30,7 @@ from jgrpo.rl.corrections import (
     truncated_is_weight,
 )
 from jgrpo.rl.diagnostics import loss_metrics
+from jgrpo.rl.loss_records import LossExtras, LossInputs, LossTerms
 
 
 class StepNorm(NamedTuple):
@@ -170,45 +172,22 @@ def step_has_signal(adv: GroupAdvantages, norm: StepNorm, config: GRPOConfig) ->
     return has_tokens & jnp.any(adv.in_loss.astype(bool) & (adv.advantages != 0))
 
 
-def grpo_loss(
-    lp: jax.Array,
-    lp_alpha: jax.Array,
-    lp_k: jax.Array | None,
-    lp_ref: jax.Array | None,
-    adv: GroupAdvantages,
-    completion_mask: jax.Array,
-    norm: StepNorm,
-    config: GRPOConfig,
-    *,
-    entropy: jax.Array | None = None,
-    lp_behaviour_trainer: jax.Array | None = None,
-    staleness: jax.Array | int | None = None,
-    lp_kl: jax.Array | None = None,
-    m2po_drop: jax.Array | None = None,
-    rows: jax.Array | None = None,
-) -> tuple[jax.Array, dict[str, jax.Array]]:
+def grpo_loss(inputs: LossInputs, norm: StepNorm, config: GRPOConfig,
+              extras: LossExtras = LossExtras()) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The loss to minimise, -(sum over tokens of weight * (surrogate - beta * kl)), and additive metrics.
 
-    All per-token arrays are [N, T] float32; `adv` is the matching rows of `group_advantages`; `norm`
-    comes from `step_normaliser` over the whole optimiser step. Only `lp` carries a gradient.
-    - `lp_k`: log-probs at the start of the outer iteration. None means "this is inner step 1", where
-      pi_k is the current policy, so stop_gradient(lp) is used (the `current` ratio is then pi/sg(pi)).
-    - `lp_ref`: reference log-probs for the KL term: untruncated, temperature-scaled (the sampler's
-      `tempered_logprobs`); may be None (and is ignored) when config.beta == 0.
-    - `lp_kl`: pi_theta's log-probs for the KL term, untruncated like `lp_ref` (with gradient). None means
-      `lp` (right when the sampler does not truncate). `lp` itself may be -inf on a sampled token outside
-      pi_theta's current truncated support: that token's ratio is 0 and its gradient 0.
-    - `entropy`: per-token policy entropy, for the metrics only.
-    - `lp_behaviour_trainer`: the trainer's log-probs at the behaviour params (e.g. `lp` itself at
-      (v=1, i=1), or `lp_k` when v=1), for the sampler-vs-trainer mismatch metric.
-    - `staleness`: k - version(behaviour), reported as is.
-    - `m2po_drop`: [N, T] bool, the tokens M2PO drops (`corrections.m2po_drop` over the whole batch), or None.
-    - `rows`: [N] bool, the rows this call covers (None: all): the others add nothing to the loss or the metrics
-      (a packed micro-batch holds some of its minibatch's rows, `training.packed_passes`).
+    `inputs`: what every objective needs (`loss_records.LossInputs`: per-token [N, T] float32 log-probs of pi_theta,
+    alpha and pi_k, the rows' advantages, the completion mask); `extras`: the optional ones (`LossExtras`: the KL's,
+    M2PO's mask, the metrics', the rows covered). `norm` comes from `step_normaliser` over the whole optimiser step.
+    Only `inputs.lp` carries a gradient; it may be -inf on a sampled token outside pi_theta's current truncated
+    support: that token's ratio is 0 and its gradient 0. `extras.lp_ref` is needed when config.beta > 0 (and
+    ignored otherwise).
     Metrics are sums/counts/min/max over this micro-batch: combine micro-batches with
     `diagnostics.combine_metrics` and turn them into means with `diagnostics.finalize_metrics`.
     """
-    _check_inputs(lp, lp_alpha, lp_k, lp_ref, adv, completion_mask, config, entropy, lp_behaviour_trainer, lp_kl)
+    _check_inputs(inputs, extras, config)
+    lp, lp_alpha, lp_k, adv, completion_mask = inputs
+    rows = extras.rows
     if rows is not None:
         completion_mask = completion_mask.astype(bool) & rows[:, None]
         adv = adv._replace(in_loss=adv.in_loss.astype(bool) & rows, zero_variance=adv.zero_variance & rows)
@@ -217,7 +196,7 @@ def grpo_loss(
     # Masked positions may hold -inf or garbage (e.g. padding outside a top-k support): zero them before any
     # exp so no inf/NaN reaches the sums, and the where keeps their gradient exactly 0.
     lp = jnp.where(valid, lp, 0.0)
-    lp_kl = lp if lp_kl is None else jnp.where(valid, lp_kl, 0.0)
+    lp_kl = lp if extras.lp_kl is None else jnp.where(valid, extras.lp_kl, 0.0)
     lp_alpha = jnp.where(valid, jax.lax.stop_gradient(lp_alpha), 0.0)
     lp_k = jnp.where(valid, jax.lax.stop_gradient(lp if lp_k is None else lp_k), 0.0)
     advantages = adv.advantages.astype(jnp.float32)[:, None]  # [N, 1]
@@ -242,7 +221,7 @@ def grpo_loss(
     if sequence_masked is not None:
         surrogate = jnp.where(sequence_masked[:, None], 0.0, surrogate)
     mis_dropped = masked_is_drop(lp_k, lp_alpha, valid, config)
-    for dropped in (mis_dropped, m2po_drop):
+    for dropped in (mis_dropped, extras.m2po_drop):
         if dropped is not None:
             surrogate = jnp.where(dropped, 0.0, surrogate)
 
@@ -251,26 +230,24 @@ def grpo_loss(
     kl = None
     kl_loss = jnp.float32(0.0)
     if config.beta > 0:
-        kl = kl_estimate(lp_kl, jnp.where(valid, lp_ref, 0.0), config.kl_estimator)
+        kl = kl_estimate(lp_kl, jnp.where(valid, extras.lp_ref, 0.0), config.kl_estimator)
         kl_loss = config.beta * jnp.sum(weights * kl)
     loss = pg_loss + kl_loss
 
-    metrics = loss_metrics(
-        lp=lp, lp_alpha=lp_alpha, lp_k=lp_k, adv=adv, valid=valid, mask=mask, ratio=ratio,
-        clipped_low=clipped_low, clipped_high=clipped_high, dual_clipped=dual_clipped, kl=kl, is_weight=is_weight,
-        pg_loss=pg_loss, kl_loss=kl_loss, entropy=entropy, lp_behaviour_trainer=lp_behaviour_trainer,
-        staleness=staleness, sequence_masked=sequence_masked, mis_dropped=mis_dropped, m2po_dropped=m2po_drop,
-        rows=rows,
-    )
-    return loss, metrics
+    terms = LossTerms(mask=mask, ratio=ratio, clipped_low=clipped_low, clipped_high=clipped_high,
+                      dual_clipped=dual_clipped, is_weight=is_weight, sequence_masked=sequence_masked,
+                      mis_dropped=mis_dropped, kl=kl, pg_loss=pg_loss, kl_loss=kl_loss)
+    return loss, loss_metrics(LossInputs(lp, lp_alpha, lp_k, adv, valid), terms, extras)
 
 
-def _check_inputs(lp, lp_alpha, lp_k, lp_ref, adv, completion_mask, config, entropy, lp_behaviour_trainer, lp_kl):
+def _check_inputs(inputs: LossInputs, extras: LossExtras, config: GRPOConfig) -> None:
+    lp, lp_alpha, lp_k, adv, completion_mask = inputs
+    lp_ref = extras.lp_ref
     shape = lp.shape
     if lp.ndim != 2:
         raise ValueError(f"lp must be [N, T] per-token log-probs, got shape {shape}")
-    named = {"lp_alpha": lp_alpha, "lp_k": lp_k, "completion_mask": completion_mask, "entropy": entropy,
-             "lp_behaviour_trainer": lp_behaviour_trainer, "lp_kl": lp_kl}
+    named = {"lp_alpha": lp_alpha, "lp_k": lp_k, "completion_mask": completion_mask, "entropy": extras.entropy,
+             "lp_behaviour_trainer": extras.lp_behaviour_trainer, "lp_kl": extras.lp_kl}
     if config.beta > 0:
         if lp_ref is None:
             raise ValueError(f"grpo.beta={config.beta} > 0 needs lp_ref (reference log-probs); pass beta=0 to "

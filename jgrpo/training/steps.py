@@ -44,6 +44,7 @@ from jgrpo.rl.advantages import GroupAdvantages, group_advantages
 from jgrpo.rl.corrections import m2po_drop
 from jgrpo.rl.diagnostics import extreme_kind, finalize_metrics
 from jgrpo.rl.logprobs import token_logprobs
+from jgrpo.rl.loss_records import LossExtras, LossInputs
 from jgrpo.rl.lp_k import lp_k_source
 from jgrpo.rl.objectives import grpo_loss, step_has_signal, step_normaliser
 from jgrpo.rl.routing_replay import forward_metrics, sampler_ran, sequence_routing
@@ -365,9 +366,10 @@ class StepFunctions(PackedSteps):
         lp_k = jnp.where(first_update, own, later)
         # lp itself stands in for the trainer's behaviour log-probs: the host keeps that mismatch metric only
         # for updates where the current params are the behaviour params (first update after a refresh).
-        loss, metrics = grpo_loss(lp, micro.lp_alpha, lp_k, micro.lp_ref, micro.adv, micro.completion_mask, norm,
-                                  self.grpo, entropy=entropy, lp_behaviour_trainer=lp,
-                                  lp_kl=lp_kl[0] if lp_kl else None, m2po_drop=micro.m2po_drop, rows=rows)
+        inputs = LossInputs(lp, micro.lp_alpha, lp_k, micro.adv, micro.completion_mask)
+        extras = LossExtras(lp_ref=micro.lp_ref, lp_kl=lp_kl[0] if lp_kl else None, m2po_drop=micro.m2po_drop,
+                            entropy=entropy, lp_behaviour_trainer=lp, rows=rows)
+        loss, metrics = grpo_loss(inputs, norm, self.grpo, extras)
         if "router_aux_loss" in routing:  # a micro-batch's share: the step's value is the micro-batches' mean
             for name, coef in zip(("router_aux_loss", "router_z_loss"), self.router_loss_coefs, strict=True):
                 routing[name] = routing[name] / micro_batches

@@ -16,6 +16,7 @@ import pytest
 from jgrpo.config import GRPOConfig
 from jgrpo.rl.advantages import GroupAdvantages, group_advantages
 from jgrpo.rl.diagnostics import finalize_metrics
+from jgrpo.rl.loss_records import LossExtras, LossInputs
 from jgrpo.rl.objectives import grpo_loss, step_normaliser
 
 LOG_HALF = math.log(0.5)
@@ -45,7 +46,7 @@ def _loss_and_grad(cfg, lp=LP, lp_alpha=LP_ALPHA, lp_k=None, lp_ref=None, adv=No
     norm = step_normaliser(mask, adv.in_loss, cfg, max_new_tokens=kw.pop("max_new_tokens", None))
 
     def f(lp):
-        return grpo_loss(lp, lp_alpha, lp_k, lp_ref, adv, mask, norm, cfg, **kw)
+        return grpo_loss(LossInputs(lp, lp_alpha, lp_k, adv, mask), norm, cfg, LossExtras(lp_ref=lp_ref, **kw))
 
     (loss, metrics), grad = jax.value_and_grad(f, has_aux=True)(lp)
     return loss, grad, finalize_metrics(metrics)
@@ -201,8 +202,8 @@ def test_gradient_wrt_logits_of_a_tiny_softmax_policy():
     for mode in ("behaviour", "current"):
         cfg = _cfg(off_policy_ratio=mode)
         norm = step_normaliser(mask, adv.in_loss, cfg)
-        grad = jax.grad(lambda th, cfg=cfg, norm=norm: grpo_loss(lp_of(th), lp_alpha, None, None, adv, mask, norm,
-                                                                 cfg)[0])(theta)
+        grad = jax.grad(lambda th, cfg=cfg, norm=norm: grpo_loss(LossInputs(lp_of(th), lp_alpha, None, adv, mask),
+                                                                 norm, cfg)[0])(theta)
         a = adv.advantages[:, None]
         if mode == "behaviour":
             r = jnp.exp(lp_of(theta) - lp_alpha)
@@ -225,14 +226,14 @@ def test_zero_variance_groups_leave_surrogate_kl_and_normaliser():
     adv = group_advantages(rewards, cfg)
     norm = step_normaliser(mask, adv.in_loss, cfg)
     assert float(norm.num_tokens) == 4 and float(norm.num_sequences) == 2
-    loss, metrics = grpo_loss(lp, lp, None, lp_ref, adv, mask, norm, cfg)
+    loss, metrics = grpo_loss(LossInputs(lp, lp, None, adv, mask), norm, cfg, LossExtras(lp_ref=lp_ref))
     np.testing.assert_allclose(loss, 0.0, atol=1e-7)  # A sums to 0 over group 0, its KL is 0
     assert finalize_metrics(metrics)["zero_variance_frac"] == 0.5
 
     cfg_off = GRPOConfig(num_generations=2, beta=0.1, off_policy_ratio="current", mask_zero_variance=False)
     adv_off = group_advantages(rewards, cfg_off)
     norm_off = step_normaliser(mask, adv_off.in_loss, cfg_off)
-    loss_off, _ = grpo_loss(lp, lp, None, lp_ref, adv_off, mask, norm_off, cfg_off)
+    loss_off, _ = grpo_loss(LossInputs(lp, lp, None, adv_off, mask), norm_off, cfg_off, LossExtras(lp_ref=lp_ref))
     d = -5.0 - LOG_HALF  # k3 of the 4 tokens of group 1, over 8 tokens
     np.testing.assert_allclose(loss_off, 0.1 * 4 * (math.exp(d) - d - 1) / 8, rtol=1e-5)
 
@@ -276,9 +277,9 @@ def test_shape_errors_name_the_argument():
     cfg = _cfg()
     norm = step_normaliser(MASK, jnp.ones(2, bool), cfg)
     with pytest.raises(ValueError, match="lp_alpha has shape"):
-        grpo_loss(LP, jnp.zeros((2, 3)), None, None, _adv([1.0, -1.0]), MASK, norm, cfg)
+        grpo_loss(LossInputs(LP, jnp.zeros((2, 3)), None, _adv([1.0, -1.0]), MASK), norm, cfg)
     with pytest.raises(ValueError, match="advantages field advantages"):
-        grpo_loss(LP, LP_ALPHA, None, None, _adv([1.0, -1.0, 0.0]), MASK, norm, cfg)
+        grpo_loss(LossInputs(LP, LP_ALPHA, None, _adv([1.0, -1.0, 0.0]), MASK), norm, cfg)
 
 
 # ---------------------------------------------------------------- review defects (issue 15)

@@ -19,6 +19,7 @@ from jgrpo.rl.advantages import group_advantages
 from jgrpo.rl.corrections import m2po_drop
 from jgrpo.rl.diagnostics import combine_metrics, finalize_metrics
 from jgrpo.rl.logprobs import token_logprobs
+from jgrpo.rl.loss_records import LossExtras, LossInputs
 from jgrpo.rl.objectives import grpo_loss, step_normaliser
 
 N, T, D, V, G = 16, 6, 8, 11, 4
@@ -58,9 +59,10 @@ def _problem():
 
 def _loss_fn(w, batch, adv, norm, cfg, use_lp_k):
     lp, entropy = _logprobs(w, batch)
-    return grpo_loss(lp, batch["lp_alpha"], batch["lp_k"] if use_lp_k else None, batch["lp_ref"], adv,
-                     batch["mask"], norm, cfg, entropy=entropy, lp_behaviour_trainer=batch["lp_alpha"] + 0.01,
-                     staleness=2, m2po_drop=batch.get("m2po_drop"))
+    inputs = LossInputs(lp, batch["lp_alpha"], batch["lp_k"] if use_lp_k else None, adv, batch["mask"])
+    extras = LossExtras(lp_ref=batch["lp_ref"], m2po_drop=batch.get("m2po_drop"), entropy=entropy,
+                        lp_behaviour_trainer=batch["lp_alpha"] + 0.01, staleness=2)
+    return grpo_loss(inputs, norm, cfg, extras)
 
 
 def _setup(variant, aggregation):

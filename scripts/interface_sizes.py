@@ -1,0 +1,124 @@
+"""How wide the package's interfaces are: `python scripts/interface_sizes.py [--all]`.
+
+Two counts, read from the source with `ast` (nothing is imported):
+  - parameters of every public function in rl/, training/ and models/ (module functions and the methods of public
+    classes, `__init__` included; `self` / `cls` not counted, `*args` and `**kwargs` one each), over LIMITS'
+    `parameters`. A function is public when neither it, its class nor its module starts with `_` (dunders are).
+  - attributes of every class in the package that has methods other than properties: the names its methods assign
+    on `self` (and a dataclass's fields), over LIMITS' `attributes`. NamedTuples and dataclasses whose only methods
+    are properties are records (one value of many fields) and are not counted.
+A function that needs more inputs than the limit is asking for a record (a NamedTuple passed whole) or an object;
+a class that holds more attributes is two classes (the design notes). EXEMPT files are being rewritten by another
+change and are counted only with `--all`.
+
+It prints every function and class over its limit, then one JSON line with the totals;
+tests/test_interface_sizes.py runs it and expects none over.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "jgrpo"
+ROOMS = ("rl", "training", "models")
+LIMITS = {"parameters": 8, "attributes": 15}
+# The paged-cache change rewrites these (decode, the int8 KV cache, the attention backends): not counted until then.
+EXEMPT = ("jgrpo/models/decode.py", "jgrpo/models/kv_quant.py", "jgrpo/models/attention_backends.py")
+
+
+def _parameters(node: ast.FunctionDef | ast.AsyncFunctionDef, method: bool) -> int:
+    a = node.args
+    names = [*a.posonlyargs, *a.args, *a.kwonlyargs, *(x for x in (a.vararg, a.kwarg) if x is not None)]
+    static = any(isinstance(d, ast.Name) and d.id == "staticmethod" for d in node.decorator_list)
+    return len(names) - (1 if method and not static and names else 0)
+
+
+def _is_property(node) -> bool:
+    return any((isinstance(d, ast.Name) and d.id in ("property", "cached_property"))
+               or (isinstance(d, ast.Attribute) and d.attr in ("setter", "getter", "cached_property"))
+               for d in node.decorator_list)
+
+
+def _is_record(node: ast.ClassDef) -> bool:
+    """A NamedTuple, or a dataclass whose methods are all properties."""
+    bases = {b.id if isinstance(b, ast.Name) else getattr(b, "attr", "") for b in node.bases}
+    dataclass = any("dataclass" in ast.unparse(d) for d in node.decorator_list)
+    methods = [n for n in node.body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)]
+    if "NamedTuple" in bases:
+        return True
+    return dataclass and all(_is_property(m) for m in methods)
+
+
+def _attributes(node: ast.ClassDef) -> set[str]:
+    names = set()
+    if any("dataclass" in ast.unparse(d) for d in node.decorator_list):
+        names |= {s.target.id for s in node.body if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)
+                  and "ClassVar" not in ast.unparse(s.annotation)}
+    for method in (n for n in node.body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)):
+        for sub in ast.walk(method):
+            targets = sub.targets if isinstance(sub, ast.Assign) else [getattr(sub, "target", None)]
+            for target in targets:
+                for leaf in ast.walk(target) if target is not None else ():
+                    if (isinstance(leaf, ast.Attribute) and isinstance(leaf.value, ast.Name)
+                            and leaf.value.id == "self" and isinstance(leaf.ctx, ast.Store)):
+                        names.add(leaf.attr)
+    return names
+
+
+def measure(include_exempt: bool = False) -> dict:
+    """{"functions": {name: parameters}, "classes": {name: attributes}} of every counted function and class."""
+    functions, classes = {}, {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        relative = path.relative_to(ROOT).as_posix()
+        if relative in EXEMPT and not include_exempt:
+            continue
+        tree = ast.parse(path.read_text())
+        room = path.relative_to(PACKAGE).parts[0]
+        counted_room = room in ROOMS and not path.stem.startswith("_")
+        for node in tree.body:
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and counted_room:
+                if not node.name.startswith("_"):
+                    functions[f"{relative}::{node.name}"] = _parameters(node, method=False)
+            elif isinstance(node, ast.ClassDef):
+                if not _is_record(node):
+                    classes[f"{relative}::{node.name}"] = len(_attributes(node))
+                if not counted_room or node.name.startswith("_"):
+                    continue
+                for sub in node.body:
+                    if isinstance(sub, ast.FunctionDef | ast.AsyncFunctionDef) and (
+                            not sub.name.startswith("_") or sub.name.startswith("__")):
+                        functions[f"{relative}::{node.name}.{sub.name}"] = _parameters(sub, method=True)
+    return {"functions": functions, "classes": classes}
+
+
+def over_limits(sizes: dict) -> dict:
+    return {"functions": {k: v for k, v in sizes["functions"].items() if v > LIMITS["parameters"]},
+            "classes": {k: v for k, v in sizes["classes"].items() if v > LIMITS["attributes"]}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--all", action="store_true", help=f"count the exempt files too: {', '.join(EXEMPT)}")
+    args = parser.parse_args(argv)
+    sizes = measure(include_exempt=args.all)
+    over = over_limits(sizes)
+    print(f"public functions in {', '.join(ROOMS)} with more than {LIMITS['parameters']} parameters:")
+    for name, count in sorted(over["functions"].items(), key=lambda kv: -kv[1]):
+        print(f"  {count:3d}  {name}")
+    print(f"classes with methods holding more than {LIMITS['attributes']} attributes:")
+    for name, count in sorted(over["classes"].items(), key=lambda kv: -kv[1]):
+        print(f"  {count:3d}  {name}")
+    print(json.dumps({"functions": len(sizes["functions"]), "functions_over": len(over["functions"]),
+                      "most_parameters": max(sizes["functions"].values()), "classes": len(sizes["classes"]),
+                      "classes_over": len(over["classes"]), "most_attributes": max(sizes["classes"].values()),
+                      "exempt_counted": args.all}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
