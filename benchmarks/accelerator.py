@@ -97,11 +97,11 @@ def random_model(name: str, dry: bool):
     from flax import nnx
 
     from jgrpo.models.attention_backends import resolve_attention
-    from jgrpo.models.llm import LLM, split_model
+    from jgrpo.models.llm import LLM, ModelOptions, split_model
     from jgrpo.models.shapes import model_shapes
 
-    cfg = model_shapes("tiny-random-llama" if dry else name, param_dtype="float32", compute_dtype="bfloat16",
-                       attention=resolve_attention(ATTENTION["choice"], jax.devices()[0].platform))
+    cfg = model_shapes("tiny-random-llama" if dry else name, ModelOptions(
+        compute_dtype="bfloat16", attention=resolve_attention(ATTENTION["choice"], jax.devices()[0].platform)))
     graphdef, params = split_model(LLM(cfg, rngs=nnx.Rngs(0)))
     return graphdef, params, cfg
 
@@ -182,9 +182,10 @@ def train(peak: float, model: str, dry: bool) -> dict:
     if model == "smollm2":
         from jgrpo.models.attention_backends import resolve_attention
         from jgrpo.models.hf import load_model
+        from jgrpo.models.llm import ModelOptions
 
-        graphdef, params, cfg = load_model(smollm2(dry)[0], param_dtype="float32", compute_dtype="bfloat16",
-                                           attention=resolve_attention(ATTENTION["choice"], jax.devices()[0].platform))
+        graphdef, params, cfg = load_model(smollm2(dry)[0], ModelOptions(
+            compute_dtype="bfloat16", attention=resolve_attention(ATTENTION["choice"], jax.devices()[0].platform)))
     else:
         graphdef, params, cfg = random_model(QWEN, dry)
     shape = dict(prompts=2, generations=4, prompt_len=16, new_tokens=8) if dry else \

@@ -61,6 +61,7 @@ def lora_vs_full(args, host, rank: int, remat: str = "full", chunk: int = 32) ->
     import jax.numpy as jnp
 
     from jgrpo.models.hf import load_model
+    from jgrpo.models.llm import ModelOptions
     from jgrpo.models.lora import LORA_TARGETS, split_adapters
 
     out = {}
@@ -68,8 +69,8 @@ def lora_vs_full(args, host, rank: int, remat: str = "full", chunk: int = 32) ->
     # The third side keeps the frozen base in bfloat16 (model.param_dtype) while the adapters stay float32.
     for name, lora, base_dtype in (("full", (0, 16.0, ()), args.dtype), (f"lora{rank}", adapters, args.dtype),
                                    (f"lora{rank}, bfloat16 base", adapters, "bfloat16")):
-        graphdef, params, cfg = load_model(args.model, param_dtype=base_dtype, compute_dtype=args.dtype, remat=remat,
-                                           lora=lora)
+        graphdef, params, cfg = load_model(args.model, ModelOptions(param_dtype=base_dtype, compute_dtype=args.dtype,
+                                                                    remat=remat), lora=lora)
         frozen = None
         if lora[0]:
             params, frozen = split_adapters(params)

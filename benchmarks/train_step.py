@@ -55,8 +55,9 @@ def build_model(name: str, *, dtype: str = "float32", remat: str = "none"):
         graphdef, params = split_model(LLM(cfg, rngs=nnx.Rngs(0)))
         return graphdef, params, cfg
     from jgrpo.models.hf import load_model
+    from jgrpo.models.llm import ModelOptions
 
-    return load_model(name, param_dtype=dtype, compute_dtype=dtype, remat=remat)
+    return load_model(name, ModelOptions(param_dtype=dtype, compute_dtype=dtype, remat=remat))
 
 
 def add_batch_arguments(parser: argparse.ArgumentParser, model_help: str | None = None) -> None:

@@ -77,7 +77,7 @@ def load_for_eval(target: str, overrides: list[str], step: int | None = None):
         config = load_config(run_dir / "config.yaml" if run_dir else path, overrides)
     mesh = make_mesh(config.mesh)
     m = config.model
-    graphdef, params, _ = load_model(m.name, **model_options(m, mesh_platform(mesh)), mesh=mesh, rules=TRAIN_RULES,
+    graphdef, params, _ = load_model(m.name, model_options(m, mesh_platform(mesh)), mesh=mesh, rules=TRAIN_RULES,
                                      lora=(m.lora.rank, m.lora.alpha, m.lora.targets))
     # A config names a base model (untrained); a model directory holds whatever weights were written there.
     source = f"model directory {m.name}" if model_dir else f"untrained {m.name}"

@@ -30,7 +30,7 @@ def export_run(run_dir: str | Path, out_dir: str | Path, step: int | None = None
     from jgrpo.config.loading import load_config
     from jgrpo.models.builtin import resolve_model_dir
     from jgrpo.models.hf import export_hf, llm_config_from_hf, load_params, load_tokenizer
-    from jgrpo.models.llm import abstract_model
+    from jgrpo.models.llm import ModelOptions, abstract_model
     from jgrpo.models.lora import join_adapters, merge_adapters, split_adapters, with_lora, without_lora
     from jgrpo.models.peft_format import export_peft
     from jgrpo.training.checkpoint import Checkpointer
@@ -44,7 +44,7 @@ def export_run(run_dir: str | Path, out_dir: str | Path, step: int | None = None
         raise PathError(f"{run_dir} has no checkpoints to export")
     m = config.model
     hf_config = json.loads((resolve_model_dir(m.name) / "config.json").read_text())
-    cfg = llm_config_from_hf(hf_config, param_dtype=m.param_dtype, compute_dtype=m.compute_dtype)
+    cfg = llm_config_from_hf(hf_config, ModelOptions(param_dtype=m.param_dtype, compute_dtype=m.compute_dtype))
     if adapters_only and not m.lora.rank:
         raise ConfigError(f"--adapters-only: {run_dir} trained full params (model.lora.rank=0): it has no adapters "
                           "to export")

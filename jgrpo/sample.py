@@ -18,6 +18,7 @@ from jgrpo.config.errors import exits_on_user_error
 from jgrpo.data.prompts import chat_prompt_ids, left_pad, pad_id_for
 from jgrpo.models.attention_backends import resolve_attention
 from jgrpo.models.hf import load_model, load_tokenizer
+from jgrpo.models.llm import ModelOptions
 from jgrpo.models.moe import resolve_moe_impl
 from jgrpo.sampling.sampler import Prompts, Sampler, stop_ids_for
 
@@ -50,9 +51,9 @@ def main(argv=None) -> int:
         raise ConfigError(f"--num-samples={args.num_samples} must be >= 1")
     platform = jax.devices()[0].platform
     tokenizer = load_tokenizer(args.model)
-    graphdef, params, cfg = load_model(args.model, param_dtype=args.dtype, compute_dtype=args.dtype,
-                                       attention=resolve_attention("auto", platform),
-                                       moe_impl=resolve_moe_impl("auto", platform))
+    graphdef, params, cfg = load_model(args.model, ModelOptions(param_dtype=args.dtype, compute_dtype=args.dtype,
+                                                            attention=resolve_attention("auto", platform),
+                                                            moe_impl=resolve_moe_impl("auto", platform)))
     pad_id = pad_id_for(tokenizer)
     stop_ids = stop_ids_for(tokenizer, config.stop_token_ids)
     prompt_ids = [chat_prompt_ids(tokenizer, text, args.system) for text in args.prompt]

@@ -1,53 +1,33 @@
-"""The decoder's config and its parameters: `LLMConfig`, every parameter's logical axes (`LOGICAL_AXES`) and
-shape (`param_shapes_by_path`), so creation (`llm.py`), sharding and checkpoint layout agree by construction.
-`jgrpo.models.llm` re-exports these names."""
+"""The decoder's config, `LLMConfig`, the choices it is checked against, and a run's options for it that a checkpoint
+does not hold (`ModelOptions`); its parameters are declared in `parameters.py`. `jgrpo.models.llm` re-exports these
+names."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
-
-import jax
-from jax.sharding import PartitionSpec
+from typing import Any, NamedTuple
 
 from jgrpo.models.attention_backends import IMPLEMENTATIONS as ATTENTION_IMPLEMENTATIONS
-from jgrpo.models.layer_stack import moe_layer_count, stack_length
-from jgrpo.models.lora import LORA_LOGICAL_AXES, check_lora, lora_shapes_by_path
+from jgrpo.models.lora import check_lora
 from jgrpo.models.moe import IMPLEMENTATIONS as MOE_IMPLEMENTATIONS
-from jgrpo.models.quantize import check_int8, scale_logical_axes, scale_shapes
+from jgrpo.models.quantize import check_int8
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 REMAT_POLICIES = ("none", "full", "dots")
 DTYPES = ("float32", "bfloat16", "float16")
 
-# Path in the params pytree -> logical axis names, one per dimension (see jgrpo.parallel.mesh rule tables).
-LOGICAL_AXES: dict[tuple[str, ...], tuple[str, ...]] = {
-    ("embed",): ("vocab", "embed"),
-    ("final_norm",): ("norm",),
-    ("lm_head",): ("embed", "vocab"),
-    ("layers", "attn_norm"): ("layers", "norm"),
-    ("layers", "q"): ("layers", "embed", "heads", "head_dim"),
-    ("layers", "k"): ("layers", "embed", "kv_heads", "head_dim"),
-    ("layers", "v"): ("layers", "embed", "kv_heads", "head_dim"),
-    ("layers", "q_bias"): ("layers", "heads", "head_dim"),
-    ("layers", "k_bias"): ("layers", "kv_heads", "head_dim"),
-    ("layers", "v_bias"): ("layers", "kv_heads", "head_dim"),
-    ("layers", "q_norm"): ("layers", "norm"),
-    ("layers", "k_norm"): ("layers", "norm"),
-    ("layers", "o"): ("layers", "heads", "head_dim", "embed"),
-    ("layers", "o_bias"): ("layers", "norm"),
-    ("layers", "mlp_norm"): ("layers", "norm"),
-    ("layers", "gate"): ("layers", "embed", "mlp"),
-    ("layers", "up"): ("layers", "embed", "mlp"),
-    ("layers", "down"): ("layers", "mlp", "embed"),
-    ("layers", "router"): ("layers", "embed", "router_logits"),
-    ("layers", "experts_gate"): ("layers", "experts", "embed", "expert_mlp"),
-    ("layers", "experts_up"): ("layers", "experts", "embed", "expert_mlp"),
-    ("layers", "experts_down"): ("layers", "experts", "expert_mlp", "embed"),
-    **LORA_LOGICAL_AXES,  # adapters (models/lora.py), present only when LLMConfig.lora_rank > 0
-}
-LOGICAL_AXES |= scale_logical_axes(LOGICAL_AXES)  # int8 scales (models/quantize.py), only with int8_weights
+
+class ModelOptions(NamedTuple):
+    """A run's choices for a model that its checkpoint's config.json does not hold (`LLMConfig`'s other fields come
+    from there): the dtypes, remat, and the per-platform implementations (`hf.model_options` resolves `auto`)."""
+
+    param_dtype: str = "float32"
+    compute_dtype: str = "float32"
+    remat: str = "none"
+    attention: str = "custom"
+    moe_impl: str = "sorted_tiles"
+    moe_dispatch: str = "all_gather"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -142,76 +122,3 @@ class LLMConfig:
     def rope_type(self) -> str:
         params = self.rope_params
         return params.get("rope_type", params.get("type", "default"))
-
-
-def param_shapes_by_path(cfg: LLMConfig) -> dict[tuple[str, ...], tuple[int, ...]]:
-    L, D, F, V = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
-    H, KVH, Dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    shapes = {
-        ("embed",): (V, D),
-        ("final_norm",): (D,),
-        ("layers", "attn_norm"): (L, D),
-        ("layers", "q"): (L, D, H, Dh),
-        ("layers", "k"): (L, D, KVH, Dh),
-        ("layers", "v"): (L, D, KVH, Dh),
-        ("layers", "o"): (L, H, Dh, D),
-        ("layers", "mlp_norm"): (L, D),
-    }
-    if cfg.num_experts:  # the MoE layers' stacks (models/layer_stack.py)
-        E, Fe, Lm = cfg.num_experts, cfg.moe_intermediate_size, moe_layer_count(cfg)
-        shapes |= {
-            ("layers", "router"): (Lm, D, E),
-            ("layers", "experts_gate"): (Lm, E, D, Fe),
-            ("layers", "experts_up"): (Lm, E, D, Fe),
-            ("layers", "experts_down"): (Lm, E, Fe, D),
-        }
-    Ld = stack_length(cfg, "gate")  # the dense MLPs: every layer, the periodic stack's dense ones, or none
-    if Ld:
-        shapes |= {("layers", "gate"): (Ld, D, F), ("layers", "up"): (Ld, D, F), ("layers", "down"): (Ld, F, D)}
-    if not cfg.tie_word_embeddings:
-        shapes[("lm_head",)] = (D, V)
-    if cfg.qkv_bias:
-        shapes |= {
-            ("layers", "q_bias"): (L, H, Dh),
-            ("layers", "k_bias"): (L, KVH, Dh),
-            ("layers", "v_bias"): (L, KVH, Dh),
-        }
-    if cfg.o_bias:
-        shapes[("layers", "o_bias")] = (L, D)
-    if cfg.qk_norm:
-        shapes |= {("layers", "q_norm"): (L, Dh), ("layers", "k_norm"): (L, Dh)}
-    return shapes
-
-
-def model_param_shapes_by_path(cfg: LLMConfig) -> dict[tuple[str, ...], tuple[int, ...]]:
-    """Every parameter of the model: the HF checkpoint's weights (`param_shapes_by_path`), any LoRA adapters and,
-    for an int8 copy, the projections' scales."""
-    base = param_shapes_by_path(cfg)
-    scales = scale_shapes(base, cfg.int8_embeddings) if cfg.int8_weights else {}
-    return base | lora_shapes_by_path(base, cfg.lora_rank, cfg.lora_targets) | scales
-
-
-def param_shapes(cfg: LLMConfig) -> dict[str, Any]:
-    """Nested dict (the params pytree's structure) of every parameter's shape."""
-    out: dict[str, Any] = {}
-    for path, shape in model_param_shapes_by_path(cfg).items():
-        node = out
-        for key in path[:-1]:
-            node = node.setdefault(key, {})
-        node[path[-1]] = shape
-    return out
-
-
-def param_logical_axes(params) -> dict:
-    """Same-structure pytree of PartitionSpecs of logical axis names (for jgrpo.parallel.mesh.place)."""
-
-    def spec(path, leaf):
-        keys = tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
-        if keys not in LOGICAL_AXES:
-            raise KeyError(f"parameter {'/'.join(keys)} is not a known LLM parameter")
-        axes = LOGICAL_AXES[keys]
-        if len(axes) != len(leaf.shape):
-            raise ValueError(f"parameter {'/'.join(keys)} has shape {leaf.shape} but logical axes {axes}")
-        return PartitionSpec(*axes)
-
-    return jax.tree_util.tree_map_with_path(spec, params)

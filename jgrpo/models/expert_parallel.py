@@ -30,6 +30,8 @@ routed rows. A planner's count of its FLOPs is the kernel's static estimate, the
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
@@ -59,10 +61,20 @@ def expert_groups() -> int:
     return 1 if mesh.empty or "expert" not in mesh.axis_names else mesh.shape["expert"]
 
 
-def run_experts(experts, x, ids, gates, gate, up, down, dispatch: str = "all_gather", kernel: bool = False):
-    """`experts(x [M, D], ids [M, k], gates [M, k], gate, up, down) -> [M, D]` (a `moe.IMPLEMENTATIONS` entry)
-    over the expert axis of the context mesh when it has one of size > 1; as it is otherwise, except that a
-    `kernel` (a Pallas call, which XLA cannot partition) on a context mesh runs per device over the rows."""
+class ExpertWeights(NamedTuple):
+    """A layer's experts: gate, up [E, D, F] and down [E, F, D]."""
+
+    gate: jax.Array
+    up: jax.Array
+    down: jax.Array
+
+
+def run_experts(experts, x, ids, gates, weights: ExpertWeights, dispatch: str = "all_gather", kernel: bool = False):
+    """`experts(x [M, D], ids [M, k], gates [M, k], gate, up, down) -> [M, D]` (a `moe.IMPLEMENTATIONS` entry) with
+    the layer's expert `weights`, over the expert axis of the context mesh when it has one of size > 1; as it is
+    otherwise, except that a `kernel` (a Pallas call, which XLA cannot partition) on a context mesh runs per device
+    over the rows."""
+    gate, up, down = weights
     n = expert_groups()
     mesh = jax.sharding.get_abstract_mesh()
     if n == 1 and kernel and not mesh.empty:

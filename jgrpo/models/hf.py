@@ -24,9 +24,11 @@ from jgrpo.models.builtin import ModelNotFound, resolve_model_dir
 from jgrpo.models.expert_parallel import resolve_moe_dispatch
 from jgrpo.models.hf_format import expert_names, export_hf, hf_config_from_llm, llm_config_from_hf, tensor_layouts
 from jgrpo.models.layer_stack import stacked_layers
-from jgrpo.models.llm import LOGICAL_AXES, LLMConfig, abstract_model, param_shapes_by_path, position_ids_from_mask
-from jgrpo.models.lora import init_adapter, join_adapters, lora_shapes_by_path, with_lora
+from jgrpo.models.llm import LLMConfig, ModelOptions, abstract_model, position_ids_from_mask
+from jgrpo.models.lora import is_adapter, join_adapters, with_lora
 from jgrpo.models.moe import resolve_moe_impl
+from jgrpo.models.param_spec import ParamSpec
+from jgrpo.models.parameters import param_specs, weight_specs
 from jgrpo.parallel.mesh import TRAIN_RULES, Rules, logical_to_spec
 
 # One import for users: loading here, the format's converters re-exported from hf_format.
@@ -81,10 +83,10 @@ class _Checkpoint:
         return tensor
 
 
-def _sharding(path, shape, mesh, rules) -> jax.sharding.Sharding:
+def _sharding(spec: ParamSpec, mesh, rules) -> jax.sharding.Sharding:
     if mesh is None:
         return SingleDeviceSharding(jax.devices()[0])
-    return NamedSharding(mesh, logical_to_spec(PartitionSpec(*LOGICAL_AXES[path]), rules, shape, mesh))
+    return NamedSharding(mesh, logical_to_spec(PartitionSpec(*spec.axes), rules, spec.shape, mesh))
 
 
 def load_params(model_dir: str | Path, cfg: LLMConfig, *, mesh=None, rules: Rules | None = None) -> dict:
@@ -106,13 +108,13 @@ def load_params(model_dir: str | Path, cfg: LLMConfig, *, mesh=None, rules: Rule
     if missing:
         raise KeyError(f"checkpoint is missing tensors: {missing[:8]}")
 
-    dtype = np.dtype(jnp.dtype(cfg.param_dtype))
-    shapes = param_shapes_by_path(cfg)
+    specs = weight_specs(cfg)
     params: dict = {"layers": {}}
     for path, layout in layouts.items():
-        sharding = _sharding(path, shapes[path], mesh, rules)
+        sharding = _sharding(specs[path], mesh, rules)
+        dtype = np.dtype(jnp.dtype(specs[path].dtype))
 
-        def host(names, layout=layout):  # one tensor (a layer's experts stacked) on the host, in our layout and dtype
+        def host(names, layout=layout, dtype=dtype):  # one tensor (a layer's experts stacked), ours on the host
             value = [layout.to_ours(ckpt.get(name, layout.hf_shape)).astype(dtype) for name in names]
             return np.ascontiguousarray(np.stack(value) if layout.per_expert else value[0])
 
@@ -142,21 +144,10 @@ def _drop_layer_axis(sharding):
     return sharding
 
 
-def load_model(
-    name_or_path: str,
-    *,
-    param_dtype: str = "float32",
-    compute_dtype: str = "float32",
-    remat: str = "none",
-    attention: str = "custom",
-    moe_impl: str = "sorted_tiles",
-    moe_dispatch: str = "all_gather",
-    mesh=None,
-    rules: Rules | None = None,
-    lora: tuple[int, float, tuple[str, ...]] = (0, 16.0, ()),
-    seed: int = 0,
-):
-    """(graphdef, params, LLMConfig) for a built-in name, HF directory, .gguf file or hub id.
+def load_model(name_or_path: str, options: ModelOptions = ModelOptions(), *, mesh=None, rules: Rules | None = None,
+               lora: tuple[int, float, tuple[str, ...]] = (0, 16.0, ()), seed: int = 0):
+    """(graphdef, params, LLMConfig) for a built-in name, HF directory, .gguf file or hub id, with a run's `options`
+    (dtypes, remat, implementations: `model_options`).
 
     `lora` = (rank, alpha, targets): fresh adapters (`new_adapters`, from `seed`) beside the loaded weights.
     """
@@ -164,11 +155,7 @@ def load_model(
     config_file = model_dir / "config.json"
     if not config_file.exists():
         raise ModelNotFound(f"{model_dir} has no config.json: not a Hugging Face model directory")
-    cfg = llm_config_from_hf(
-        json.loads(config_file.read_text()), param_dtype=param_dtype, compute_dtype=compute_dtype, remat=remat,
-        attention=attention, moe_impl=moe_impl, moe_dispatch=moe_dispatch,
-    )
-    cfg = with_lora(cfg, *lora)
+    cfg = with_lora(llm_config_from_hf(json.loads(config_file.read_text()), options), *lora)
     graphdef, _ = abstract_model(cfg)
     params = load_params(model_dir, cfg, mesh=mesh, rules=rules)
     if cfg.lora_rank:
@@ -176,25 +163,29 @@ def load_model(
     return graphdef, params, cfg
 
 
-def model_options(model, platform: str) -> dict:
+def model_options(model, platform: str) -> ModelOptions:
     """`load_model`'s (and `model_shapes`') options from a run's `model` config section, with the per-platform
     choices (`attention`, `moe_impl`: auto) resolved for `platform`."""
-    return dict(param_dtype=model.param_dtype, compute_dtype=model.compute_dtype, remat=model.remat,
-                attention=resolve_attention(model.attention, platform),
-                moe_impl=resolve_moe_impl(model.moe_impl, platform),
-                moe_dispatch=resolve_moe_dispatch(model.moe_dispatch, platform))
+    return ModelOptions(param_dtype=model.param_dtype, compute_dtype=model.compute_dtype, remat=model.remat,
+                        attention=resolve_attention(model.attention, platform),
+                        moe_impl=resolve_moe_impl(model.moe_impl, platform),
+                        moe_dispatch=resolve_moe_dispatch(model.moe_dispatch, platform))
 
 
 def new_adapters(cfg: LLMConfig, seed: int, *, mesh=None, rules: Rules | None = None) -> dict:
     """Freshly initialised LoRA adapters of `cfg` (B = 0: the model is unchanged), each on its sharding."""
     rules = TRAIN_RULES if rules is None else rules
-    shapes = lora_shapes_by_path(param_shapes_by_path(cfg), cfg.lora_rank, cfg.lora_targets)
-    keys = jax.random.split(jax.random.key(seed), len(shapes))
+    specs = {path: spec for path, spec in param_specs(cfg).items() if is_adapter(path[-1])}
+    keys = jax.random.split(jax.random.key(seed), len(specs))
     layers = {}
-    for key, (path, shape) in zip(keys, shapes.items(), strict=True):
-        init = functools.partial(init_adapter, path[1], shape, dtype=jnp.float32)  # float32 whatever the base
-        layers[path[1]] = jax.jit(init, out_shardings=_sharding(path, shape, mesh, rules))(key)
+    for key, (path, spec) in zip(keys, specs.items(), strict=True):
+        init = functools.partial(_initial_value, spec)
+        layers[path[1]] = jax.jit(init, out_shardings=_sharding(spec, mesh, rules))(key)
     return {"layers": layers}
+
+
+def _initial_value(spec: ParamSpec, key: jax.Array) -> jax.Array:
+    return spec.initial_value(lambda: key)
 
 
 def load_tokenizer(name_or_path: str):

@@ -17,8 +17,9 @@ import jax
 import numpy as np
 
 from jgrpo.config.errors import ConfigError
+from jgrpo.models.architecture import SUPPORTED_ARCHITECTURES, SUPPORTED_ROPE_TYPES, LLMConfig, ModelOptions
 from jgrpo.models.layer_stack import stacked_layers
-from jgrpo.models.llm import SUPPORTED_ARCHITECTURES, SUPPORTED_ROPE_TYPES, LLMConfig, param_shapes_by_path
+from jgrpo.models.parameters import weight_specs
 
 __all__ = ["TensorLayout", "expert_names", "export_hf", "hf_config_from_llm", "llm_config_from_hf", "tensor_layouts"]
 
@@ -26,11 +27,9 @@ _HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3"
                "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 
-def llm_config_from_hf(
-    hf: dict[str, Any], *, param_dtype: str = "float32", compute_dtype: str = "float32", remat: str = "none",
-    attention: str = "custom", moe_impl: str = "sorted_tiles", moe_dispatch: str = "all_gather",
-) -> LLMConfig:
-    """LLMConfig from a config.json dict, honouring every field that changes the computation."""
+def llm_config_from_hf(hf: dict[str, Any], options: ModelOptions = ModelOptions()) -> LLMConfig:
+    """LLMConfig from a config.json dict, honouring every field that changes the computation, with a run's
+    `options` (dtypes, remat, implementations)."""
     arch = hf.get("model_type")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ConfigError(
@@ -77,13 +76,8 @@ def llm_config_from_hf(
         o_bias=False if arch == "qwen2" else attention_bias,
         qk_norm=arch in ("qwen3", "qwen3_moe"),
         max_position_embeddings=hf.get("max_position_embeddings"),
-        param_dtype=param_dtype,
-        compute_dtype=compute_dtype,
-        remat=remat,
-        attention=attention,
         architecture=arch,
-        moe_impl=moe_impl,
-        moe_dispatch=moe_dispatch,
+        **options._asdict(),
         **moe,
     )
 
@@ -206,7 +200,7 @@ def tensor_layouts(cfg: LLMConfig) -> dict[tuple[str, ...], TensorLayout]:
         ("layers", "experts_down"): (mlp + "experts.{e}.down_proj.weight", (D, cfg.moe_intermediate_size),
                                      transpose),
     }
-    ours = param_shapes_by_path(cfg)
+    ours = weight_specs(cfg)
     return {path: TensorLayout(name, shape, *fns) for path, (name, shape, fns) in table.items() if path in ours}
 
 
@@ -224,6 +218,7 @@ def export_hf(params: dict, cfg: LLMConfig, tokenizer, out_dir: str | Path) -> P
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, np.ndarray] = {}
+    specs = weight_specs(cfg)
     for path, layout in tensor_layouts(cfg).items():
         node = params
         for key in path:
@@ -231,7 +226,7 @@ def export_hf(params: dict, cfg: LLMConfig, tokenizer, out_dir: str | Path) -> P
                 raise KeyError(f"params lack '{'/'.join(path)}' required by the config")
             node = node[key]
         value = np.asarray(jax.device_get(node))
-        expected = param_shapes_by_path(cfg)[path]
+        expected = specs[path].shape
         if value.shape != expected:
             raise ValueError(f"param '{'/'.join(path)}' has shape {value.shape}, expected {expected}")
         if path[0] == "layers":

@@ -1,10 +1,10 @@
 """Decoder-only transformer in Flax NNX: Llama (incl. Llama 3 rope scaling, SmolLM2), Qwen2/2.5, Qwen3.
 
 The three families differ only by config flags: q/k/v (and o) biases, per-head q/k RMSNorm, and a
-head_dim that need not equal hidden / heads. Every parameter is declared once in `LOGICAL_AXES`
-(its logical axis names) and `param_shapes_by_path` (its shape), both in `architecture.py` with `LLMConfig`, so
-creation, sharding and checkpoint layout agree by construction. Layers are stacked along a leading "layers" axis
-and run under one `lax.scan`, so compile time does not grow with depth.
+head_dim that need not equal hidden / heads. Every parameter is declared once, with its shape, dtype, logical axes
+and initializer (`parameters.py`; the config, `LLMConfig`, in `architecture.py`): the model creates its parameters
+from those declarations, so creation, sharding and checkpoint layout agree by construction. Layers are stacked
+along a leading "layers" axis and run under one `lax.scan`, so compile time does not grow with depth.
 
 Padding is never inferred from token ids: callers pass `kv_mask` (True = real token) and explicit
 positions (`position_ids_from_mask`), because e.g. SmolLM2's pad id is its end-of-turn id and
@@ -22,22 +22,20 @@ from flax import nnx
 from jgrpo.models import kv_quant
 from jgrpo.models.architecture import (  # noqa: F401 - re-exported: callers import the model's config from here
     DTYPES,
-    LOGICAL_AXES,
     REMAT_POLICIES,
     SUPPORTED_ARCHITECTURES,
     SUPPORTED_ROPE_TYPES,
     LLMConfig,
-    model_param_shapes_by_path,
-    param_logical_axes,
-    param_shapes,
-    param_shapes_by_path,
+    ModelOptions,
 )
 from jgrpo.models.attention_backends import causal_attention, dense_attention, slot_mask
 from jgrpo.models.kv_quant import Int8KV
 from jgrpo.models.layer_stack import scan_layers
-from jgrpo.models.lora import init_adapter, inputs_of, is_adapter, low_rank
+from jgrpo.models.lora import inputs_of, low_rank
 from jgrpo.models.matmul import dense
 from jgrpo.models.moe import moe_mlp
+from jgrpo.models.param_spec import ParamSpec
+from jgrpo.models.parameters import param_logical_axes, param_specs  # noqa: F401 - param_logical_axes re-exported
 from jgrpo.models.quantize import compute_weights, lookup, scale_name
 from jgrpo.models.rope import apply_rope, rope_cos_sin
 
@@ -61,29 +59,19 @@ def position_ids_from_mask(kv_mask: jax.Array) -> jax.Array:
 
 
 
-def _new_param(cfg: LLMConfig, path: tuple[str, ...], rngs: nnx.Rngs) -> nnx.Param:
-    shape = model_param_shapes_by_path(cfg)[path]
-    name = path[-1]
-    dtype = jnp.dtype(jnp.float32 if is_adapter(name) else cfg.param_dtype)  # adapters: float32 master weights
-    if is_adapter(name):
-        value = init_adapter(name, shape, rngs.params(), dtype)
-    elif name.endswith(("norm", "_scale")):
-        value = jnp.ones(shape, dtype)  # RMSNorm gains start at identity (int8 scales: filled by quantizing)
-    elif name.endswith("bias"):
-        value = jnp.zeros(shape, dtype)
-    else:  # HF's initializer_range for these families
-        value = (0.02 * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+def _new_param(spec: ParamSpec, rngs: nnx.Rngs) -> nnx.Param:
+    """A parameter as declared (`parameters.py`), its random keys drawn from the model's `params` stream."""
     # eager_sharding=False: placement happens later with a rules table (training and sampling differ).
-    return nnx.Param(value, out_sharding=LOGICAL_AXES[path], eager_sharding=False)
+    return nnx.Param(spec.initial_value(rngs.params), out_sharding=spec.axes, eager_sharding=False)
 
 
 class DecoderLayers(nnx.Module):
     """All decoder layers' weights, stacked along a leading [L] axis."""
 
-    def __init__(self, cfg: LLMConfig, *, rngs: nnx.Rngs):
-        for path in model_param_shapes_by_path(cfg):
+    def __init__(self, specs: dict[tuple[str, ...], ParamSpec], *, rngs: nnx.Rngs):
+        for path, spec in specs.items():
             if path[0] == "layers":
-                setattr(self, path[1], _new_param(cfg, path, rngs))
+                setattr(self, path[1], _new_param(spec, rngs))
 
     def arrays(self) -> dict[str, jax.Array]:
         return {name: value[...] for name, value in vars(self).items() if isinstance(value, nnx.Param)}
@@ -160,15 +148,13 @@ def vocab_logits(hidden: jax.Array, unembedding: jax.Array, compute_dtype, scale
 class LLM(nnx.Module):
     def __init__(self, cfg: LLMConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
-        self.embed = _new_param(cfg, ("embed",), rngs)
-        self.layers = DecoderLayers(cfg, rngs=rngs)
-        self.final_norm = _new_param(cfg, ("final_norm",), rngs)
-        if not cfg.tie_word_embeddings:
-            self.lm_head = _new_param(cfg, ("lm_head",), rngs)
-        if cfg.int8_embeddings:  # per-vocabulary-row scales of an int8 copy (models/quantize.py)
-            self.embed_scale = _new_param(cfg, (scale_name("embed"),), rngs)
-            if not cfg.tie_word_embeddings:
-                self.lm_head_scale = _new_param(cfg, (scale_name("lm_head"),), rngs)
+        specs = param_specs(cfg)
+        self.embed = _new_param(specs[("embed",)], rngs)
+        self.layers = DecoderLayers(specs, rngs=rngs)
+        # The rest of the model's own parameters: the final norm, an untied lm_head, an int8 copy's embedding scales.
+        for path, spec in specs.items():
+            if path[0] not in ("embed", "layers"):
+                setattr(self, path[0], _new_param(spec, rngs))
 
     def unembedding(self) -> jax.Array:
         """[D, V] matrix mapping final hidden states to logits."""

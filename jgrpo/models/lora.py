@@ -1,4 +1,4 @@
-"""LoRA adapters on the decoder's projections: shapes, logical axes, initialisation, the low-rank term, merging.
+"""LoRA adapters on the decoder's projections: their declarations, the low-rank term, merging.
 
 An adapter on a projection W [L, *in, *out] (stacked over layers) is A [L, *in, r] and B [L, r, *out]; the
 layer computes x W + (alpha / r) (x A) B. B starts at zero, so a fresh adapter leaves the model's outputs
@@ -20,24 +20,13 @@ import jax.numpy as jnp
 
 from jgrpo.config.errors import ConfigError
 from jgrpo.models.matmul import dense
+from jgrpo.models.param_spec import ParamSpec
 
-LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
-# Projection -> (input, output) logical axes of its weight after the leading "layers" axis.
-_IO_AXES = {
-    "q": (("embed",), ("heads", "head_dim")),
-    "k": (("embed",), ("kv_heads", "head_dim")),
-    "v": (("embed",), ("kv_heads", "head_dim")),
-    "o": (("heads", "head_dim"), ("embed",)),
-    "gate": (("embed",), ("mlp",)),
-    "up": (("embed",), ("mlp",)),
-    "down": (("mlp",), ("embed",)),
-}
+# Every projection an adapter can target, and how many of its weight's dims (after the leading "layers" axis) are
+# its input: 2 for o ([H, Dh] -> D), 1 for the others; the rest are its output.
+INPUT_DIMS = {"q": 1, "k": 1, "v": 1, "o": 2, "gate": 1, "up": 1, "down": 1}
+LORA_TARGETS = tuple(INPUT_DIMS)
 SUFFIXES = ("_lora_a", "_lora_b")
-
-LORA_LOGICAL_AXES: dict[tuple[str, ...], tuple[str, ...]] = {
-    **{("layers", f"{t}_lora_a"): ("layers", *ins, "lora_rank") for t, (ins, _) in _IO_AXES.items()},
-    **{("layers", f"{t}_lora_b"): ("layers", "lora_rank", *outs) for t, (_, outs) in _IO_AXES.items()},
-}
 
 
 def check_lora(rank: int, alpha: float, targets: tuple[str, ...]) -> None:
@@ -53,30 +42,41 @@ def check_lora(rank: int, alpha: float, targets: tuple[str, ...]) -> None:
 
 def inputs_of(target: str) -> int:
     """How many leading (after "layers") dims of the target's weight are its input: 2 for o ([H, Dh]), else 1."""
-    return len(_IO_AXES[target][0])
+    return INPUT_DIMS[target]
 
 
-def lora_shapes_by_path(base_shapes: dict[tuple[str, ...], tuple[int, ...]], rank: int,
-                        targets: tuple[str, ...]) -> dict[tuple[str, ...], tuple[int, ...]]:
-    """The adapters' shapes, from the base weights' (`llm.param_shapes_by_path`)."""
-    shapes = {}
-    for target in targets:
-        layers, *dims = base_shapes[("layers", target)]
-        n = inputs_of(target)
-        shapes[("layers", f"{target}_lora_a")] = (layers, *dims[:n], rank)
-        shapes[("layers", f"{target}_lora_b")] = (layers, rank, *dims[n:])
-    return shapes
+def adapter_axes(target: str, weight_axes: tuple) -> tuple[tuple, tuple]:
+    """The logical axes of the adapters A, B on a weight with `weight_axes` (["layers", *in, *out]): A shards like its
+    input axes, B like its output axes, the rank axis replicated."""
+    n = inputs_of(target)
+    return ("layers", *weight_axes[1:1 + n], "lora_rank"), ("layers", "lora_rank", *weight_axes[1 + n:])
+
+
+def adapter_specs(target: str, weight: ParamSpec, rank: int) -> dict[str, ParamSpec]:
+    """The declarations of the rank-`rank` adapters `<target>_lora_a`, `<target>_lora_b` on the stacked weight
+    declared `weight` [L, *in, *out]: A [L, *in, r], B [L, r, *out], float32 master weights whatever the base."""
+    layers, *dims = weight.shape
+    n = inputs_of(target)
+    a_axes, b_axes = adapter_axes(target, weight.axes)
+    return {f"{target}_lora_a": ParamSpec((layers, *dims[:n], rank), "float32", a_axes, _init_a),
+            f"{target}_lora_b": ParamSpec((layers, rank, *dims[n:]), "float32", b_axes, _init_b)}
+
+
+def _init_a(draw, shape, dtype) -> jax.Array:
+    """PEFT's kaiming-uniform: bound 1 / sqrt(fan_in), fan_in the input dims between "layers" and the rank."""
+    bound = 1.0 / math.sqrt(math.prod(shape[1:-1]))
+    return jax.random.uniform(draw(), shape, jnp.float32, -bound, bound).astype(dtype)
+
+
+def _init_b(draw, shape, dtype) -> jax.Array:
+    """Zero, so a fresh adapter leaves the model unchanged. It still draws its key: each adapter has one (as
+    `hf.new_adapters` splits them), so the parameters declared after it keep theirs."""
+    draw()
+    return jnp.zeros(shape, dtype)
 
 
 def is_adapter(name: str) -> bool:
     return name.endswith(SUFFIXES)
-
-
-def init_adapter(name: str, shape: tuple[int, ...], key: jax.Array, dtype) -> jax.Array:
-    if name.endswith("_lora_b"):
-        return jnp.zeros(shape, dtype)
-    bound = 1.0 / math.sqrt(math.prod(shape[1:-1]))  # fan_in: the input dims between "layers" and the rank
-    return jax.random.uniform(key, shape, jnp.float32, -bound, bound).astype(dtype)
 
 
 def low_rank(x: jax.Array, a: jax.Array, b: jax.Array, contract: int, scale: float) -> jax.Array:

@@ -33,7 +33,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jgrpo.models.expert_parallel import run_experts
+from jgrpo.models.expert_parallel import ExpertWeights, run_experts
 from jgrpo.parallel.mesh import context_platform
 from jgrpo.parallel.platform_defaults import resolve
 
@@ -217,8 +217,8 @@ def moe_mlp(h: jax.Array, p: dict, *, k: int, norm_topk_prob: bool, impl: str, i
     x = h.reshape(B * T, D)
     replay = None if ids is None else ids.reshape(B * T, k).astype(jnp.int32)
     used, gates, logits = route(x, p["router"], k, norm_topk_prob, replay)
-    y = run_experts(IMPLEMENTATIONS[impl], x, used, gates, p["experts_gate"], p["experts_up"], p["experts_down"],
-                    dispatch, kernel=impl in KERNELS)
+    weights = ExpertWeights(p["experts_gate"], p["experts_up"], p["experts_down"])
+    y = run_experts(IMPLEMENTATIONS[impl], x, used, gates, weights, dispatch, kernel=impl in KERNELS)
     chosen = used if replay is None else jax.lax.top_k(jax.nn.softmax(logits, axis=-1), k)[1]
     mask = jnp.ones(B * T, bool) if token_mask is None else token_mask.reshape(B * T)
     return y.reshape(B, T, D), chosen.reshape(B, T, k), router_stats(logits, used, mask)

@@ -25,6 +25,8 @@ as data (a dynamic mask: it skips a row's key blocks that a query block sees not
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
@@ -61,18 +63,25 @@ def packed_masks(prompt_group, completion_group, completion_segment, prompt_row,
     return prompt_allowed, jnp.concatenate([to_prompt, own], axis=-1)
 
 
+class PackedStreams(NamedTuple):
+    """One packed micro-batch's two blocks: what `forward_packed` runs (`training/packing.py` plans them)."""
+
+    prompt_tokens: jax.Array  # [Kp, Wp] int32
+    prompt_group: jax.Array  # [Kp, Wp] int32: the prompt's index, -1 on padding
+    prompt_positions: jax.Array  # [Kp, Wp] int32: 0, 1, ... within each prompt
+    completion_tokens: jax.Array  # [K, W] int32
+    completion_group: jax.Array  # [K, W] int32: the index of the completion's prompt, -1 on padding
+    completion_segment: jax.Array  # [K, W] int32: 1, 2, ... per completion of a row, 0 on padding
+    completion_positions: jax.Array  # [K, W] int32: its prompt's real length + j
+    prompt_row: jax.Array  # [K] int32: the prompt row of each completion row's group (0 for an empty row)
+    routing: tuple[jax.Array, jax.Array] | None = None  # MoE replay: experts [Kp, Wp, L, k] and [K, W, L, k]
+
+
 def forward_packed(
     model: LLM,
-    prompt_tokens: jax.Array,  # [Kp, Wp] int32
-    prompt_group: jax.Array,  # [Kp, Wp] int32: the prompt's index, -1 on padding
-    prompt_positions: jax.Array,  # [Kp, Wp] int32: 0, 1, ... within each prompt
-    completion_tokens: jax.Array,  # [K, W] int32
-    completion_group: jax.Array,  # [K, W] int32: the index of the completion's prompt, -1 on padding
-    completion_segment: jax.Array,  # [K, W] int32: 1, 2, ... per completion of a row, 0 on padding
-    completion_positions: jax.Array,  # [K, W] int32: its prompt's real length + j
-    prompt_row: jax.Array,  # [K] int32: the prompt row of each completion row's group (0 for an empty row)
-    routing: tuple[jax.Array, jax.Array] | None = None,  # MoE replay: experts [Kp, Wp, L, k] and [K, W, L, k]
+    streams: PackedStreams,
     shards: int = 1,  # D: both blocks' rows split into D data shards, a group's prompt on its completions' shard
+    *,
     router_stats: bool = False,
     group_size: int = 1,  # G: with `router_stats`, each prompt token counts G times (as in the padded rows)
     counted: jax.Array | None = None,  # [K, W] bool: the completion tokens `router_stats` counts (default: all real)
@@ -84,6 +93,8 @@ def forward_packed(
     numbers of `forward_shared_prompts` on the same tokens, laid out as packed."""
     cfg = model.cfg
     cdt = jnp.dtype(cfg.compute_dtype)
+    (prompt_tokens, prompt_group, prompt_positions, completion_tokens, completion_group, completion_segment,
+     completion_positions, prompt_row, routing) = streams
     prompt_allowed, completion_allowed = packed_masks(prompt_group, completion_group, completion_segment, prompt_row,
                                                       shards)
     prompt_real, completed = prompt_group >= 0, completion_group >= 0 if counted is None else counted

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from jgrpo.models.lora import LORA_TARGETS, inputs_of
+from jgrpo.models.param_spec import ParamSpec, ones
 
 PROJECTIONS = LORA_TARGETS  # every layer projection (the experts of a mixture stay out: see `check_int8`)
 SCALE = "_scale"
@@ -65,26 +66,39 @@ def dequantize(values: jax.Array, scale: jax.Array) -> jax.Array:
 EMBEDDING_SCALES = {("embed",): (1, ("vocab", None)), ("lm_head",): (0, (None, "vocab"))}
 
 
-def scale_shapes(base_shapes: dict[tuple[str, ...], tuple[int, ...]],
-                 embeddings: bool = False) -> dict[tuple[str, ...], tuple[int, ...]]:
-    """The scale leaves' shapes of an int8 copy, from the base weights' (`llm.param_shapes_by_path`)."""
-    shapes = {}
-    for path, (axis, _) in EMBEDDING_SCALES.items():
-        if embeddings and path in base_shapes:
-            shapes[(scale_name(path[0]),)] = tuple(1 if i == axis else n for i, n in enumerate(base_shapes[path]))
-    for name in PROJECTIONS:
-        if ("layers", name) in base_shapes:
-            layers, *dims = base_shapes[("layers", name)]
-            n = inputs_of(name)
-            shapes[("layers", scale_name(name))] = (layers, *(1,) * n, *dims[n:])
-    return shapes
+def scale_axes(path: tuple[str, ...], weight_axes: tuple) -> tuple:
+    """The logical axes of the scale of the weight at `path` with `weight_axes`: a projection's output axes (its kept
+    input dims replicated), an embedding's vocabulary axis."""
+    if path in EMBEDDING_SCALES:
+        return EMBEDDING_SCALES[path][1]
+    n = inputs_of(path[-1])
+    return ("layers", *(None,) * n, *weight_axes[1 + n:])
 
 
-def scale_logical_axes(weight_axes: dict[tuple[str, ...], tuple[str, ...]]) -> dict:
-    """Logical axes of each scale leaf: its projection's output axes (the kept input dims are replicated)."""
-    projections = {("layers", scale_name(name)): ("layers", *(None,) * inputs_of(name), *axes[1 + inputs_of(name):])
-                   for name in PROJECTIONS for axes in [weight_axes[("layers", name)]]}
-    return projections | {(scale_name(path[0]),): axes for path, (_, axes) in EMBEDDING_SCALES.items()}
+def scale_spec(path: tuple[str, ...], weight: ParamSpec) -> ParamSpec:
+    """The declaration of an int8 copy's scale leaf for the weight at `path` declared `weight`: a projection's
+    [L, 1.., *out] (one per output channel), an embedding's one per vocabulary row; float32, filled by quantizing."""
+    if path in EMBEDDING_SCALES:
+        axis = EMBEDDING_SCALES[path][0]
+        shape = tuple(1 if i == axis else n for i, n in enumerate(weight.shape))
+    else:
+        layers, *dims = weight.shape
+        n = inputs_of(path[-1])
+        shape = (layers, *(1,) * n, *dims[n:])
+    return ParamSpec(shape, "float32", scale_axes(path, weight.axes), ones)
+
+
+def scaled_weights(cfg) -> tuple[tuple[str, ...], ...]:
+    """The paths of the weights an int8 copy of `cfg` quantizes (whose scales it declares), if any of the model's."""
+    if not cfg.int8_weights:
+        return ()
+    embeddings = tuple(EMBEDDING_SCALES) if cfg.int8_embeddings else ()
+    return (*embeddings, *(("layers", name) for name in PROJECTIONS))
+
+
+def scale_path(path: tuple[str, ...]) -> tuple[str, ...]:
+    """Where the scale of the weight at `path` lives: beside it, `<name>_scale`."""
+    return (*path[:-1], scale_name(path[-1]))
 
 
 def check_int8(cfg) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from jgrpo.models.hf_format import llm_config_from_hf
-from jgrpo.models.llm import LLMConfig
+from jgrpo.models.llm import LLMConfig, ModelOptions
 
 _QWEN_VOCAB = 151936
 
@@ -86,9 +86,6 @@ def hf_shape_dict(name: str) -> dict[str, Any]:
     return dict(KNOWN_SHAPES[hub_id])
 
 
-def model_shapes(name: str, *, param_dtype: str = "float32", compute_dtype: str = "float32",
-                 remat: str = "none", attention: str = "custom", moe_impl: str = "sorted_tiles",
-                 moe_dispatch: str = "all_gather") -> LLMConfig:
-    """The LLMConfig of `name` from its shape description alone (see `hf_shape_dict`)."""
-    return llm_config_from_hf(hf_shape_dict(name), param_dtype=param_dtype, compute_dtype=compute_dtype, remat=remat,
-                              attention=attention, moe_impl=moe_impl, moe_dispatch=moe_dispatch)
+def model_shapes(name: str, options: ModelOptions = ModelOptions()) -> LLMConfig:
+    """The LLMConfig of `name` from its shape description alone (see `hf_shape_dict`), with a run's `options`."""
+    return llm_config_from_hf(hf_shape_dict(name), options)

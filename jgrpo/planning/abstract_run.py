@@ -135,7 +135,7 @@ def abstract_run(config: Config, devices: list, *, train_rules: Rules = TRAIN_RU
     """The run's mesh over `devices`, its abstract params / optimiser state and its StepFunctions (no weights)."""
     c, g, m = config, config.grpo, config.model
     mesh = make_mesh(c.mesh, devices)
-    cfg = model_shapes(m.name, **model_options(m, mesh_platform(mesh)))
+    cfg = model_shapes(m.name, model_options(m, mesh_platform(mesh)))
     if m.lora.rank:
         cfg = with_lora(cfg, m.lora.rank, m.lora.alpha, m.lora.targets)
     graphdef, shapes = abstract_model(cfg)

@@ -34,7 +34,7 @@ def load_run_parts(config, mesh, sample_mesh, check_data: Callable[[Any], None] 
     check_data(data)
     scorer = RewardScorer(c.reward)
     graphdef, params, model_config = load_model(
-        m.name, **model_options(m, mesh_platform(mesh)), mesh=mesh, rules=TRAIN_RULES,
+        m.name, model_options(m, mesh_platform(mesh)), mesh=mesh, rules=TRAIN_RULES,
         lora=(m.lora.rank, m.lora.alpha, m.lora.targets), seed=c.run.seed,
     )
     # With LoRA the params that train (and every policy's own copy) are the adapters; the base is frozen.

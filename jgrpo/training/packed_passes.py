@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jgrpo.models.packed_forward import forward_packed, predecessor_hidden
+from jgrpo.models.packed_forward import PackedStreams, forward_packed, predecessor_hidden
 from jgrpo.parallel.host_arrays import fetch
 from jgrpo.parallel.mesh import row_sharding
 from jgrpo.training.packing import pack, pack_prompts, plan_packing
@@ -269,9 +269,9 @@ def predicting_states(model, micro: PackedBatch, replay: bool, shards: int, grou
     routing = (micro.prompt_routing, micro.routing) if replay and micro.routing is not None else None
     stats = new_tokens is not None
     counted = (micro.group >= 0) & (micro.index < new_tokens - 1) if stats else None
-    prompt, completion, chosen, *router = forward_packed(
-        model, micro.prompt_tokens, micro.prompt_group, micro.prompt_positions, micro.tokens, micro.group,
-        micro.segment, micro.positions, micro.prompt_row, routing, shards, router_stats=stats, group_size=group_size,
-        counted=counted, on_rows=on_rows)
+    streams = PackedStreams(micro.prompt_tokens, micro.prompt_group, micro.prompt_positions, micro.tokens, micro.group,
+                            micro.segment, micro.positions, micro.prompt_row, routing)
+    prompt, completion, chosen, *router = forward_packed(model, streams, shards, router_stats=stats,
+                                                         group_size=group_size, counted=counted, on_rows=on_rows)
     hidden = predecessor_hidden(prompt, completion, micro.index, micro.prompt_last)
     return (hidden, chosen, router[0]) if stats else hidden

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from jgrpo.models.hf import load_model
-from jgrpo.models.llm import forward, merge_model, position_ids_from_mask
+from jgrpo.models.llm import ModelOptions, forward, merge_model, position_ids_from_mask
 from tests.helpers_models import FAMILIES, hf_logits, jgrpo_logits, left_padded_batch, save_hf_model
 
 
@@ -45,7 +45,7 @@ def test_padding_never_changes_real_token_logits(tmp_path):
 
 def test_bfloat16_compute_stays_close(tmp_path):
     model_dir, hf_model = save_hf_model("llama_tied", tmp_path / "m")
-    graphdef, params, _ = load_model(str(model_dir), param_dtype="bfloat16", compute_dtype="bfloat16")
+    graphdef, params, _ = load_model(str(model_dir), ModelOptions(param_dtype="bfloat16", compute_dtype="bfloat16"))
     assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(params))
     tokens, mask = left_padded_batch()
     ours = jgrpo_logits(graphdef, params, tokens, mask)
@@ -63,7 +63,7 @@ def test_remat_policies_give_the_same_gradients(remat, tmp_path):
         return jnp.sum(jnp.where(mask[..., None], merge_model(graphdef, params).logits(hidden), 0.0) ** 2) * 1e-3
 
     g0, p0, _ = load_model(str(model_dir))
-    g1, p1, _ = load_model(str(model_dir), remat=remat)
+    g1, p1, _ = load_model(str(model_dir), ModelOptions(remat=remat))
     grads0 = jax.grad(loss)(p0, g0)
     grads1 = jax.grad(loss)(p1, g1)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5), grads0, grads1)

@@ -171,13 +171,12 @@ def test_the_planners_qwen3_moe_shapes_activate_the_published_sizes(name, active
     # planner's model FLOPs count the activated matmul parameters (roofline.matmul_params).
     import math
 
-    from jgrpo.models.llm import param_shapes_by_path
+    from jgrpo.models.parameters import weight_specs
     from jgrpo.models.shapes import model_shapes
     from jgrpo.planning.roofline import matmul_params
 
     cfg = model_shapes(name)
-    shapes = param_shapes_by_path(cfg)
-    norms = sum(math.prod(s) for path, s in shapes.items() if path[-1].endswith("norm"))
+    norms = sum(math.prod(spec.shape) for path, spec in weight_specs(cfg).items() if path[-1].endswith("norm"))
     embedding = cfg.vocab_size * cfg.hidden_size
     assert matmul_params(cfg) + embedding + norms == pytest.approx(active, rel=0.02)
 
@@ -275,8 +274,9 @@ def test_a_periodic_stack_stacks_each_weight_over_its_layers_and_lora_adapts_its
     # decoder_sparse_step 2 over 4 layers: attention stacks 4, the dense MLPs (layers 0, 2) and the experts
     # (layers 1, 3) 2 each; LoRA keeps its MLP targets (the dense layers') and exports them under their layers.
     from jgrpo.models.layer_stack import stacked_layers, unstack_layers
-    from jgrpo.models.llm import LLMConfig, model_param_shapes_by_path
+    from jgrpo.models.llm import LLMConfig
     from jgrpo.models.lora import LORA_TARGETS, with_lora
+    from jgrpo.models.parameters import param_specs
     from jgrpo.models.peft_format import peft_tensors
 
     cfg = LLMConfig(vocab_size=16, hidden_size=8, intermediate_size=12, num_layers=4, num_heads=2, num_kv_heads=2,
@@ -286,7 +286,7 @@ def test_a_periodic_stack_stacks_each_weight_over_its_layers_and_lora_adapts_its
                                                                                        [0, 2]]
     lora = with_lora(cfg, 2, 4.0, LORA_TARGETS)
     assert lora.lora_targets == LORA_TARGETS
-    shapes = model_param_shapes_by_path(lora)
+    shapes = {path: spec.shape for path, spec in param_specs(lora).items()}
     assert shapes[("layers", "q")][0] == 4 and shapes[("layers", "gate")] == (2, 8, 12)
     assert shapes[("layers", "experts_up")] == (2, 4, 8, 6) and shapes[("layers", "gate_lora_a")] == (2, 8, 2)
     stacks = {name[1]: np.full(shape, float(i), np.float32)

@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from jgrpo.models.llm import LLM, merge_model, split_model
-from jgrpo.models.packed_forward import forward_packed, packed_masks, predecessor_hidden
+from jgrpo.models.packed_forward import PackedStreams, forward_packed, packed_masks, predecessor_hidden
 from jgrpo.models.shared_prompt import forward_shared_prompts
 from jgrpo.training.packed_passes import PackedSizes, plan_batch
 from jgrpo.training.packing import PackingPlan, pack, pack_prompts, unpack
@@ -61,7 +61,7 @@ def test_a_completion_sees_nothing_of_another(monkeypatch):
     assert len(set(plan.segment[0, 0])) > 2  # row 0 holds several of group 0's completions
 
     def hidden(**changed):
-        _, completion, _ = forward_packed(model, **{**inputs, **changed})  # traced anew: masks as patched
+        _, completion, _ = forward_packed(model, PackedStreams(**{**inputs, **changed}))  # traced anew: patched masks
         return np.asarray(unpack(completion[None], plan, PROMPTS * G, N))
 
     before = hidden()
@@ -111,7 +111,7 @@ def test_hidden_states_predecessors_experts_and_gradients_match_the_padded_forwa
         return loss, (prompt, completion, before, ids)
 
     def packed(params):
-        prompt, completion, ids = forward_packed(merge_model(graphdef, params), **inputs)
+        prompt, completion, ids = forward_packed(merge_model(graphdef, params), PackedStreams(**inputs))
         loss = jnp.sum(completion * pack(weights, plan)[0]) + jnp.sum(prompt * pack_prompts(prompt_weights, plan,
                                                                                                lengths)[0])
         return loss, (prompt, completion, predecessor_hidden(prompt, completion, j, prompt_last), ids)
@@ -150,7 +150,7 @@ def test_splash_gives_the_custom_attention_numbers():
 
     def run(graphdef):
         def loss(params):
-            prompt, completion, _ = forward_packed(merge_model(graphdef, params), **inputs)
+            prompt, completion, _ = forward_packed(merge_model(graphdef, params), PackedStreams(**inputs))
             return jnp.sum(jnp.where(inputs["completion_group"][..., None] >= 0, completion, 0) * weights), completion
 
         return jax.jit(jax.value_and_grad(loss, has_aux=True))(params)

@@ -112,19 +112,11 @@ def test_shipped_shape_descriptions_have_the_published_sizes(name):
                  "Qwen/Qwen3-0.6B": 596.0e6, "Qwen/Qwen3-1.7B": 1720.6e6, "Qwen/Qwen3-30B-A3B": 30.5e9,
                  "Qwen/Qwen3-235B-A22B": 235.0e9}
     cfg = model_shapes(name)
-    from jgrpo.models.llm import param_shapes
+    from jgrpo.models.parameters import param_specs
 
-    count = sum(math.prod(s) for s in _leaves(param_shapes(cfg)))
+    count = sum(math.prod(spec.shape) for spec in param_specs(cfg).values())
     assert abs(count - published[name]) / published[name] < 2e-3, count
     assert dataclasses.asdict(model_shapes(name.split("/")[-1].upper())) == dataclasses.asdict(cfg)
-
-
-def _leaves(tree):
-    if isinstance(tree, dict):
-        for value in tree.values():
-            yield from _leaves(value)
-    else:
-        yield tuple(tree)
 
 
 def test_fit_finds_the_fastest_plan_that_fits(capsys):
