@@ -195,8 +195,8 @@ def train(peak: float, model: str, dry: bool) -> dict:
     state = {"params": params, "opt_state": opt_state}
 
     def step():
-        state["params"], state["opt_state"], metrics = steps.train_step(state["params"], state["opt_state"], batch,
-                                                                        jnp.int32(0), jnp.bool_(True))
+        state["params"], state["opt_state"], metrics = steps.updates.step(state["params"], state["opt_state"], batch,
+                                                                          jnp.int32(0), jnp.bool_(True))
         jax.block_until_ready(metrics)
 
     first, seconds = timed(step, 3)

@@ -43,7 +43,7 @@ def jgrpo_compiled_bytes(args, host, remat: str, chunk: int) -> dict:
 
     graphdef, params, _ = build_model(args.model, dtype=args.dtype, remat=remat)
     steps, batch, opt_state = jgrpo_step_setup(graphdef, params, host, chunk=chunk, generations=args.generations)
-    compiled = steps.train_step.lower(params, opt_state, batch, jnp.int32(0), jnp.bool_(True)).compile()
+    compiled = steps.updates.step.lower(params, opt_state, batch, jnp.int32(0), jnp.bool_(True)).compile()
     m = compiled.memory_analysis()
     del compiled, params, opt_state, batch
     jax.clear_caches()
@@ -77,11 +77,11 @@ def lora_vs_full(args, host, rank: int, remat: str = "full", chunk: int = 32) ->
         steps, batch, opt_state = jgrpo_step_setup(graphdef, params, host, chunk=chunk, generations=args.generations,
                                                    frozen=frozen)
         step_args = (params, opt_state, batch, jnp.int32(0), jnp.bool_(True))
-        m = steps.train_step.lower(*step_args, frozen=frozen).compile().memory_analysis()
+        m = steps.updates.step.lower(*step_args, frozen=frozen).compile().memory_analysis()
         times = []
         for _ in range(1 + args.lora_steps):  # the first call compiles
             start = time.perf_counter()
-            params, opt_state, _ = jax.block_until_ready(steps.train_step(params, *step_args[1:], frozen=frozen))
+            params, opt_state, _ = jax.block_until_ready(steps.updates.step(params, *step_args[1:], frozen=frozen))
             step_args = (params, opt_state, *step_args[2:])
             times.append(time.perf_counter() - start)
         out[name] = {"peak_bytes": m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes

@@ -47,9 +47,7 @@ def plan_counts(config, lengths_name: str, batches: int, shards: int) -> list[in
         lengths = draw_lengths(lengths_name, R, N, rng).reshape(M, -1)
         prompts = rng.integers(P // 2, P + 1, B).reshape(M, -1)
         for m in range(M):
-            counts.append(plan_packing(lengths[m], group_size=G, rows=sizes.rows, width=sizes.width,
-                                       micro_batches=sizes.micro_batches, shards=shards, prompt_lengths=prompts[m],
-                                       prompt_rows=sizes.prompt_rows, prompt_width=sizes.prompt_width).micro_batches)
+            counts.append(plan_packing(lengths[m], sizes, G, prompt_lengths=prompts[m]).micro_batches)
     return counts
 
 
@@ -107,8 +105,8 @@ def main(argv: list[str] | None = None) -> int:
         packed_config = load_config(args.config, [*base, "model.packing=true"])
         run = abstract_run(packed_config, devices)
         R = packed_config.data.batch_size * packed_config.grpo.num_generations
-        counts = plan_counts(packed_config, args.lengths, args.batches, data_shards(run.mesh, run.steps.rules,
-                                                                                   run.steps.chunks, R))
+        counts = plan_counts(packed_config, args.lengths, args.batches, data_shards(run.mesh, run.steps.model.rules,
+                                                                                   run.steps.assembly.chunks, R))
         padded, packed = update_cost(padded_config, devices, chip), update_cost(packed_config, devices, chip, counts)
         r = {"micro_batches": u, "packed_micro_batches_mean": float(np.mean(counts)), "padded": padded,
              "packed": packed, "time_ratio": packed["seconds"] / padded["seconds"]}

@@ -49,7 +49,8 @@ def measure(name: str, args, graphdef, params) -> dict:
     from jgrpo.parallel.mesh import make_mesh
     from jgrpo.sampling.methods import SamplingMethod
     from jgrpo.sampling.pool import SampleOutput
-    from jgrpo.training.steps import StepFunctions, StepOptions
+    from jgrpo.training.step_options import StepOptions
+    from jgrpo.training.steps import StepFunctions
 
     rng = np.random.default_rng(0)
     R, G, N, P = args.rows, args.group, args.new_tokens, args.prompt
@@ -85,7 +86,7 @@ def measure(name: str, args, graphdef, params) -> dict:
     # The sampler's log-probs: the model's own, slightly off (a behaviour policy near pi_theta: ratios near 1).
     batch, _ = padded_steps.assemble(jnp.asarray(prompt_tokens), jnp.asarray(prompt_mask),
                                      samples(N, np.zeros((R, N), np.float32)), rewards)
-    own = np.asarray(padded_steps.logprobs(placed, batch)).reshape(R, N)
+    own = np.asarray(padded_steps.passes.pi_k(placed, batch)).reshape(R, N)
     behaviour = np.where(mask, own + rng.normal(0, 0.05, (R, N)), 0.0).astype(np.float32)
     out = {}
 

@@ -28,7 +28,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from jgrpo.training.packing import plan_packing  # noqa: E402
+from jgrpo.training.packing import PackedSizes, plan_packing  # noqa: E402
 
 # Rows per bin of 32 tokens (1-32, ..., 225-256), SmolLM2-135M at 256 new tokens (docs/benchmarks.md).
 HISTOGRAMS = {
@@ -59,8 +59,8 @@ def measure(name: str, *, rows: int, group: int, micro_batches: int, new_tokens:
     used = []
     for _ in range(batches):
         lengths = draw_lengths(name, rows, new_tokens, rng)
-        plan = plan_packing(lengths, group_size=group, rows=r // factor, width=factor * new_tokens,
-                            micro_batches=micro_batches)
+        plan = plan_packing(lengths, PackedSizes(rows=r // factor, width=factor * new_tokens,
+                                                 micro_batches=micro_batches), group)
         real += int(lengths.sum())
         padded += rows * new_tokens
         packed_slots += plan.micro_batches * r * new_tokens

@@ -101,7 +101,8 @@ def jgrpo_step_setup(graphdef, params, host, *, chunk: int, generations: int, sh
     from jgrpo.sampling.methods import SamplingMethod
     from jgrpo.sampling.pool import SampleOutput
     from jgrpo.training.optimizer import make_optimizer
-    from jgrpo.training.steps import StepFunctions, StepOptions
+    from jgrpo.training.step_options import StepOptions
+    from jgrpo.training.steps import StepFunctions
 
     grpo = GRPOConfig(num_generations=generations, beta=BETA, clip_eps_low=CLIP_EPS, clip_eps_high=CLIP_EPS)
     optimizer = make_optimizer(OptimConfig(learning_rate=LR, max_grad_norm=1.0), total_steps=1000)
@@ -129,13 +130,13 @@ def bench_jgrpo(args, host) -> dict:
                                                generations=args.generations, share_prompts=args.share_prompts)
     minibatch, first = jnp.int32(0), jnp.bool_(True)
     start = time.perf_counter()
-    params, opt_state, metrics = jax.block_until_ready(steps.train_step(params, opt_state, batch, minibatch, first))
+    params, opt_state, metrics = jax.block_until_ready(steps.updates.step(params, opt_state, batch, minibatch, first))
     compile_s = time.perf_counter() - start
     times = []
     for _ in range(args.steps):
         start = time.perf_counter()
-        params, opt_state, metrics = jax.block_until_ready(steps.train_step(params, opt_state, batch, minibatch,
-                                                                            first))
+        params, opt_state, metrics = jax.block_until_ready(steps.updates.step(params, opt_state, batch, minibatch,
+                                                                              first))
         times.append(time.perf_counter() - start)
     return {"seconds": statistics.median(times), "first_step_s": compile_s, "loss": float(metrics["loss"]),
             "cfg": cfg}

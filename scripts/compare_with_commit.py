@@ -1,8 +1,9 @@
 """Does this checkout train exactly like commit REV? `python scripts/compare_with_commit.py REV`.
 
-Runs the tiny config for a few iterations in each rollout mode that matters, once with REV (checked out in a
-temporary git worktree) and once with this working tree, on this machine, in fresh processes with the same
-environment, and compares, bit for bit:
+Runs the tiny config for a few iterations in each rollout mode that matters (MODES), and in the layouts and models
+only this machine's comparison covers (EXTRA_MODES: packed micro-batches, a mixture of experts, an int8 sampler),
+once with REV (checked out in a temporary git worktree) and once with this working tree, on this machine, in fresh
+processes with the same environment, and compares, bit for bit:
   - the completion token ids every update trained on (the step batch's targets),
   - every per-iteration metric (but wall-clock times and queue waits, which no two runs share),
   - the final params (a hash of every leaf's bytes, and each leaf's L1 / L2 norms).
@@ -44,6 +45,16 @@ MODES = {
                              "reward.functions=[compare_with_commit:spaces_on_even_answers]"]),
     "lora": (3, ["model.lora.rank=4", "model.lora.alpha=8"]),
 }
+# Modes compared on this machine only (tests/test_golden_run.py holds MODES): the packed layout's passes and update,
+# a mixture of experts replaying its routing (padded and packed), the sampler's int8 copy.
+MOE = ["model.name=tiny-random-qwen3-moe", "model.routing_replay=rollout"]
+PACKED = ["model.packing=true", "grpo.inner_steps=2", "grpo.num_minibatches=2", "grpo.masked_is=token"]
+EXTRA_MODES = {
+    "packing": (3, PACKED),
+    "moe": (3, MOE),
+    "moe_packing": (3, [*MOE, *PACKED]),
+    "int8_sampler": (3, ["sampler.weights_dtype=int8"]),
+}
 COMMON = ["reward.functions=[compare_with_commit:space_fraction]", "optim.learning_rate=1e-2",
           "logging.samples_every=0", "checkpoint.every=0", "logging.progress_bar=false", "logging.tensorboard=false",
           "run.eval_every=0"]
@@ -74,6 +85,25 @@ def _first(*names):
     raise ImportError(f"none of {names} imports here")
 
 
+def _update_programs(steps) -> list[tuple]:
+    """(owner, attribute) of the jitted optimiser step(s) of the step functions, in the layouts before and after
+    they were composed of parts (one step, then a padded and a packed one)."""
+    if hasattr(steps, "updates"):
+        return [(steps.updates, "step")]
+    return [(steps, name) for name in ("train_step", "train_step_packed") if hasattr(steps, name)]
+
+
+def _recording(update, tokens: list):
+    """`update` (an optimiser step) that first appends the completion tokens of its batch to `tokens`."""
+    import numpy as np
+
+    def recording_update(params, opt_state, batch, *args, **kwargs):
+        tokens.append(np.asarray(batch.targets).reshape(-1, batch.targets.shape[-1]).tolist())
+        return update(params, opt_state, batch, *args, **kwargs)
+
+    return recording_update
+
+
 def _params_record(params) -> dict:
     import jax
     import numpy as np
@@ -90,22 +120,16 @@ def _params_record(params) -> dict:
 
 def record_mode(mode: str, run_dir: Path) -> dict:
     """Train one mode in this process with the jgrpo that imports here; tokens, metrics and final params."""
-    import numpy as np
 
     load_config = _first("jgrpo.config.loading:load_config", "jgrpo.config_loading:load_config")
     trainer_class = _first("jgrpo.training.trainer:Trainer", "jgrpo.trainer:Trainer")
-    iterations, overrides = MODES[mode]
+    iterations, overrides = {**MODES, **EXTRA_MODES}[mode]
     config = load_config(ROOT / "configs" / "tiny.yaml",
                          [*COMMON, *overrides, f"run.iterations={iterations}", f"run.output_dir={run_dir}"])
     trainer = trainer_class(config)
     tokens: list = []
-    update = trainer.steps.train_step
-
-    def recording_update(params, opt_state, batch, *args, **kwargs):  # every update's completion tokens
-        tokens.append(np.asarray(batch.targets).reshape(-1, batch.targets.shape[-1]).tolist())
-        return update(params, opt_state, batch, *args, **kwargs)
-
-    trainer.steps.train_step = recording_update
+    for owner, name in _update_programs(trainer.steps):
+        setattr(owner, name, _recording(getattr(owner, name), tokens))
     try:
         trainer.run()
     finally:
@@ -179,10 +203,12 @@ def worktree(rev: str):
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("rev", nargs="?", help="the commit to compare with (any git revision)")
-    parser.add_argument("--modes", nargs="+", choices=tuple(MODES), default=list(MODES))
+    parser.add_argument("--modes", nargs="+", choices=(*MODES, *EXTRA_MODES),
+                        help="default: every mode (with --write-golden: MODES, the golden file's)")
     parser.add_argument("--write-golden", type=Path, help="record REV's run into this file instead of comparing")
     parser.add_argument("--record", type=Path, help=argparse.SUPPRESS)  # internal: record here, in this process
     args = parser.parse_args(argv)
+    args.modes = args.modes or [*MODES, *([] if args.write_golden else EXTRA_MODES)]
     if args.record:
         record(args.modes, args.record)
         return 0

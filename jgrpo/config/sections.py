@@ -72,7 +72,7 @@ class ModelConfig:
     share_prompts: bool = True
     # The trainer's forwards (the reference's and pi_k's log-prob passes, the update) over packed micro-batches:
     # completions end to end in rows of model.packing_width slots instead of each padded to max_new_tokens, each
-    # group's prompt once (same loss and gradients; jgrpo/training/packed_steps.py, docs/configuration.md).
+    # group's prompt once (same loss and gradients; jgrpo/training/packed_layout.py, docs/configuration.md).
     packing: bool = False
     # The slots of a packed row: 0 = the completion width (max_new_tokens, or env.max_total_tokens) rounded up to 8.
     packing_width: int = 0

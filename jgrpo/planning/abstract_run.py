@@ -42,11 +42,8 @@ from jgrpo.parallel.mesh import (
 )
 from jgrpo.planning.roofline import CHIPS, Chip
 from jgrpo.rollout.sampling_weights import sampling_copy
-from jgrpo.sampling.layout import routing_record
 from jgrpo.sampling.methods import SamplingMethod
-from jgrpo.sampling.pool import SampleOutput
 from jgrpo.sampling.sampler import Prompts, Sampler
-from jgrpo.training.packed_passes import data_shards, packed_shapes, packed_sizes
 from jgrpo.training.programs import iteration_programs, step_functions
 from jgrpo.training.steps import StepFunctions
 
@@ -209,7 +206,7 @@ def lower_iteration(config: Config, devices: list, *, names: tuple[str, ...] | N
     wanted = [n for n in runs if names is None or n in names]
     resident = _resident(config, run)
     lowered = {**_sampling_programs(config, run, resident, shape, sample_rules, wanted),
-               **_step_programs(config, run, resident, shape, train_rules, wanted, packed_micro_batches)}
+               **_step_programs(config, run, resident, shape, wanted, packed_micro_batches)}
     return Iteration(run, resident, [lowered[n] for n in wanted], shape)
 
 
@@ -262,88 +259,42 @@ def _sampling_programs(config, run: AbstractRun, resident, shape, rules, wanted)
     return programs
 
 
-def _step_programs(config, run: AbstractRun, resident, shape, rules, wanted,
+def _step_programs(config, run: AbstractRun, resident, shape, wanted,
                    packed_micro_batches: int | None = None) -> dict[str, Program]:
-    """The step batch's assembly, its log-prob passes, M2PO's mask, the minibatch shuffle and the update (packed
-    with `model.packing`: `_packed_plans`)."""
-    c, g, mesh, steps = config, config.grpo, run.mesh, run.steps
-    B, P, N, R = shape["B"], shape["P"], shape["N"], shape["B"] * shape["G"]
-    samples = SampleOutput(*(_rows(mesh, rules, s, dtype) for s, dtype in (
-        ((R, N), jnp.int32), ((R, N), jnp.float32), ((R, N), jnp.bool_), ((R,), jnp.int32), ((R,), jnp.bool_),
-        ((R, N), jnp.bool_), ((R, N), jnp.int32))))
-    if c.env.on:  # episodes: which rows are in the loss (failed environments are not)
-        samples = samples._replace(valid=_rows(mesh, rules, (R,), jnp.bool_))
-    if routing_record(run.cfg):  # a mixture of experts' routing record (`SampleOutput.routing`)
-        L, k, dtype = routing_record(run.cfg)
-        samples = samples._replace(routing=_rows(mesh, rules, (R, N, L, k), jnp.dtype(dtype)),
-                                   prompt_routing=_rows(mesh, rules, (R, P, L, k), jnp.dtype(dtype)))
-    rewards = _rows(mesh, rules, (R, 1 + len(c.reward.component_names())), jnp.float32)  # the reward table
-    prompts = _rows(mesh, rules, (B, P), jnp.int32), _rows(mesh, rules, (B, P), jnp.bool_)
-    assemble = steps.assemble.lower(*prompts, samples, rewards)
+    """The step batch's assembly, its log-prob passes, M2PO's mask, the minibatch shuffle and the update, lowered
+    from the abstract inputs and plans the step functions give (`BatchAssembly.abstract_inputs`, the layout's
+    `abstract_plans`: with `model.packing`, the packed programs cost `packed_micro_batches` micro-batches)."""
+    c, g, steps = config, config.grpo, run.steps
+    inputs = steps.assembly.abstract_inputs(shape["B"], shape["P"], 1 + len(c.reward.component_names()),
+                                            valid=c.env.on)  # the reward table; episodes: rows in the loss
+    assemble = steps.assemble.lower(*inputs)
     # The step batch's shardings are what the compiled assembly produces (a second compile of it is cheap).
-    assembled = _abstract(jax.eval_shape(steps.assemble, *prompts, samples, rewards),
-                          assemble.compile().output_shardings)[0]
-    # The batch as each program receives it (`StepFunctions.build` adds lp_ref, then lp_k, then M2PO's mask).
-    with_ref = assembled._replace(lp_ref=assembled.lp_alpha if g.beta > 0 else None)
-    with_lp_k = with_ref._replace(lp_k=assembled.lp_alpha if steps.lp_k_source == "computed" else None)
-    batch = with_lp_k._replace(m2po_drop=assembled.completion_mask if g.m2po_tau is not None else None)
+    assembled = _abstract(jax.eval_shape(steps.assemble, *inputs), assemble.compile().output_shardings)[0]
+    received = steps.passes.received(assembled)  # the batch as each program receives it
+    batch = received["update"]
     resident["step_batch"] = per_chip_bytes(batch)
     read_only = resident["params"] + resident.get("base", 0) + resident["step_batch"]
     whole = run.whole()
+    plans = steps.layout.abstract_plans(shape["B"], shape["P"], packed_micro_batches)
     programs = {"assemble": Program("assemble", assemble, 0)}
-    packed = _packed_plans(config, run, shape, rules, packed_micro_batches) if steps.packing else None
-
-    trips = (None, None) if packed is None else (packed["passes_trips"], packed["update_trips"])
-
-    def logprobs(padded, packed_pass, params, batch):
-        return padded.lower(params, batch) if packed is None else packed_pass.lower(params, packed["passes"], rows=R)
-
     if "ref_logprobs" in wanted:  # with LoRA (and no swap) the reference is the base alone
         reference = run.base if run.base is not None and not g.swap_reference else whole
-        programs["ref_logprobs"] = Program("ref_logprobs", logprobs(steps.reference_logprobs,
-                                                                    steps.reference_logprobs_packed, reference,
-                                                                    assembled),
-                                           resident["step_batch"] + per_chip_bytes(reference), traced_trips=trips[0])
+        lowered = steps.passes.reference.lower(reference, received["ref_logprobs"], plan=plans.passes)
+        programs["ref_logprobs"] = Program("ref_logprobs", lowered, resident["step_batch"] + per_chip_bytes(reference),
+                                           traced_trips=plans.passes_trips)
     if "lp_k" in wanted:
-        programs["lp_k"] = Program("lp_k", logprobs(steps.logprobs, steps.logprobs_packed, whole, with_ref),
-                                   read_only, traced_trips=trips[0])
+        lowered = steps.passes.pi_k.lower(whole, received["lp_k"], plan=plans.passes)
+        programs["lp_k"] = Program("lp_k", lowered, read_only, traced_trips=plans.passes_trips)
     if "m2po_mask" in wanted:
-        programs["m2po_mask"] = Program("m2po_mask", steps.m2po_mask.lower(with_lp_k), resident["step_batch"])
+        programs["m2po_mask"] = Program("m2po_mask", steps.passes.m2po_mask.lower(received["m2po_mask"]),
+                                        resident["step_batch"])
     if "shuffle" in wanted:
-        key = jax.ShapeDtypeStruct((), jax.eval_shape(jax.random.key, 0).dtype, sharding=replicated(mesh))
-        programs["shuffle"] = Program("shuffle", steps.shuffle_groups.lower(batch, key), resident["step_batch"],
+        key = jax.ShapeDtypeStruct((), jax.eval_shape(jax.random.key, 0).dtype, sharding=replicated(run.mesh))
+        programs["shuffle"] = Program("shuffle", steps.updates.shuffle.lower(batch, key), resident["step_batch"],
                                       runs=g.inner_steps - 1)
     if "update" in wanted:
-        args = run.params, run.opt_state, batch, jnp.int32(0), jnp.bool_(True)
-        update = (steps.train_step.lower(*args, frozen=run.base) if packed is None else
-                  steps.train_step_packed.lower(*args, frozen=run.base, packed=packed["update"]))
+        update = steps.updates.step.lower(run.params, run.opt_state, batch, jnp.int32(0), jnp.bool_(True),
+                                          plan=plans.update, frozen=run.base)
         programs["update"] = Program("update", update, read_only + resident["opt_state"],
-                                     runs=g.inner_steps * g.num_minibatches, traced_trips=trips[1])
+                                     runs=g.inner_steps * g.num_minibatches, traced_trips=plans.update_trips)
     return programs
-
-
-def _packed_plans(config, run: AbstractRun, shape, rules, micro_batches: int | None) -> dict:
-    """`model.packing`'s plans as the programs receive them (`packed_passes.packed_shapes`, placed on the data
-    shards as `pack_batch` / `pack_minibatches` place them): the passes' (the whole batch) and the update's (each
-    minibatch), and the micro-batches each program's loop is costed at: `micro_batches` per minibatch (default
-    grpo.micro_batches, as padded), at most the buffer."""
-    g, mesh, steps = config.grpo, run.mesh, run.steps
-    B, G, P, N = (shape[k] for k in "BGPN")
-    R, M, C = B * G, g.num_minibatches, steps.chunks
-    shards = data_shards(mesh, rules, C, R)
-    record = routing_record(run.cfg)  # (L, k, dtype) of a mixture of experts' record, else None
-
-    def sizes(groups):
-        return packed_sizes(rows=R // C, new_tokens=N, prompt_width=P, group_size=G, groups=groups, shards=shards,
-                            width=config.model.packing_width)
-
-    def placed(plan, row_axis):
-        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=row_sharding(
-            mesh, rules, x.shape, row_axis=row_axis) if len(x.shape) > row_axis else replicated(mesh)), plan)
-
-    whole, minibatch = sizes(B), sizes(B // M)
-    per_minibatch = micro_batches or g.micro_batches
-    return {"passes": placed(packed_shapes(whole, R, record if steps.routing_replay else None), 1),
-            "update": placed(packed_shapes(minibatch, R // M, record, minibatches=M), 2),
-            "passes_trips": min(per_minibatch * M, whole.micro_batches),
-            "update_trips": min(per_minibatch, minibatch.micro_batches)}

@@ -5,15 +5,15 @@ end to end into blocks of [K, W] slots (K·W = r·N, a padded micro-batch's comp
 prompts into blocks of [Kp, Wp] (`PROMPT_GROUPS`·(r/G)·P slots; a completion row holds one group and attends
 over its group's prompt row and itself: Wp + W keys, as the padded rows' P + N), as `packing.plan_packing` plans
 them on the host from the lengths: the whole batch for the log-prob passes (`pack_batch`), each minibatch
-alone for the update (`pack_minibatches`). The programs (packed_steps.py) run only the micro-batches that hold
+alone for the update (`pack_minibatches`). The programs (packed_layout.py) run only the micro-batches that hold
 tokens of a fixed buffer, so nothing recompiles when the count changes.
 
 The buffer holds one micro-batch per group (the worst case: a group a micro-batch), so each packed per-token field
 is r/G times the size of its padded [C, r, N] form: small for token ids, not for a mixture of experts' replayed
 routing at r/G >> 1 (a tighter bound, or a few buffer sizes, is a later step).
 
-Here: the sizes (`packed_sizes`), the host side (`plan_batch`: lengths -> plan -> device arrays, `PackedBatch`)
-and one micro-batch's forward (`predicting_states`).
+Here: the sizes (`packed_sizes`; `PackingTarget`: the trainer's), the host side (`plan_batch`: lengths -> plan ->
+device arrays, `PackedBatch`) and one micro-batch's forward (`predicting_states`).
 """
 
 from __future__ import annotations
@@ -24,21 +24,12 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from jgrpo.models.packed_forward import PackedStreams, forward_packed, predecessor_hidden
 from jgrpo.parallel.host_arrays import fetch
-from jgrpo.parallel.mesh import row_sharding
-from jgrpo.training.packing import pack, pack_prompts, plan_packing
-
-
-class PackedSizes(NamedTuple):
-    rows: int  # K: packed completion rows per micro-batch
-    width: int  # W >= N
-    prompt_rows: int  # Kp
-    prompt_width: int  # Wp >= P
-    micro_batches: int  # U: the buffer (a micro-batch holds at least one group: never more than the groups)
-    shards: int  # D: data shards the rows split over (a group stays on one)
-
+from jgrpo.parallel.mesh import Rules, row_sharding
+from jgrpo.training.packing import PackedSizes, pack, pack_prompts, plan_packing
 
 # A packed micro-batch holds the groups whose completions fit it: with short completions more than a padded
 # micro-batch's r / G groups, whose prompts must fit its prompt block too. Every prompt slot is computed, used or
@@ -59,7 +50,8 @@ def packed_sizes(*, rows: int, new_tokens: int, prompt_width: int, group_size: i
         raise ValueError(f"a packed width of {W} is less than max_new_tokens = {new_tokens}")
     per_shard = max(rows * new_tokens // W // shards, group_size)
     prompt_rows = min(max(PROMPT_GROUPS * rows // group_size // shards, 1), -(-groups // shards)) * shards
-    return PackedSizes(per_shard * shards, W, prompt_rows, prompt_width, groups, shards)
+    return PackedSizes(rows=per_shard * shards, width=W, prompt_rows=prompt_rows, prompt_width=prompt_width,
+                       micro_batches=groups, shards=shards)
 
 
 def data_shards(mesh, rules, chunks: int, rows: int) -> int:
@@ -107,9 +99,7 @@ def plan_batch(sizes: PackedSizes, prompt_tokens, prompt_mask, tokens, completio
     lengths = real.sum(1)
     if not (real == (np.arange(real.shape[1])[None] < lengths[:, None])).all():
         raise ValueError("packing needs every completion's real tokens first (completion_mask a prefix)")
-    plan = plan_packing(lengths, group_size=group_size, rows=sizes.rows, width=sizes.width,
-                        micro_batches=sizes.micro_batches, shards=sizes.shards, prompt_lengths=prompt_lengths,
-                        prompt_rows=sizes.prompt_rows, prompt_width=sizes.prompt_width)
+    plan = plan_packing(lengths, sizes, group_size, prompt_lengths)
     group = np.where(plan.row >= 0, plan.row // group_size, -1)
     U = sizes.micro_batches
     # Where each group's prompt ends in its micro-batch's flattened prompt block: the first token predicts from it.
@@ -200,44 +190,59 @@ def packed_shapes(sizes: PackedSizes, rows: int, routing: tuple | None = None,
                        shaped(block + routing[:2], routing[2]) if replayed else None, shaped(lead + (U,)))
 
 
-def pack_batch(mesh, rules, chunks: int, width: int, prompt_tokens, prompt_mask, tokens, completion_mask,
-               routing=None) -> PackedBatch:
-    """`plan_batch` for the trainer's batch of C = `chunks` padded micro-batches: the sizes from its shapes and the
-    data shards its rows split over, the experts to replay from its `routing` [C, r, P+N-1, L, k], the rows placed
-    on those shards. For the log-prob passes, which run over the whole batch."""
+class PackingTarget(NamedTuple):
+    """Where the trainer's packed rows go: its mesh and rules, the C chunks of its padded [C, r] rows (whose data
+    shards a packed row's group stays on), the packed width (`model.packing_width`, 0: N rounded up to 8) and the
+    group size G."""
+
+    mesh: Mesh
+    rules: Rules
+    chunks: int
+    width: int
+    group_size: int
+
+    def sizes(self, rows: int, new_tokens: int, prompt_width: int, groups: int) -> PackedSizes:
+        """`packed_sizes` of a plan of `groups` groups of the trainer's R = `rows` rows, on its data shards."""
+        return packed_sizes(rows=rows // self.chunks, new_tokens=new_tokens, prompt_width=prompt_width,
+                            group_size=self.group_size, groups=groups,
+                            shards=data_shards(self.mesh, self.rules, self.chunks, rows), width=self.width)
+
+
+def pack_batch(target: PackingTarget, prompt_tokens, prompt_mask, tokens, completion_mask, routing=None) -> PackedBatch:
+    """`plan_batch` for the trainer's batch (`target`): the sizes from its shapes and the data shards its rows split
+    over, the experts to replay from its `routing` [C, r, P+N-1, L, k], the rows placed on those shards. For the
+    log-prob passes, which run over the whole batch."""
     (R, N), (B, P) = tokens.shape, prompt_tokens.shape
-    G = R // B
-    sizes = packed_sizes(rows=R // chunks, new_tokens=N, prompt_width=P, group_size=G, groups=B,
-                         shards=data_shards(mesh, rules, chunks, R), width=width)
+    sizes = target.sizes(R, N, P, groups=B)
     flat = None if routing is None else routing.reshape((R,) + routing.shape[2:])
-    packed = _plan_rows(sizes, prompt_tokens, prompt_mask, tokens, completion_mask, G, flat)
-    return _placed(mesh, rules, packed, row_axis=1)
+    packed = _plan_rows(sizes, prompt_tokens, prompt_mask, tokens, completion_mask, R // B, flat)
+    return _placed(target.mesh, target.rules, packed, row_axis=1)
 
 
-def pack_minibatches(mesh, rules, minibatches: int, width: int, group_size: int, inputs, input_mask, targets,
-                     lengths, routing=None) -> PackedBatch:
+def pack_minibatches(target: PackingTarget, batch, minibatches: int) -> PackedBatch:
     """The update's packing: each of the `minibatches` minibatches (its chunks of the trainer's [C, r] rows, as
     dealt: after a group shuffle, the shuffled rows) planned alone, as `pack_batch` plans the whole batch, its
     row ids local to it; fields stacked [M, U, ...] (U: a minibatch's groups), `count` [M].
-    From the update's batch: `inputs`, `input_mask` [C, r, P+N-1], `targets` [C, r, N], `lengths` [C, r] (each
-    completion's real tokens), `routing` [C, r, P+N-1, L, k] or None."""
+    From the update's batch (a `step_batch.StepBatch`): its `inputs`, `input_mask` [C, r, P+N-1], `targets`
+    [C, r, N], `lengths` [C, r] (each completion's real tokens) and `routing` [C, r, P+N-1, L, k] or None."""
+    inputs, targets = batch.inputs, batch.targets
     C, r, N = targets.shape
-    G, P = group_size, inputs.shape[2] + 1 - N
+    G, P = target.group_size, inputs.shape[2] + 1 - N
     rows = C // minibatches * r  # a minibatch's
-    sizes = packed_sizes(rows=r, new_tokens=N, prompt_width=P, group_size=G, groups=rows // G,
-                         shards=data_shards(mesh, rules, C, C * r), width=width)
+    sizes = target.sizes(C * r, N, P, groups=rows // G)
     # The masks on the host in one round trip (each minibatch's plan reads them there).
-    lengths, prompt_mask = (np.asarray(x) for x in fetch((lengths, input_mask[..., :P])))
+    lengths, prompt_mask = (np.asarray(x) for x in fetch((batch.lengths, batch.input_mask[..., :P])))
     real = np.arange(N)[None] < lengths.reshape(C * r, 1)
     flat_inputs, flat_prompt_mask = inputs.reshape(C * r, -1), prompt_mask.reshape(C * r, P)
     flat_targets = targets.reshape(C * r, N)
+    routing = batch.routing
     flat_routing = None if routing is None else routing.reshape((C * r,) + routing.shape[2:])
     packed = []
     for m in range(minibatches):
         own, groups = slice(m * rows, (m + 1) * rows), slice(m * rows, (m + 1) * rows, G)
         packed.append(_plan_rows(sizes, flat_inputs[groups, :P], flat_prompt_mask[groups], flat_targets[own],
                                  real[own], G, None if flat_routing is None else flat_routing[own]))
-    return _placed(mesh, rules, jax.tree.map(lambda *x: jnp.stack(x), *packed), row_axis=2)
+    return _placed(target.mesh, target.rules, jax.tree.map(lambda *x: jnp.stack(x), *packed), row_axis=2)
 
 
 def _plan_rows(sizes: PackedSizes, prompt_tokens, prompt_mask, tokens, completion_mask, group_size: int,

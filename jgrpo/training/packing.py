@@ -3,8 +3,8 @@
 The update and the log-prob passes pad every completion to `sampler.max_new_tokens` N: with the quickstart's
 lengths (mean 70 of 256) three slots in four are padding. Packing puts several completions end to end in a row of
 width W (each one segment), so a micro-batch of r padded rows [r, N] becomes K packed rows [K, W], by default with
-K·W = r·N (the caller sizes the blocks: `packed_passes.packed_sizes`), and fewer of them are needed. Shapes stay
-fixed: a buffer of U micro-batches, of which the plan uses 1 to U; the rest are padding the step skips.
+K·W = r·N (the caller sizes the blocks, `PackedSizes`: `packed_passes.packed_sizes`), and fewer of them are needed.
+Shapes stay fixed: a buffer of U micro-batches, of which the plan uses 1 to U; the rest are padding the step skips.
 
 The plan is a host function of the completion lengths alone, deterministic (so every process of a pod computes the
 same one from the global lengths, which `host_arrays.fetch` brings to every host), and the gathers that apply it run
@@ -52,12 +52,24 @@ class PackingPlan(NamedTuple):
         return float((used >= 0).sum() / max(used.size, 1))
 
 
-def plan_packing(lengths, *, group_size: int, rows: int, width: int, micro_batches: int, shards: int = 1,
-                 prompt_lengths=None, prompt_rows: int = 0, prompt_width: int = 0) -> PackingPlan:
+class PackedSizes(NamedTuple):
+    """The blocks a minibatch's completions (and their groups' prompts) are packed into: U micro-batches of [K, W]
+    completion slots and [Kp, Wp] prompt slots (`packed_passes.packed_sizes` sizes them for the trainer)."""
+
+    rows: int  # K: packed completion rows per micro-batch
+    width: int  # W >= N
+    prompt_rows: int = 0  # Kp (0: no prompt block)
+    prompt_width: int = 0  # Wp >= P
+    micro_batches: int = 1  # U: the buffer (a micro-batch holds at least one group: never more than the groups)
+    shards: int = 1  # D: data shards the rows split over (a group stays on one)
+
+
+def plan_packing(lengths, sizes: PackedSizes, group_size: int, prompt_lengths=None) -> PackingPlan:
     """The packing of one minibatch's completions (`lengths` [n], groups of `group_size` consecutive rows) into
-    `micro_batches` blocks of `rows` x `width` slots, the rows split over `shards` data shards, and with
-    `prompt_lengths` [n / group_size] the groups' prompts into blocks of `prompt_rows` x `prompt_width` (see the
-    module)."""
+    `sizes.micro_batches` blocks of `sizes.rows` x `sizes.width` slots, the rows split over `sizes.shards` data
+    shards, and with `prompt_lengths` [n / group_size] the groups' prompts into blocks of `sizes.prompt_rows` x
+    `sizes.prompt_width` (see the module)."""
+    rows, width, prompt_rows, prompt_width, micro_batches, shards = sizes
     lengths = np.asarray(lengths, np.int64)
     if lengths.ndim != 1 or len(lengths) % group_size:
         raise ValueError(f"{len(lengths)} completions are not whole groups of {group_size}")

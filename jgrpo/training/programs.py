@@ -15,7 +15,8 @@ from jgrpo.parallel.mesh import TRAIN_RULES, Rules
 from jgrpo.rl.lp_k import lp_k_source
 from jgrpo.rollout.sampling_weights import sampling_copy
 from jgrpo.training.optimizer import learning_rate_schedule, make_optimizer
-from jgrpo.training.steps import StepFunctions, StepOptions
+from jgrpo.training.step_options import StepOptions
+from jgrpo.training.steps import StepFunctions
 
 
 def step_functions(config: Config, *, graphdef, params, mesh, method, iterations: int, frozen=None,
@@ -34,7 +35,7 @@ def step_functions(config: Config, *, graphdef, params, mesh, method, iterations
                           packing_row_buckets=m.packing_row_buckets)
     steps = StepFunctions(graphdef=graphdef, params=params, frozen=frozen, mesh=mesh, rules=rules,
                           optimizer=make_optimizer(config.optim, total_updates), options=options)
-    steps.check_rows(config.data.batch_size * g.num_generations)
+    steps.assembly.check_rows(config.data.batch_size * g.num_generations)
     n = config.mesh.expert
     if n > 1 and (not steps.num_experts or steps.num_experts % n):
         what = f"its {steps.num_experts} experts" if steps.num_experts else "no experts (a dense model)"

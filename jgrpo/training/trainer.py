@@ -44,7 +44,7 @@ from jgrpo.training.iteration_record import IterationFacts, count_updates, itera
 from jgrpo.training.metrics_log import MetricsLogger
 from jgrpo.training.preflight import check_before_loading
 from jgrpo.training.programs import step_functions
-from jgrpo.training.steps import StepBatch
+from jgrpo.training.step_batch import StepBatch
 
 log = logging.getLogger(__name__)
 

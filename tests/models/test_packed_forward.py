@@ -13,8 +13,8 @@ from flax import nnx
 from jgrpo.models.llm import LLM, merge_model, split_model
 from jgrpo.models.packed_forward import PackedStreams, forward_packed, packed_masks, predecessor_hidden
 from jgrpo.models.shared_prompt import forward_shared_prompts
-from jgrpo.training.packed_passes import PackedSizes, plan_batch
-from jgrpo.training.packing import PackingPlan, pack, pack_prompts, unpack
+from jgrpo.training.packed_passes import plan_batch
+from jgrpo.training.packing import PackedSizes, PackingPlan, pack, pack_prompts, unpack
 from tests.models.test_model_cache import MOE_CFG
 from tests.models.test_shared_prompt import GQA, PROMPTS, G, N, P, _batch
 

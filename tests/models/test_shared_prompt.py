@@ -9,14 +9,15 @@ import optax
 import pytest
 from flax import nnx
 
-import jgrpo.training.steps as train_step_module
+import jgrpo.training.padded_layout as padded_layout_module
 from jgrpo.config import GRPOConfig, MeshConfig
 from jgrpo.models.llm import LLM, LLMConfig, merge_model, position_ids_from_mask, split_model
 from jgrpo.models.moe import router_losses
 from jgrpo.models.shared_prompt import forward_shared_prompts
 from jgrpo.parallel.mesh import make_mesh
 from jgrpo.sampling.methods import SamplingMethod
-from jgrpo.training.steps import StepFunctions, StepOptions
+from jgrpo.training.step_options import StepOptions
+from jgrpo.training.steps import StepFunctions
 from tests.helpers import sampled
 
 GQA = LLMConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_layers=3, num_heads=4, num_kv_heads=2,
@@ -138,7 +139,7 @@ def test_step_functions_agree_with_and_without_sharing(micro_batches, shares, mo
         calls.append(1)
         return forward_shared_prompts(*args)
 
-    monkeypatch.setattr(train_step_module, "forward_shared_prompts", counted)
+    monkeypatch.setattr(padded_layout_module, "forward_shared_prompts", counted)
     graphdef, params = split_model(LLM(GQA, rngs=nnx.Rngs(params=5)))
     prompt_tokens, prompt_mask, tokens, completion_mask = _batch(seed=1)
     grpo = GRPOConfig(num_generations=G, beta=0.04, micro_batches=micro_batches)
@@ -153,10 +154,10 @@ def test_step_functions_agree_with_and_without_sharing(micro_batches, shares, mo
                               optimizer=optax.sgd(1.0))  # new params = params - gradient (Adam would hide it)
         placed = steps.copy_params(params)  # placed on the mesh, new buffers: the train step donates them
         batch, _ = steps.assemble(prompt_tokens, prompt_mask, sampled(tokens, completion_mask, lp_alpha), rewards)
-        lp = steps.logprobs(placed, batch)
+        lp = steps.passes.pi_k(placed, batch)
         batch = batch._replace(lp_ref=lp - 0.1)
-        new_params, _, metrics = steps.train_step(placed, steps.init_opt_state(placed), batch, jnp.int32(0),
-                                                  jnp.bool_(True))
+        new_params, _, metrics = steps.updates.step(placed, steps.init_opt_state(placed), batch, jnp.int32(0),
+                                                    jnp.bool_(True))
         results[share] = (lp, metrics, new_params)
     assert bool(calls) == shares  # traced once per program when the prompts are shared, never otherwise
     (lp_s, m_s, p_s), (lp_f, m_f, p_f) = results[True], results[False]

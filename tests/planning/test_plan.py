@@ -228,7 +228,7 @@ def test_a_packed_run_plans_its_packed_programs_at_a_chosen_count(v5e):
 
     config = load_config("configs/tiny.yaml", [*TINY, "model.packing=true", "grpo.micro_batches=2", "grpo.beta=0.04",
                                                "model.packing_row_buckets=[0.5]"])
-    names = ("update",)  # (the passes' loop is the same kind: `_all_logprobs_packed`)
+    names = ("update",)  # (the passes' loop is the same kind: `PackedLayout.logprobs`)
     assert [p.traced_trips for p in lower_iteration(config, v5e, names=("ref_logprobs", *names)).programs] == [2, 2]
     iteration = lower_iteration(config, v5e, names=names, packed_micro_batches=1)
     for program in iteration.programs:

@@ -55,9 +55,10 @@ def test_the_planner_lowers_exactly_the_programs_a_real_run_calls(tmp_path, devi
     monkeypatch.setattr(sampler_module, "sample", sample_or_eval)
     trainer = Trainer(config)
     steps = trainer.steps
-    for name, attribute in (("assemble", "assemble"), ("ref_logprobs", "reference_logprobs"), ("lp_k", "logprobs"),
-                            ("m2po_mask", "m2po_mask"), ("shuffle", "shuffle_groups"), ("update", "train_step")):
-        setattr(steps, attribute, _record(calls, name, getattr(steps, attribute)))
+    for name, part, attribute in (("assemble", steps, "assemble"), ("ref_logprobs", steps.passes, "reference"),
+                                  ("lp_k", steps.passes, "pi_k"), ("m2po_mask", steps.passes, "m2po_mask"),
+                                  ("shuffle", steps.updates, "shuffle"), ("update", steps.updates, "step")):
+        setattr(part, attribute, _record(calls, name, getattr(part, attribute)))
     trainer.weights.copy = _record(calls, "behaviour", trainer.weights.copy)
     try:
         assert trainer.run() == "done"

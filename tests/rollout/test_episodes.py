@@ -167,7 +167,7 @@ def test_recomputed_logprobs_equal_lp_alpha_on_sampled_tokens(scripted):
     source, steps = trainer.collector.source, trainer.steps
     prompts = source.prompt_arrays(rollout.prompts, trainer.state.counters, trainer.mesh)
     assembled, _ = steps.assemble(prompts.tokens, prompts.mask, rollout.samples, jnp.asarray(rollout.rewards))
-    lp = np.asarray(steps.logprobs(trainer.state.params, assembled)).reshape(rollout.samples.tokens.shape)
+    lp = np.asarray(steps.passes.pi_k(trainer.state.params, assembled)).reshape(rollout.samples.tokens.shape)
     s = jax.device_get(rollout.samples)
     np.testing.assert_allclose(lp[s.loss_mask], s.logprobs[s.loss_mask], atol=1e-4)
 

@@ -1,4 +1,4 @@
-"""The log-prob passes over packed micro-batches (training/packed_passes.py, `model.packing`) give the padded
+"""The log-prob passes over packed micro-batches (training/packed_layout.py, `model.packing`) give the padded
 passes' numbers at every real completion token: pi_k's and the reference's, on one device's rows and split over
 data shards, for a mixture of experts replaying the sampler's experts too; `build` takes the packed path."""
 
@@ -14,8 +14,10 @@ from jgrpo.config import GRPOConfig, MeshConfig
 from jgrpo.models.llm import LLM, split_model
 from jgrpo.parallel.mesh import make_mesh
 from jgrpo.sampling.methods import SamplingMethod
+from jgrpo.training.packed_layout import PackedLayout
 from jgrpo.training.packed_passes import data_shards, plan_batch
-from jgrpo.training.steps import StepFunctions, StepOptions
+from jgrpo.training.step_options import StepOptions
+from jgrpo.training.steps import StepFunctions
 from tests.helpers import sampled
 from tests.models.test_model_cache import MOE_CFG
 from tests.models.test_shared_prompt import GQA, PROMPTS, G, N, _batch
@@ -42,9 +44,9 @@ def test_packed_passes_give_the_padded_log_probs(mesh, micro_batches):
     packed = _steps(GQA, params, graphdef, mesh, True, micro_batches, row_buckets=(0.5,))  # half the rows or all
     placed = padded.copy_params(params)
     batch, _ = padded.assemble(prompt_tokens, prompt_mask, samples, rewards)
-    plan = packed.pack(prompt_tokens, prompt_mask, samples, batch)
+    plan = packed.layout.plan_passes(prompt_tokens, prompt_mask, samples, batch)
     assert 0 < int(plan.rows_used[:int(plan.count)].min()) <= plan.tokens.shape[1] // 2  # a half-size branch runs
-    shards = data_shards(packed.mesh, packed.rules, packed.chunks, PROMPTS * G)
+    shards = data_shards(packed.model.mesh, packed.model.rules, packed.assembly.chunks, PROMPTS * G)
     assert shards == (2 if mesh == "data2_tensor4" else 1)  # 12 rows split over data (2), not over fsdp (8)
     # The packed micro-batches used, of a buffer of one per group. On one shard 1 for the 12 rows (the 3 groups in
     # one), 3 for 4-row micro-batches (a group's 4 completions fill one); on two, a shard's half-size block can
@@ -53,10 +55,10 @@ def test_packed_passes_give_the_padded_log_probs(mesh, micro_batches):
     if shards == 1:
         assert int(plan.count) == (1 if micro_batches == 1 else 3)
     real = np.asarray(completion_mask).reshape(batch.targets.shape)
-    for padded_pass, packed_pass in ((padded.logprobs, packed.logprobs_packed),
-                                     (padded.reference_logprobs, packed.reference_logprobs_packed)):
+    for padded_pass, packed_pass in ((padded.passes.pi_k, packed.passes.pi_k),
+                                     (padded.passes.reference, packed.passes.reference)):
         want = np.asarray(padded_pass(placed, batch))
-        got = np.asarray(packed_pass(placed, plan, rows=PROMPTS * G))
+        got = np.asarray(packed_pass(placed, batch, plan=plan))
         assert got.shape == want.shape
         np.testing.assert_allclose(got[real], want[real], atol=2e-5, rtol=0)
         assert (got[~real] == 0).all()
@@ -82,13 +84,13 @@ def test_a_mixture_of_experts_replays_the_sampled_experts_packed_as_padded():
     placed = padded.copy_params(params)
     batch, _ = padded.assemble(prompt_tokens, prompt_mask, samples, rewards)
     real = np.asarray(completion_mask).reshape(batch.targets.shape)
-    want = np.asarray(padded.logprobs(placed, batch))
-    got = np.asarray(packed.logprobs_packed(placed, packed.pack(prompt_tokens, prompt_mask, samples, batch),
-                                            rows=R))
+    want = np.asarray(padded.passes.pi_k(placed, batch))
+    got = np.asarray(packed.passes.pi_k(placed, batch,
+                                        plan=packed.layout.plan_passes(prompt_tokens, prompt_mask, samples, batch)))
     np.testing.assert_allclose(got[real], want[real], atol=2e-5, rtol=0)
     # The replay matters: without it the same model gives other log-probs (the random experts are not its own).
     unreplayed = _steps(cfg, params, graphdef, "fsdp8", False, 1, replay=False)
-    assert np.nanmax(np.abs(np.asarray(unreplayed.logprobs(placed, batch))[real] - want[real])) > 1e-3
+    assert np.nanmax(np.abs(np.asarray(unreplayed.passes.pi_k(placed, batch))[real] - want[real])) > 1e-3
 
 
 def test_a_packed_run_trains_as_the_padded_one_and_never_recompiles(tmp_path, monkeypatch, compile_counter):
@@ -109,7 +111,8 @@ def test_a_packed_run_trains_as_the_padded_one_and_never_recompiles(tmp_path, mo
                                       "model.packing_row_buckets=[0.5]",
                                       "model.lora.rank=4", "model.lora.alpha=8", "optim.learning_rate=1e-2"))
         try:
-            assert trainer.steps.lp_k_source == "computed" and trainer.steps.packing == packing
+            assert trainer.steps.lp_k_source == "computed"
+            assert isinstance(trainer.steps.layout, PackedLayout) == packing
             records[packing] = trainer.train_iteration()
             if packing:
                 compile_counter.count, compile_counter.active = 0, True
@@ -147,7 +150,8 @@ def test_rows_in_use_and_their_buckets_by_hand():
     # 2 micro-batches of K = 8 rows in 2 data shards of 4: micro-batch 0 uses shard 0's first row and shard 1's
     # first 3 (3 a shard, the most of any), micro-batch 1 none. With buckets of a quarter and a half of 4 rows (1,
     # 2) and all (4), 3 rows run as 4; a cut keeps each shard's first k rows and leaves the prompt block whole.
-    from jgrpo.training.packed_passes import PackedBatch, PackedSizes, _rows_used, first_rows, row_buckets
+    from jgrpo.training.packed_passes import PackedBatch, _rows_used, first_rows, row_buckets
+    from jgrpo.training.packing import PackedSizes
 
     row = np.full((2, 8, 5), -1)
     row[0, 0, :2] = 0

@@ -1,4 +1,4 @@
-"""The update over packed micro-batches (training/packed_steps.py, `model.packing`) is the padded update: the same
+"""The update over packed micro-batches (training/packed_layout.py, `model.packing`) is the padded update: the same
 loss, gradients and metrics, for every aggregation and objective, off-policy (v > 1: lp_alpha not the trainer's),
 with environment tokens in a completion, over shuffled minibatches, on one device's rows and split over data
 shards, and for a mixture of experts replaying the sampler's experts (LoRA: the packed run test in
@@ -17,7 +17,8 @@ from jgrpo.config import GRPOConfig, MeshConfig
 from jgrpo.models.llm import LLM, split_model
 from jgrpo.parallel.mesh import make_mesh
 from jgrpo.sampling.methods import SamplingMethod
-from jgrpo.training.steps import StepFunctions, StepOptions
+from jgrpo.training.step_options import StepOptions
+from jgrpo.training.steps import StepFunctions
 from tests.helpers import sampled
 from tests.models.test_model_cache import MOE_CFG
 from tests.models.test_shared_prompt import GQA, PROMPTS, G, N, _batch
@@ -60,7 +61,7 @@ def _off_policy_samples(steps, params, seed, routing=None, length=None):
     rewards = jnp.asarray(np.r_[np.zeros(G), np.random.default_rng(seed).integers(0, 2, (PROMPTS - 1) * G)],
                           jnp.float32)
     batch, _ = steps.assemble(prompt_tokens, prompt_mask, samples, rewards)
-    lp = np.asarray(steps.logprobs(params, batch)).reshape(tokens.shape)
+    lp = np.asarray(steps.passes.pi_k(params, batch)).reshape(tokens.shape)
     noise = np.random.default_rng(seed + 1).normal(0, 0.3, tokens.shape)
     samples = samples._replace(logprobs=jnp.asarray(np.where(completion_mask, lp + noise, 0.0), jnp.float32))
     return prompt_tokens, prompt_mask, samples, rewards

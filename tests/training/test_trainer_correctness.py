@@ -126,8 +126,8 @@ def test_lp_k_is_not_computed_when_a_single_update_never_reads_it(tmp_path, monk
         overrides.append("grpo.off_policy_ratio=current")
     trainer = _trainer(tmp_path, *overrides)
     calls = []
-    real = trainer.steps.logprobs
-    monkeypatch.setattr(trainer.steps, "logprobs", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = trainer.steps.passes.pi_k
+    monkeypatch.setattr(trainer.steps.passes, "pi_k", lambda *a, **k: calls.append(1) or real(*a, **k))
     try:
         records = [trainer.train_iteration() for _ in range(2)]
         assert calls == []
@@ -190,12 +190,12 @@ def test_minibatches_are_reshuffled_by_whole_groups_and_resume_exactly(tmp_path,
                  "optim.learning_rate=1e-2"]
     trainer = _trainer(tmp_path / "straight", *overrides, "run.iterations=2")
     dealt = []
-    real = trainer.steps.train_step
+    real = trainer.steps.updates.step
     def spy(params, opt_state, batch, *args, **kwargs):
         dealt.append(np.asarray(batch.inputs))
         return real(params, opt_state, batch, *args, **kwargs)
 
-    monkeypatch.setattr(trainer.steps, "train_step", spy)
+    monkeypatch.setattr(trainer.steps.updates, "step", spy)
     try:
         assert trainer.config.grpo.shuffles_minibatches
         assert trainer.run() == "done"

@@ -61,15 +61,16 @@ def stale_iterations(tmp_path_factory):
 
     Sampler.generate = spy_generate
     trainer = trainer_module.Trainer(config)
-    original_step = trainer.steps.train_step
+    original_step = trainer.steps.updates.step
 
-    def spy_step(params, opt_state, batch, minibatch, first, **frozen):
+    def spy_step(params, opt_state, batch, minibatch, first, **plan_and_frozen):
         kept = jax.tree.map(jnp.copy, params)  # the step donates params
-        new_params, new_opt_state, metrics = original_step(params, opt_state, batch, minibatch, first, **frozen)
+        new_params, new_opt_state, metrics = original_step(params, opt_state, batch, minibatch, first,
+                                                           **plan_and_frozen)
         updates.append(dict(params=kept, batch=batch, first=first, metrics=jax.device_get(metrics)))
         return new_params, new_opt_state, metrics
 
-    trainer.steps.train_step = spy_step
+    trainer.steps.updates.step = spy_step
     try:
         for _ in range(3):
             trainer.train_iteration()
