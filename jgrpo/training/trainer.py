@@ -59,7 +59,6 @@ class Trainer:
     def __init__(self, config: Config):
         self.config = config
         check_before_loading(config)  # the cheap checks first: a bad invocation fails before any model loads
-        self.run_dir = epath.Path(config.run.output_dir)  # a local folder or a bucket (gs://...)
         # The trainer's mesh, and the sampler's: the same one, or disjoint sub-meshes (`mesh.rollout_devices`).
         self.mesh, self.sample_mesh = make_meshes(config.mesh)
         if config.rollout.mode == "async" and config.rollout.role == "both" and jax.process_count() > 1:
@@ -72,7 +71,6 @@ class Trainer:
         if self.total_iterations < config.run.iterations:
             log.warning("the data has %d batches (data.epochs=%d), fewer than run.iterations=%d: stopping there",
                         len(self.data), config.data.epochs, config.run.iterations)
-        self.shuffles, self.reward_names = g.shuffles_minibatches, config.reward.component_names()
         self.steps, self.schedule = step_functions(config, graphdef=self.graphdef, params=params, mesh=self.mesh,
                                                    method=self.sampler.method, iterations=self.total_iterations,
                                                    frozen=self.frozen.train)
@@ -102,7 +100,6 @@ class Trainer:
         base = (config.model.name, fingerprint(self.frozen.train)) if self.frozen.lora and holds else None
         self.checkpointer = make_checkpointer(self.run_dir, config.checkpoint, self.mesh,
                                               resolved_config=to_dict(config), base=base)
-        self.preemption = PreemptionFlag()
         self.evaluator, self.eval_episodes = None, self.episodes
         if config.run.eval_every or config.run.eval_before:
             if self.episodes is not None and config.rollout.mode == "async" and config.rollout.role == "both":
@@ -121,10 +118,45 @@ class Trainer:
                 data.check_state(saved)
 
         parts = load_run_parts(c, self.mesh, self.sample_mesh, check_resume)
-        self.tokenizer, self.data, self.scorer = parts.tokenizer, parts.data, parts.scorer
-        self.graphdef, self.model_config, self.frozen, self.sampler = (parts.graphdef, parts.model_config,
-                                                                       parts.frozen, parts.sampler)
+        self.parts = parts._replace(params=None)  # the params live in the state (each update donates them)
         return parts.params
+
+    # The run's parts (`rollout.run_parts.RunParts`), by name.
+
+    @property
+    def tokenizer(self):
+        return self.parts.tokenizer
+
+    @property
+    def data(self):
+        """The prompt iterator."""
+        return self.parts.data
+
+    @property
+    def scorer(self):
+        return self.parts.scorer
+
+    @property
+    def graphdef(self):
+        return self.parts.graphdef
+
+    @property
+    def model_config(self):
+        return self.parts.model_config
+
+    @property
+    def frozen(self):
+        """The LoRA base (`models.frozen_base.FrozenBase`; nothing frozen without LoRA)."""
+        return self.parts.frozen
+
+    @property
+    def sampler(self):
+        return self.parts.sampler
+
+    @property
+    def run_dir(self) -> epath.Path:
+        """The run's folder: a local one or a bucket (gs://...)."""
+        return epath.Path(self.config.run.output_dir)
 
     # ---------------------------------------------------------------- state
 
@@ -157,12 +189,12 @@ class Trainer:
         """Train until run.iterations (or the data ends); returns "done" or "preempted"."""
         self.maybe_resume()
         status, run_over = "done", False
-        self.preemption.install()
+        preemption = PreemptionFlag().install()
         logger = MetricsLogger(self.run_dir, self.config.logging, self.total_iterations,
                                start_iteration=self.state.iteration, run_config=to_dict(self.config))
         try:
             while self.state.iteration < self.total_iterations:
-                if self.preemption.requested():
+                if preemption.requested():
                     status = "preempted"
                     logger.write(f"preemption requested: saving at iteration {self.state.iteration} and exiting")
                     break
@@ -184,7 +216,7 @@ class Trainer:
             self._save(force=True)
             run_over = status == "done"
         finally:
-            self.preemption.uninstall()
+            preemption.uninstall()
             summary = self.collector.stop(run_over)  # (two jobs: the rollout job waits for a resume unless over)
             if summary:
                 logger.write(summary)
@@ -205,7 +237,8 @@ class Trainer:
     def train_iteration(self, logger: MetricsLogger | None = None) -> dict:
         """One iteration of the loop (the module doc; paper Algorithm 1); returns its metrics record."""
         timings, started = {}, time.perf_counter()
-        shuffle_key = self._split_rng() if self.shuffles else None  # before dynamic sampling's keys
+        # Before dynamic sampling's keys.
+        shuffle_key = self._split_rng() if self.config.grpo.shuffles_minibatches else None
         collected = self.collect(timings)
         step_batch = self.build_step_batch(collected, timings)
         update_metrics = self.update(step_batch, shuffle_key, timings)
@@ -255,7 +288,7 @@ class Trainer:
         eval_metrics = self._maybe_eval(timings)
         timings["checkpoint"] = self._save()
         timings["iteration"] = time.perf_counter() - started
-        facts = IterationFacts(self.reward_names, timings, staleness=k - version,
+        facts = IterationFacts(c.reward.component_names(), timings, staleness=k - version,
                                behaviour_is_current=version == k, lr=lr, lr_last=lr_last, inner_steps=g.inner_steps)
         inputs = collected.inputs
         record = iteration_metrics(collected.rollout, update_metrics, facts, inputs.rewards, inputs.prompt_mask)
