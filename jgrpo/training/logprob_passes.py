@@ -13,6 +13,7 @@ import jax
 from jgrpo.models.lora import join_adapters
 from jgrpo.rl.corrections import m2po_drop
 from jgrpo.rl.lp_k import lp_k_source
+from jgrpo.training.layout import Layout
 from jgrpo.training.step_batch import StepBatch
 from jgrpo.training.step_model import StepModel
 from jgrpo.training.step_options import StepOptions
@@ -22,7 +23,7 @@ class LogprobPasses:
     """The passes of one run: `reference` and `pi_k` (jitted: (params, batch, plan=None) -> [C, r, N]), `m2po_mask`
     (jitted: batch -> [C, r, N] bool), and `run`, which adds what the run needs to a batch."""
 
-    def __init__(self, model: StepModel, layout, options: StepOptions):
+    def __init__(self, model: StepModel, layout: Layout, options: StepOptions):
         self.model, self.layout, self.grpo = model, layout, options.grpo
         self.lp_k_source = lp_k_source(options.grpo, options.on_policy)
         self.reference, self.pi_k = (model.jit(functools.partial(self._logprobs, kind=kind))

@@ -1,6 +1,6 @@
 """The packed layout of a step batch (`model.packing`, #40): the trainer's forwards over packed micro-batches.
 
-The same calls as the padded layout (`padded_layout`, which lists them), for the same numbers, from the same batch
+The calls of a layout (`layout.Layout`), as the padded layout answers them, for the same numbers, from the same batch
 record; the plans, sizes and one micro-batch's forward are `packed_passes`'s:
   - the log-prob passes run the micro-batches of a whole-batch plan and scatter their log-probs back to [C, r, N];
   - an update step plans its minibatch alone (its rows as dealt, after any group shuffle) and, for each packed
@@ -26,6 +26,7 @@ from jgrpo.parallel.mesh import replicated, row_sharding
 from jgrpo.rl.diagnostics import combine_metrics, extreme_kind
 from jgrpo.rl.routing_replay import forward_metrics, routing_metrics
 from jgrpo.sampling.layout import routing_record
+from jgrpo.training.layout import LayoutPlans, MinibatchSums
 from jgrpo.training.packed_passes import (
     PackedBatch,
     PackingTarget,
@@ -38,7 +39,6 @@ from jgrpo.training.packed_passes import (
     row_buckets,
 )
 from jgrpo.training.packing import PackingPlan, unpack
-from jgrpo.training.padded_layout import LayoutPlans, MinibatchSums
 from jgrpo.training.step_batch import StepBatch
 from jgrpo.training.step_model import Forward, StepModel, forward_of
 from jgrpo.training.step_options import StepOptions

@@ -1,21 +1,10 @@
-"""The padded layout of a step batch: every completion padded to N = `sampler.max_new_tokens`, a micro-batch one
-chunk [r, ...] of the batch's [C, r, ...] rows (`step_batch`). The default; `packed_layout` is the other.
-
-A layout is what the log-prob passes (`logprob_passes`) and the update (`update_steps`) are given to run the model
-over the batch; both layouts answer the same calls:
-    plan_passes(prompt_tokens, prompt_mask, samples, batch)   the passes' plan, on the host (here None)
-    plan_update(batch)                                         the update's plan of the (dealt) batch (here None)
-    logprobs(params, batch, plan, kind)                        traced: [C, r, N] log-probs of every row
-    gradients(params, frozen, mb, plan, minibatch, objective)  traced: one minibatch's summed gradients, loss and
-                                                               metric accumulators (`MinibatchSums`)
-    abstract_plans(prompts, prompt_width, micro_batches)       the plans as the planner lowers them (`LayoutPlans`)
-With the G rows of a group in one chunk and `share_prompts`, the padded forward computes each prompt once
+"""The padded layout of a step batch (`layout.Layout`): every completion padded to N = `sampler.max_new_tokens`, a
+micro-batch one chunk [r, ...] of the batch's [C, r, ...] rows (`step_batch`). The default; `packed_layout` is the
+other. With the G rows of a group in one chunk and `share_prompts`, the padded forward computes each prompt once
 (`models.shared_prompt`).
 """
 
 from __future__ import annotations
-
-from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -24,27 +13,10 @@ from jgrpo.models.lora import join_adapters
 from jgrpo.models.shared_prompt import forward_shared_prompts
 from jgrpo.rl.diagnostics import extreme_kind
 from jgrpo.rl.routing_replay import forward_metrics, sampler_ran
+from jgrpo.training.layout import LayoutPlans, MinibatchSums
 from jgrpo.training.step_batch import StepBatch
 from jgrpo.training.step_model import Forward, StepModel, forward_of
 from jgrpo.training.step_options import StepOptions
-
-
-class MinibatchSums(NamedTuple):
-    """One minibatch's micro-batches summed: what the optimiser step applies and reports."""
-
-    grads: Any  # the gradients, a pytree of the trained params
-    loss: jax.Array  # [] the summed loss
-    metrics: dict  # the summed metric accumulators (`rl.diagnostics.combine_metrics`)
-    layout_metrics: dict  # the layout's own (the packed micro-batches used and their fill; {} padded)
-
-
-class LayoutPlans(NamedTuple):
-    """A layout's plans as abstract arrays (the planner's), and the trip counts its loops are costed at."""
-
-    passes: Any = None  # the log-prob passes' plan (None: the layout plans nothing)
-    update: Any = None  # the update's plan, every minibatch's
-    passes_trips: int | None = None  # a loop whose trip count is an argument: the count its cost is taken at
-    update_trips: int | None = None
 
 
 class PaddedLayout:

@@ -16,7 +16,7 @@ from jgrpo.rl.diagnostics import finalize_metrics
 from jgrpo.rl.loss_records import LossExtras, LossInputs
 from jgrpo.rl.lp_k import lp_k_source
 from jgrpo.rl.objectives import StepNorm, grpo_loss, step_has_signal, step_normaliser
-from jgrpo.training.padded_layout import MinibatchSums
+from jgrpo.training.layout import Layout, MinibatchSums
 from jgrpo.training.step_batch import StepBatch, shuffle_groups
 from jgrpo.training.step_model import Forward, StepModel
 from jgrpo.training.step_options import StepOptions
@@ -26,7 +26,7 @@ class UpdateSteps:
     """The optimiser steps of one run: `step` (jitted: one optimiser step on a minibatch, params and optimiser state
     donated), `shuffle` (jitted: the groups re-dealt to the minibatches) and `run`, the host loop over them."""
 
-    def __init__(self, model: StepModel, layout, optimizer: optax.GradientTransformation, shardings: tuple,
+    def __init__(self, model: StepModel, layout: Layout, optimizer: optax.GradientTransformation, shardings: tuple,
                  options: StepOptions):
         """`shardings`: the trained params' and the optimiser state's."""
         self.layout, self.optimizer, self.grpo = layout, optimizer, options.grpo
