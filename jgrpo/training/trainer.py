@@ -60,7 +60,7 @@ class Trainer:
         self.config = config
         check_before_loading(config)  # the cheap checks first: a bad invocation fails before any model loads
         # The trainer's mesh, and the sampler's: the same one, or disjoint sub-meshes (`mesh.rollout_devices`).
-        self.mesh, self.sample_mesh = make_meshes(config.mesh)
+        self.meshes = make_meshes(config.mesh)
         if config.rollout.mode == "async" and config.rollout.role == "both" and jax.process_count() > 1:
             raise ConfigError(f"rollout.mode=async in one job needs one process (this run has "
                               f"{jax.process_count()}): the producer thread's programs would reach the processes in "
@@ -68,6 +68,7 @@ class Trainer:
         params = self._load()
         g = config.grpo
         self.total_iterations = min(config.run.iterations, len(self.data))
+        self.shuffles, self.reward_names = g.shuffles_minibatches, config.reward.component_names()
         if self.total_iterations < config.run.iterations:
             log.warning("the data has %d batches (data.epochs=%d), fewer than run.iterations=%d: stopping there",
                         len(self.data), config.data.epochs, config.run.iterations)
@@ -80,9 +81,9 @@ class Trainer:
                          if config.env.on else None)  # rows are multi-turn episodes with an environment
         source = RolloutSource(config, data=self.data, sampler=self.sampler, scoring=scoring, root=root,
                                episodes=self.episodes)
-        self.weights = SamplingWeights(config, params, frozen=self.frozen, train_mesh=self.mesh,
-                                       sample_mesh=self.sample_mesh)
-        self.collector = Collector(config, source=source, weights=self.weights, train_mesh=self.mesh)
+        weights = SamplingWeights(config, params, frozen=self.frozen, train_mesh=self.mesh,
+                                  sample_mesh=self.sample_mesh)
+        self.collector = Collector(config, source=source, weights=weights, train_mesh=self.mesh)
         # The reference is the initial params (a copy: the current params are donated to every update) until a
         # swap replaces it; without beta there is no reference at all. LoRA's is the base alone (no adapters), or
         # with swaps a frozen copy of the adapters (B = 0: the base exactly), so a swap changes no program.
@@ -152,6 +153,22 @@ class Trainer:
     @property
     def sampler(self):
         return self.parts.sampler
+
+    @property
+    def mesh(self):
+        """The trainer's mesh."""
+        return self.meshes[0]
+
+    @property
+    def sample_mesh(self):
+        """The sampler's mesh: the trainer's, or disjoint devices (`mesh.rollout_devices`)."""
+        return self.meshes[1]
+
+    @property
+    def weights(self):
+        """The params that sample and when they refresh (`rollout.sampling_weights.SamplingWeights`), which the
+        collector holds."""
+        return self.collector.weights
 
     @property
     def run_dir(self) -> epath.Path:
@@ -237,8 +254,7 @@ class Trainer:
     def train_iteration(self, logger: MetricsLogger | None = None) -> dict:
         """One iteration of the loop (the module doc; paper Algorithm 1); returns its metrics record."""
         timings, started = {}, time.perf_counter()
-        # Before dynamic sampling's keys.
-        shuffle_key = self._split_rng() if self.config.grpo.shuffles_minibatches else None
+        shuffle_key = self._split_rng() if self.shuffles else None  # before dynamic sampling's keys
         collected = self.collect(timings)
         step_batch = self.build_step_batch(collected, timings)
         update_metrics = self.update(step_batch, shuffle_key, timings)
@@ -288,7 +304,7 @@ class Trainer:
         eval_metrics = self._maybe_eval(timings)
         timings["checkpoint"] = self._save()
         timings["iteration"] = time.perf_counter() - started
-        facts = IterationFacts(c.reward.component_names(), timings, staleness=k - version,
+        facts = IterationFacts(self.reward_names, timings, staleness=k - version,
                                behaviour_is_current=version == k, lr=lr, lr_last=lr_last, inner_steps=g.inner_steps)
         inputs = collected.inputs
         record = iteration_metrics(collected.rollout, update_metrics, facts, inputs.rewards, inputs.prompt_mask)
