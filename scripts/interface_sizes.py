@@ -12,15 +12,20 @@ a class that holds more attributes is two classes (the design notes). EXEMPT fil
 change and are counted only with `--all`; classes of the other rooms are listed, not held to the limit.
 
 It prints every function and class over its limit, then one JSON line with the totals;
-tests/test_interface_sizes.py runs it and expects none over in ROOMS.
+tests/test_interface_sizes.py runs it and expects none over in ROOMS. `--rev REV` counts a commit's package instead
+of this checkout's (the before of a change), read from git without checking it out.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import io
 import json
+import subprocess
 import sys
+import tarfile
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -104,11 +109,25 @@ def over_limits(sizes: dict, other_rooms: bool = False) -> dict:
                         if v > LIMITS["attributes"] and (other_rooms or not k.startswith("other:"))}}
 
 
+def _measure_rev(rev: str, include_exempt: bool) -> dict:
+    """`measure` of the package as commit `rev` holds it (unpacked from `git archive` into a scratch folder)."""
+    archive = subprocess.run(["git", "archive", "--format=tar", rev, "jgrpo"], cwd=ROOT, capture_output=True,
+                             check=True).stdout
+    with tempfile.TemporaryDirectory() as tmp:
+        with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+            tar.extractall(tmp, filter="data")
+        return measure(Path(tmp) / "jgrpo", include_exempt)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--all", action="store_true", help=f"count the exempt files too: {', '.join(EXEMPT)}")
+    parser.add_argument("--rev", help="count this git revision's package (e.g. main, HEAD~3) instead")
     args = parser.parse_args(argv)
-    sizes = measure(include_exempt=args.all)
+    if args.rev:
+        sizes = _measure_rev(args.rev, args.all)
+    else:
+        sizes = measure(include_exempt=args.all)
     over, everywhere = over_limits(sizes), over_limits(sizes, other_rooms=True)
     print(f"public functions in {', '.join(ROOMS)} with more than {LIMITS['parameters']} parameters:")
     for name, count in sorted(over["functions"].items(), key=lambda kv: -kv[1]):

@@ -7,6 +7,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from tests.helpers import ROOT
 
 SCRIPT = ROOT / "scripts" / "interface_sizes.py"
@@ -63,3 +65,11 @@ def test_the_counts_see_what_is_over(tmp_path):
     wide = f"{package.name}/training/wide.py"  # the file written above (spelled so test_docs does not look for it)
     assert sizes["functions"][f"{wide}::Holder.__init__"] == 8
     assert script.over_limits(sizes) == {"functions": {f"{wide}::nine": 9}, "classes": {f"{wide}::Holder": 16}}
+
+
+def test_it_counts_a_commit_too():
+    # `--rev` reads a commit's package from git (the before of a change): HEAD's counts, as this checkout's are.
+    if subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True).returncode:
+        pytest.skip("not a git checkout")
+    sizes = _script()._measure_rev("HEAD", include_exempt=False)
+    assert len(sizes["functions"]) > 200 and len(sizes["classes"]) > 20
