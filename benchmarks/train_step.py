@@ -116,7 +116,7 @@ def jgrpo_step_setup(graphdef, params, host, *, chunk: int, generations: int, sh
                            truncated=jnp.zeros(mask.shape[0], bool), loss_mask=mask,
                            version=jnp.zeros(mask.shape, jnp.int32))
     batch, _ = steps.assemble(host["prompt_tokens"], host["prompt_mask"], samples, host["rewards"])
-    lp = steps.logprobs(join_adapters(params, frozen), batch)  # on-policy: behaviour = reference = current params
+    lp = steps.passes.pi_k(join_adapters(params, frozen), batch)  # on-policy: behaviour = reference = current params
     batch = batch._replace(lp_alpha=lp, lp_ref=lp)
     return steps, jax.block_until_ready(batch), steps.init_opt_state(params)
 

@@ -33,7 +33,7 @@ def lora_run(tmp_path_factory):
             return np.asarray(merge_model(graphdef, params).logits(hidden))
 
         adapted = logits(trainer.graphdef, trainer.frozen.join(trainer.state.params))
-        return run_dir, adapted, logits(trainer.steps.base_graphdef, trainer.frozen.train)
+        return run_dir, adapted, logits(trainer.steps.model.base_graphdef, trainer.frozen.train)
     finally:
         trainer.close()
 

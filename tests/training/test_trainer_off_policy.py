@@ -136,5 +136,11 @@ def test_stale_update_matches_closed_form(stale_iterations, k):
     # the full gradient of the trainer's loss (the function its jitted step differentiates) on its own batch
     micro = jax.tree.map(lambda x: x[0], update["batch"])  # one chunk: a single micro-batch
     norm = step_normaliser(micro.completion_mask, micro.adv.in_loss, g, max_new_tokens=N)
-    trainer_grad = _flat(jax.grad(lambda p: trainer.steps._loss(p, micro, norm, update["first"])[0])(update["params"]))
+    steps = trainer.steps
+
+    def trainer_loss(params):  # the padded layout's forward and the update's objective, as its step runs them
+        forward = steps.layout.forward(params, micro, with_kl=g.beta > 0)
+        return steps.updates._objective(forward, micro, g.micro_batches, norm=norm, first_update=update["first"])[0]
+
+    trainer_grad = _flat(jax.grad(trainer_loss)(update["params"]))
     assert np.linalg.norm(trainer_grad - grad) <= 1e-4 * np.linalg.norm(grad)
