@@ -22,7 +22,7 @@ MOVED = {
     "mesh": "parallel.mesh", "host_arrays": "parallel.host_arrays", "distributed": "parallel.distributed",
     "platform_defaults": "parallel.platform_defaults", "process_setup": "parallel.startup",
     "frozen_base": "models.frozen_base",
-    "sampler": "sampling.sampler", "slot_decoding": "sampling.slot_pool", "sampling_methods": "sampling.methods",
+    "sampler": "sampling.sampler", "slot_decoding": "sampling.decode_loop", "sampling_methods": "sampling.methods",
     "advantages": "rl.advantages", "objectives": "rl.objectives", "corrections": "rl.corrections",
     "diagnostics": "rl.diagnostics", "logprobs": "rl.logprobs", "behaviour_refresh": "rl.behaviour_refresh",
     "rollout_source": "rollout.sources", "dynamic_sampling": "rollout.dynamic_sampling",
@@ -33,6 +33,8 @@ MOVED = {
     "preflight": "training.preflight", "fingerprint": "training.fingerprint",
     "abstract_run": "planning.abstract_run", "hlo_cost": "planning.hlo_cost", "hlo_inspect": "planning.hlo_inspect",
     "roofline": "planning.roofline",
+    # The paged cache (docs/architecture.md): the sampler's modules named after what they hold.
+    "sampling.pool": "sampling.state", "sampling.slot_pool": "sampling.decode_loop", "models.decode": "models.decode_step",
 }
 _warned: set[str] = set()
 

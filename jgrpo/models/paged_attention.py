@@ -91,6 +91,8 @@ def paged_attention_xla(q, k_pool, v_pool, view: PageView, block: int):
 
     carry = (jnp.int32(0), jnp.full((Q, n, KVH, G), _LOWEST, jnp.float32), jnp.zeros((Q, n, KVH, G), jnp.float32),
              jnp.zeros((Q, n, KVH, G, Dh), jnp.float32))
-    _, _, total, out = jax.lax.while_loop(lambda c: c[0] < trips, body, carry)
+    # Bounded by the whole table too: a `counter < constant` the planner reads as this loop's worst case.
+    blocks = table.shape[-1] // block
+    _, _, total, out = jax.lax.while_loop(lambda c: (c[0] < blocks) & (c[0] < trips), body, carry)
     out = out / jnp.maximum(total, jnp.finfo(jnp.float32).tiny)[..., None]  # a row with no token (an empty slot): 0
     return out.astype(cdt).reshape(Q, n, H, Dh)

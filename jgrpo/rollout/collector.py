@@ -29,7 +29,7 @@ from jgrpo.rollout.records import Rollout
 from jgrpo.rollout.remote import RemoteRollouts
 from jgrpo.rollout.sampling_weights import Refresh, SamplingWeights
 from jgrpo.rollout.sources import DataExhausted, RolloutSource
-from jgrpo.sampling.pool import SampleOutput
+from jgrpo.sampling.state import SampleOutput
 
 log = logging.getLogger(__name__)
 

@@ -42,7 +42,7 @@ from jgrpo.rollout.async_producer import Intake, Produced
 from jgrpo.rollout.process_links import join_rollouts, link_problem, rollout_targets, trainer_sources, weight_peers
 from jgrpo.rollout.records import Rollout
 from jgrpo.rollout.sources import DataExhausted
-from jgrpo.sampling.pool import SampleOutput
+from jgrpo.sampling.state import SampleOutput
 
 log = logging.getLogger(__name__)
 

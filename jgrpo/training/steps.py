@@ -48,7 +48,7 @@ from jgrpo.rl.lp_k import lp_k_source
 from jgrpo.rl.objectives import grpo_loss, step_has_signal, step_normaliser
 from jgrpo.rl.routing_replay import forward_metrics, sampler_ran, sequence_routing
 from jgrpo.sampling.methods import SamplingMethod
-from jgrpo.sampling.pool import SampleOutput
+from jgrpo.sampling.state import SampleOutput
 from jgrpo.training.packed_steps import PackedSteps
 
 
