@@ -44,8 +44,8 @@ from jgrpo.planning.roofline import CHIPS, Chip
 from jgrpo.rollout.sampling_weights import sampling_copy
 from jgrpo.sampling.layout import routing_record
 from jgrpo.sampling.methods import SamplingMethod
-from jgrpo.sampling.state import SampleOutput
 from jgrpo.sampling.sampler import Prompts, Sampler
+from jgrpo.sampling.state import SampleOutput
 from jgrpo.training.packed_passes import data_shards, packed_shapes, packed_sizes
 from jgrpo.training.programs import iteration_programs, step_functions
 from jgrpo.training.steps import StepFunctions

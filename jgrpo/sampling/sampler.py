@@ -22,6 +22,7 @@ the key, its global row index and the model, not on the batch sharding, the slot
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -34,12 +35,13 @@ from jax.sharding import Mesh
 from jgrpo.config import SamplerConfig
 from jgrpo.models.attention_backends import mesh_context_factory
 from jgrpo.models.llm import abstract_model, model_config, param_logical_axes
+from jgrpo.models.paged_attention import resolve_paged_attention
 from jgrpo.models.quantize import quantized, with_int8, without_scales
 from jgrpo.parallel.mesh import SAMPLE_RULES, Rules, logical_shardings, replicated
 from jgrpo.sampling import turns
+from jgrpo.sampling.decode_loop import sample
 from jgrpo.sampling.layout import plan_and_layout, platform
 from jgrpo.sampling.methods import SamplingMethod
-from jgrpo.sampling.decode_loop import sample
 from jgrpo.sampling.state import PoolSpec, SampleOutput
 
 __all__ = ["Prompts", "SampleOutput", "Sampler", "SamplingMethod", "stop_ids_for"]
@@ -163,10 +165,14 @@ class Sampler:
         return self._derived[key]
 
     def _context(self, cfg):
-        """The context the prefill's attention kernel traces in (a mesh for splash), a new one per call."""
+        """The context the program's kernels trace in (a mesh for splash's prefill and for the paged attention's
+        kernel, which run per device), a new one per call."""
         key = ("context", cfg.attention, cfg.num_experts)
         if key not in self._derived:
-            self._derived[key] = mesh_context_factory(cfg, self.mesh)
+            kernel = self.mesh is not None and resolve_paged_attention(self.paged_attention,
+                                                                       platform(self.mesh)) == "pallas"
+            self._derived[key] = functools.partial(jax.set_mesh, self.mesh) if kernel else \
+                mesh_context_factory(cfg, self.mesh)
         return self._derived[key]()
 
     def generate(self, params, prompts: Prompts, key: jax.Array, version: int = 0) -> SampleOutput:

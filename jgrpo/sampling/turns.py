@@ -50,7 +50,6 @@ from jgrpo.parallel.host_arrays import fetch
 from jgrpo.sampling.decode_loop import (
     draw,
     free_slots,
-    local_prompt,
     outputs,
     release,
     start,

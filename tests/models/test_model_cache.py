@@ -1,7 +1,6 @@
 """Prefill + one-token decode through the KV cache reproduces the full-sequence forward."""
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
