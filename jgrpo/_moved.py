@@ -34,7 +34,8 @@ MOVED = {
     "abstract_run": "planning.abstract_run", "hlo_cost": "planning.hlo_cost", "hlo_inspect": "planning.hlo_inspect",
     "roofline": "planning.roofline",
     # The paged cache (docs/architecture.md): the sampler's modules named after what they hold.
-    "sampling.pool": "sampling.state", "sampling.slot_pool": "sampling.decode_loop", "models.decode": "models.decode_step",
+    "sampling.pool": "sampling.state", "sampling.slot_pool": "sampling.decode_loop",
+    "models.decode": "models.decode_step",
 }
 _warned: set[str] = set()
 

@@ -64,7 +64,7 @@ def _kernel(table_ref, prompt_pages_ref, prompt_len_ref, own_len_ref, q_ref, k_h
     def start(block, slot):
         for entry, each in copies(block, slot):
             @pl.when(entry < live)
-            def _():
+            def _(each=each):  # (run at once by pl.when; the default binds this entry's copies)
                 for c in each:
                     c.start()
 
@@ -87,13 +87,13 @@ def _kernel(table_ref, prompt_pages_ref, prompt_len_ref, own_len_ref, q_ref, k_h
         pages = copies(block, slot)
         for entry, each in pages:  # every copy of the block first: they share a semaphore, done in any order
             @pl.when(entry < live)
-            def _():
+            def _(each=each):
                 for c in each:
                     c.wait()
 
         for j, (entry, _) in enumerate(pages):
             @pl.when(entry < live)
-            def _():
+            def _(j=j, entry=entry):
                 k = k_buf[slot, j].astype(jnp.float32)  # [ps, Dh]
                 v = v_buf[slot, j].astype(jnp.float32)
                 if int8:

@@ -23,10 +23,10 @@ from jgrpo.config.loading import load_config
 from jgrpo.parallel.mesh import SAMPLE_RULES, TRAIN_RULES, Rules
 from jgrpo.planning.abstract_run import Iteration, lower_iteration, parameter_count, program_names
 from jgrpo.planning.decode_reads import decode_cache_bytes, decode_weight_bytes
-from jgrpo.planning.paged_rows import KVShape
 from jgrpo.planning.hlo_cost import HloCost
 from jgrpo.planning.hlo_inspect import loops
 from jgrpo.planning.hlo_inspect import summary as loop_summary
+from jgrpo.planning.paged_rows import KVShape
 from jgrpo.planning.roofline import Chip, iteration_model_flops, roofline
 
 GIB = 2**30

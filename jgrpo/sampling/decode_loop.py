@@ -392,7 +392,7 @@ def decode(spec: PoolSpec, w: Weights, store: PromptStore, pool: Pool) -> Pool:
     bound = step_bound(plan)
     with jax.named_scope("decode"):
         levels = [plan.slots_per_queue >> i for i in range(plan.shrink + 1) if plan.slots_per_queue >> i >= 1]
-        for i, slots in enumerate(levels):
+        for i in range(len(levels)):
             smaller = levels[i + 1] if i + 1 < len(levels) else 0
 
             def go_on(p, smaller=smaller):
