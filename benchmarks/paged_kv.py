@@ -40,7 +40,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent.parent))  # this checkout's jgrpo, installed or not
 
 ROOT = Path(__file__).resolve().parent.parent
-QUESTIONS = ROOT / "tests" / "data" / "gsm8k_sample.jsonl"
+QUESTIONS = ROOT / "tests" / "testdata" / "gsm8k_sample.jsonl"
 # The paper configs' system prompt, and a worked example so that prompts are ~200 tokens (as GSM8K few-shot is).
 SYSTEM = ("Please reason step by step, and write the final answer as a number after '####'. For example: "
           "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many "
