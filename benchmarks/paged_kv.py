@@ -131,8 +131,8 @@ def tpu_figures(name: str, lengths: list[int], prompt_len: float) -> dict:
     """Rows in flight and a step's bytes over the live minimum for one config on v5e:2x4 (see the module)."""
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     from jgrpo.config.loading import load_config
-    from jgrpo.planning.abstract_run import topology_devices
-    from jgrpo.planning.fit import GIB, plan_iteration
+    from jgrpo.planning.abstract_run import lower_iteration, topology_devices
+    from jgrpo.planning.fit import GIB, compile_program, sampler_pages
     from jgrpo.planning.paged_rows import (
         KVShape,
         paged_row_tokens,
@@ -144,9 +144,12 @@ def tpu_figures(name: str, lengths: list[int], prompt_len: float) -> dict:
     path, overrides = CONFIGS[name]
     config = load_config(ROOT / path, overrides)
     devices, chip = topology_devices("v5e:2x4")
-    plan = plan_iteration(config, devices)
-    s = plan["sampler"]
-    sample = next(p for p in plan["programs"] if p["name"] == "sample")
+    iteration = lower_iteration(config, devices, names=("sample",))  # the sampler's program only
+    (program,) = iteration.programs
+    report = compile_program(program.name, program.lowered, program.resident_argument_bytes, program.runs,
+                             iteration.run.cfg.head_dim, program.traced_trips)
+    s = sampler_pages(iteration, [report])
+    sample = {"decode_weight_bytes": report.decode_weight_bytes}
     kv, G, P, N, ps = KVShape(**s["kv"]), s["group"], s["prompt_width"], s["new_tokens"], s["page_size"]
     free = chip.hbm_gib * GIB - s["without_pool_bytes"]
     final = np.minimum(np.asarray(lengths, float), N)

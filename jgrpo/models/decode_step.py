@@ -69,9 +69,8 @@ def _layer(cfg, p, x, cos, sin, k_pool, v_pool, inputs: StepInputs, options: Ste
         new = new.reshape(Q, n, *new.shape[2:])
         pools.append(paged_kv.write_tokens(pool, kv_quant.store(new, pool), inputs.page, inputs.offset, layer))
     k_pool, v_pool = pools
-    read_k, read_v = (paged_kv.layer_pool(pool, layer) for pool in pools)
-    attended = paged_attention(options.attention, q.reshape(Q, n, *q.shape[2:]), read_k, read_v, inputs.view,
-                               options.block)
+    attended = paged_attention(options.attention, q.reshape(Q, n, *q.shape[2:]), k_pool, v_pool, inputs.view,
+                               options.block, layer)
     x, ids, _ = layer_output(cfg, p, x, attended.reshape(q.shape))
     return x, k_pool, v_pool, None if ids is None else ids[:, 0]
 

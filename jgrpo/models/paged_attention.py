@@ -36,16 +36,17 @@ def resolve_paged_attention(choice: str, platform: str) -> str:
     return resolve("sampler.paged_attention", choice, PAGED_ATTENTION, PAGED_ATTENTION_AUTO, platform)
 
 
-def paged_attention(implementation: str, q, k_pool, v_pool, view: PageView, block: int):
-    """q [Q, n, H, Dh] (one token per row) over the rows' pages in one layer's pools k_pool, v_pool
-    [Q, P, KVH, page_size, Dh] -> [Q, n, H, Dh] in q's dtype. `block`: table entries read at a time (xla)."""
+def paged_attention(implementation: str, q, k_pool, v_pool, view: PageView, block: int, layer=None):
+    """q [Q, n, H, Dh] (one token per row) over the rows' pages in the pools k_pool, v_pool [Q, P, KVH,
+    page_size, Dh] (with `layer`, a traced index: layer `layer` of stacked pools [L, Q, P, ...], read in place)
+    -> [Q, n, H, Dh] in q's dtype. `block`: table entries read at a time (xla)."""
     if implementation == "pallas":
         from jgrpo.models.paged_attention_tpu import paged_attention_tpu
 
-        return paged_attention_tpu(q, k_pool, v_pool, view)
+        return paged_attention_tpu(q, k_pool, v_pool, view, layer)
     if implementation != "xla":
         raise ValueError(f"unknown paged attention {implementation!r}; one of {PAGED_ATTENTION}")
-    return paged_attention_xla(q, k_pool, v_pool, view, block)
+    return paged_attention_xla(q, k_pool, v_pool, view, block, layer)
 
 
 def _operand(pages, dtype):
@@ -55,11 +56,11 @@ def _operand(pages, dtype):
     return pages.astype(dtype), None
 
 
-def paged_attention_xla(q, k_pool, v_pool, view: PageView, block: int):
+def paged_attention_xla(q, k_pool, v_pool, view: PageView, block: int, layer=None):
     """The `xla` implementation: blocks of `block` table entries in a while loop up to the longest live table."""
     Q, n, H, Dh = q.shape
     shape = k_pool.values.shape if kv_quant.is_int8(k_pool) else k_pool.shape
-    P, KVH, ps = shape[1], shape[2], shape[3]
+    P, KVH, ps = shape[-4], shape[-3], shape[-2]
     G = H // KVH
     entries = view.table.shape[-1]
     table = jnp.pad(view.table, ((0, 0), (0, 0), (0, -entries % block)), constant_values=P)
@@ -71,8 +72,8 @@ def paged_attention_xla(q, k_pool, v_pool, view: PageView, block: int):
         b, m, total, out = carry
         at = b * block + jnp.arange(block)
         ids = jax.lax.dynamic_slice_in_dim(table, b * block, block, axis=2)  # [Q, n, block]
-        k, k_scale = _operand(read_pages(k_pool, ids), cdt)  # [Q, n, block, KVH, ps, Dh]
-        v, v_scale = _operand(read_pages(v_pool, ids), cdt)
+        k, k_scale = _operand(read_pages(k_pool, ids, layer), cdt)  # [Q, n, block, KVH, ps, Dh]
+        v, v_scale = _operand(read_pages(v_pool, ids, layer), cdt)
         valid = jnp.arange(ps) < view.tokens_in(jnp.broadcast_to(at, ids.shape), ps)[..., None]  # [Q, n, block, ps]
         valid = valid[:, :, None, None]  # [Q, n, 1, 1, block, ps]
         scores = jnp.einsum("qnkgd,qnbkpd->qnkgbp", qg, k, preferred_element_type=jnp.float32)

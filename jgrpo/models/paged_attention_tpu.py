@@ -37,14 +37,15 @@ _BLOCK = 4  # pages copied per block (double-buffered)
 _MASK = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: a masked score never makes inf - inf
 
 
-def _kernel(table_ref, prompt_pages_ref, prompt_len_ref, own_len_ref, q_ref, k_hbm, v_hbm, *rest, entries: int,
-            page_size: int, int8: bool):
-    """Row b, KV head h: o [G, Dh] = softmax(q k^T / sqrt(Dh)) v over the row's live pages."""
+def _kernel(layer_ref, table_ref, prompt_pages_ref, prompt_len_ref, own_len_ref, q_ref, k_hbm, v_hbm, *rest,
+            entries: int, page_size: int, int8: bool):
+    """Row b, KV head h: o [G, Dh] = softmax(q k^T / sqrt(Dh)) v over the row's live pages of layer `layer` (the
+    pools are the stacked [L, pages, KVH, ps, Dh]: a page is copied from where it lies, no layer is sliced out)."""
     if int8:
         k_scale_hbm, v_scale_hbm, o_ref, k_buf, v_buf, k_scale_buf, v_scale_buf, m_ref, l_ref, acc_ref, sems = rest
     else:
         o_ref, k_buf, v_buf, m_ref, l_ref, acc_ref, sems = rest
-    b, h = pl.program_id(0), pl.program_id(1)
+    b, h, layer = pl.program_id(0), pl.program_id(1), layer_ref[0]
     prompt_pages, prompt_len, own_len = prompt_pages_ref[b], prompt_len_ref[b], own_len_ref[b]
     live = prompt_pages + (own_len + page_size - 1) // page_size
     blocks = (live + _BLOCK - 1) // _BLOCK
@@ -57,7 +58,7 @@ def _kernel(table_ref, prompt_pages_ref, prompt_len_ref, own_len_ref, q_ref, k_h
             page = table_ref[b * entries + jnp.minimum(entry, entries - 1)]
             pairs = [(k_hbm, k_buf), (v_hbm, v_buf)] + ([(k_scale_hbm, k_scale_buf), (v_scale_hbm, v_scale_buf)]
                                                         if int8 else [])
-            out.append((entry, [pltpu.make_async_copy(src.at[page, h], dst.at[slot, j], sems.at[slot])
+            out.append((entry, [pltpu.make_async_copy(src.at[layer, page, h], dst.at[slot, j], sems.at[slot])
                                 for src, dst in pairs]))
         return out
 
@@ -117,17 +118,17 @@ def _kernel(table_ref, prompt_pages_ref, prompt_len_ref, own_len_ref, q_ref, k_h
     o_ref[...] = (acc_ref[...] / jnp.maximum(l_ref[...], jnp.finfo(jnp.float32).tiny)).astype(o_ref.dtype)
 
 
-def _one_device(q, k_pool, v_pool, view: PageView, interpret):
-    """This device's queues: q [q, n, H, Dh], pools [q, NP, KVH, ps, Dh] -> [q, n, H, Dh]."""
+def _one_device(q, k_pool, v_pool, view: PageView, layer, interpret):
+    """This device's queues: q [q, n, H, Dh], stacked pools [L, q, NP, KVH, ps, Dh] -> [q, n, H, Dh]."""
     Qd, n, H, Dh = q.shape
     int8 = kv_quant.is_int8(k_pool)
     values = k_pool.values if int8 else k_pool
-    _, NP, KVH, ps, _ = values.shape
+    L, _, NP, KVH, ps, _ = values.shape
     G, entries, rows = H // KVH, view.table.shape[-1], Qd * n
     # Each row's pages as indices into its device's pools laid end to end: queue i's page p is i * NP + p.
     offset = (jnp.arange(Qd, dtype=jnp.int32) * NP)[:, None, None]
     table = jnp.where(view.table < NP, view.table + offset, 0).reshape(-1)
-    flat = lambda x: x.reshape(Qd * NP, *x.shape[2:])  # noqa: E731
+    flat = lambda x: x.reshape(L, Qd * NP, *x.shape[3:])  # noqa: E731 - a view: the queue and page axes merged
     pools = [flat(k_pool.values), flat(v_pool.values), flat(k_pool.scales), flat(v_pool.scales)] if int8 else \
         [flat(k_pool), flat(v_pool)]
     q_spec = pl.BlockSpec((None, None, G, Dh), lambda b, h, *_: (b, h, 0, 0))
@@ -138,31 +139,36 @@ def _one_device(q, k_pool, v_pool, view: PageView, interpret):
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=4, grid=(rows, KVH),
+            num_scalar_prefetch=5, grid=(rows, KVH),
             in_specs=[q_spec] + [pl.BlockSpec(memory_space=pl.ANY)] * len(pools), out_specs=q_spec,
             scratch_shapes=buffers + [pltpu.VMEM((G, 1), jnp.float32), pltpu.VMEM((G, 1), jnp.float32),
                                       pltpu.VMEM((G, Dh), jnp.float32), pltpu.SemaphoreType.DMA((2,))]),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
         out_shape=jax.ShapeDtypeStruct((rows, KVH, G, Dh), q.dtype),
         interpret=pltpu.InterpretParams() if interpret else False,
-    )(table, *(x.reshape(-1).astype(jnp.int32) for x in (view.prompt_pages, view.prompt_len, view.own_len)),
+    )(jnp.reshape(layer, (1,)).astype(jnp.int32), table,
+      *(x.reshape(-1).astype(jnp.int32) for x in (view.prompt_pages, view.prompt_len, view.own_len)),
       q.reshape(rows, KVH, G, Dh), *pools)
     return out.reshape(Qd, n, H, Dh)
 
 
-def paged_attention_tpu(q, k_pool, v_pool, view: PageView):
-    """q [Q, n, H, Dh] over the rows' live pages of one layer's pools [Q, NP, KVH, ps, Dh] -> [Q, n, H, Dh]; on a
-    CPU in Pallas's TPU interpreter (tests only: slow)."""
+def paged_attention_tpu(q, k_pool, v_pool, view: PageView, layer=None):
+    """q [Q, n, H, Dh] over the rows' live pages of the pools [Q, NP, KVH, ps, Dh] (with `layer`: of that layer
+    of stacked pools [L, Q, NP, ...]) -> [Q, n, H, Dh]; on a CPU in Pallas's TPU interpreter (tests only: slow)."""
+    if layer is None:  # one layer's pools: a stack of one
+        k_pool, v_pool = (kv_quant.per_part(lambda x: x[None], p) for p in (k_pool, v_pool))
+        layer = 0
+    layer = jnp.asarray(layer, jnp.int32)
     interpret = context_platform() != "tpu"
     mesh = jax.sharding.get_abstract_mesh()
     run = functools.partial(_one_device, interpret=interpret)
     if mesh.empty:
-        return run(q, k_pool, v_pool, view)
-    KVH = (k_pool.values if kv_quant.is_int8(k_pool) else k_pool).shape[2]
+        return run(q, k_pool, v_pool, view, layer)
+    KVH = (k_pool.values if kv_quant.is_int8(k_pool) else k_pool).shape[3]
     rows = dividing_axes(mesh, BATCH_AXES, q.shape[0])
     heads = dividing_axes(mesh, ("tensor",), KVH)
-    qs, pool = PartitionSpec(rows, None, heads), PartitionSpec(rows, None, heads)
+    qs, pool = PartitionSpec(rows, None, heads), PartitionSpec(None, rows, None, heads)
     view_spec = PageView(PartitionSpec(rows), PartitionSpec(rows), PartitionSpec(rows), PartitionSpec(rows))
     pool_spec = kv_quant.Int8KV(pool, pool) if kv_quant.is_int8(k_pool) else pool
-    return jax.shard_map(run, mesh=mesh, in_specs=(qs, pool_spec, pool_spec, view_spec), out_specs=qs,
-                         check_vma=False)(q, k_pool, v_pool, view)
+    return jax.shard_map(run, mesh=mesh, in_specs=(qs, pool_spec, pool_spec, view_spec, PartitionSpec()),
+                         out_specs=qs, check_vma=False)(q, k_pool, v_pool, view, layer)

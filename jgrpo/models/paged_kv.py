@@ -90,14 +90,12 @@ def write_pages(pool, new, table, layer=None):
     return kv_quant.per_part(lambda p, x: jax.vmap(one_queue, (axis, 0, 0), axis)(p, x, table), pool, new)
 
 
-def read_pages(pool, table):
-    """The pages `table` [Q, n, e] of each queue's pool [Q, P, KVH, ps, Dh] (one layer): [Q, n, e, KVH, ps, Dh];
+def read_pages(pool, table, layer=None):
+    """The pages `table` [Q, n, e] of each queue's pool [Q, P, KVH, ps, Dh] (with `layer`, a traced index: of
+    layer `layer` of the stacked pool [L, Q, P, ...], read in place, no copy of the layer): [Q, n, e, KVH, ps, Dh];
     an entry `pages` (none) reads page 0, for the caller to mask."""
-    pages = pool.values.shape[1] if kv_quant.is_int8(pool) else pool.shape[1]
-    table = jnp.where(table < pages, table, 0)
-    return kv_quant.per_part(lambda p: jax.vmap(lambda p, t: p[t])(p, table), pool)
-
-
-def layer_pool(pool, layer):
-    """One layer's pool [Q, P, ...] out of a stacked one (`layer` traced), or `pool` itself when it is one layer's."""
-    return pool if layer is None else kv_quant.per_part(lambda p: p[layer], pool)
+    shape = pool.values.shape if kv_quant.is_int8(pool) else pool.shape
+    table = jnp.where(table < shape[-4], table, 0)
+    if layer is None:
+        return kv_quant.per_part(lambda p: jax.vmap(lambda p, t: p[t])(p, table), pool)
+    return kv_quant.per_part(lambda p: jax.vmap(lambda p, t: p[layer, t], (1, 0))(p, table), pool)
