@@ -13,8 +13,9 @@ nearly every row is cut). `_at_mean` holds every row at its final mean length in
 
 CPU: SmolLM2-135M-Instruct, 8 GSM8K-style prompts of ~200 tokens x G = 16, up to 512 new tokens at the model's own
 lengths, temperature 1, the same key on both engines; the slot pool is run from a git worktree of `--rev` (the
-commit before the paged cache) in a fresh process, the paged engine from this tree, each timed on its second call
-(the first compiles), peak memory = the process's resident-set peak during that call over its size before it.
+commit before the paged cache) in a fresh process, the paged engine from this tree, each program compiled ahead
+(`jit(...).lower(...).compile()`) and timed on one call, peak memory = the process's resident-set peak during that
+call over its size before it.
 
     python benchmarks/paged_kv.py                      # everything (~25 min on 2 cores)
     python benchmarks/paged_kv.py --skip-tpu           # the CPU part only
@@ -71,8 +72,15 @@ def worker(out: Path) -> None:
     options = json.loads(os.environ.get("PAGED_KV_OPTIONS", "{}"))
     sampler = Sampler(graphdef, max_new_tokens=512, num_samples=16, method=SamplingMethod(temperature=1.0),
                       stop_ids=stop_ids_for(tokenizer), pad_id=pad_id_for(tokenizer), **options)
-    prompts = Prompts(tokens, mask)
-    jax.block_until_ready(sampler.generate(params, prompts, jax.random.key(0)).tokens)  # compile
+    # Compiled ahead of the timed call (the program `generate` runs, without running it once: half the time).
+    try:
+        from jgrpo.sampling.decode_loop import sample
+    except ImportError:  # the slot pool's commit
+        from jgrpo.sampling.slot_pool import sample
+    prompts, cfg = sampler.checked(params, Prompts(tokens, mask))
+    spec = sampler.spec(*tokens.shape, cfg)
+    key, version = jax.random.key(1), np.int32(0)
+    compiled = sample.lower(graphdef, params, prompts, key, version, spec=spec).compile()
     before, peak = _rss(), [0]
     done = threading.Event()
 
@@ -84,7 +92,7 @@ def worker(out: Path) -> None:
     watcher = threading.Thread(target=watch)
     watcher.start()
     start = time.perf_counter()
-    out_ = sampler.generate(params, prompts, jax.random.key(1))
+    out_ = compiled(params, prompts, key, version)
     jax.block_until_ready(out_.tokens)
     seconds = time.perf_counter() - start
     done.set()

@@ -372,10 +372,10 @@ def finished(plan: Plan, pool: Pool):
 
 
 def step_bound(plan: Plan) -> int:
-    """Decode steps of the worst case: every row to N in as many rounds as a queue's slots take its rows; twice
-    that where a budget may preempt rows (their tokens are drawn again)."""
+    """Decode steps of the worst case: every row feeding N - 1 tokens (its first is drawn from the prefill), in as
+    many rounds as a queue's slots take its rows; twice that where a budget may preempt rows (drawn again)."""
     rounds = -(-plan.rows_per_queue // plan.slots_per_queue)
-    return rounds * plan.max_new_tokens * (2 if plan.may_preempt else 1)
+    return rounds * max(plan.max_new_tokens - 1, 1) * (2 if plan.may_preempt else 1)
 
 
 def compact(pool: Pool, slots: int) -> Pool:

@@ -93,7 +93,9 @@ def plan_and_layout(sampler, batch: int, prompt_len: int, cfg, interactive: bool
     # A row's own tokens: those it feeds after its prompt (N - 1; multi-turn rows: all N, drawn and appended).
     own_pages = max(1, pages_for(s.max_new_tokens if interactive else s.max_new_tokens - 1, page_size))
     prompts = queue_prompts(batch, rows, queues, s.num_samples).shape[1]
-    pages = pool_pages(s.kv_pages, prompts, prompt_pages, slots // queues, own_pages)
+    # Multi-turn rows keep their pages while they wait between turns, parked or not: by default, room for them all.
+    holders = rows // queues if interactive else slots // queues
+    pages = pool_pages(s.kv_pages, prompts, prompt_pages, holders, own_pages)
     plan = Plan(rows=rows, num_samples=s.num_samples, max_new_tokens=s.max_new_tokens, slots=slots, queues=queues,
                 page_size=page_size, pages=pages, prompt_pages=prompt_pages, own_pages=own_pages,
                 stop_ids=tuple(sorted({int(i) for i in s.stop_ids})), pad_id=int(s.pad_id),
@@ -101,7 +103,7 @@ def plan_and_layout(sampler, batch: int, prompt_len: int, cfg, interactive: bool
                 attention=resolve_paged_attention(s.paged_attention, where),
                 block=max(1, BLOCK_TOKENS // page_size),
                 shrink=0 if interactive else _by_platform(s.shrink, SHRINK_AUTO, where),
-                may_preempt=pages < prompts * prompt_pages + (slots // queues) * own_pages,
+                may_preempt=pages < prompts * prompt_pages + holders * own_pages,
                 interactive=interactive, turn_tokens=turn if interactive else 0,
                 append_width=min(s.max_new_tokens, 1 + (s.append_tokens or s.max_new_tokens)) if interactive else 0,
                 chunk=(s.decode_chunk or max(8, -(-turn // 4))) if interactive else 0,
