@@ -74,3 +74,18 @@ def test_the_choice_by_platform():
     assert [resolve_paged_attention("auto", p) for p in ("cpu", "gpu", "tpu")] == ["xla", "xla", "pallas"]
     with pytest.raises(ValueError, match="paged_attention must be auto or one of"):
         resolve_paged_attention("flash", "cpu")
+
+
+def test_the_tpu_kernel_equals_the_formula_in_the_interpreter():
+    """The `pallas` kernel (models/paged_attention_tpu.py) in Pallas's TPU interpreter on CPU, on the ragged rows:
+    the formula's output, float pages of one layer, and int8 pages stacked as the scanned decode holds them (read
+    at their layer, in place). It is compiled for v5e inside the sampler program by tests/planning/test_hlo_cost.py."""
+    from jgrpo.models.paged_attention_tpu import paged_attention_tpu
+
+    q, k_pool, v_pool, view = random_pages(jax.random.key(2))
+    np.testing.assert_allclose(paged_attention_tpu(q, k_pool, v_pool, view), reference(q, k_pool, v_pool),
+                               atol=2e-6, rtol=2e-6)
+    ks, vs = kv_quant.quantize_kv(k_pool), kv_quant.quantize_kv(v_pool)
+    want = reference(q, kv_quant.dequantize_kv(ks), kv_quant.dequantize_kv(vs))
+    stacked = [kv_quant.per_part(lambda x: jnp.stack([x[:, ::-1], x]), p) for p in (ks, vs)]  # layer 0: other pages
+    np.testing.assert_allclose(paged_attention_tpu(q, *stacked, view, layer=jnp.int32(1)), want, atol=2e-6, rtol=2e-6)
