@@ -33,7 +33,7 @@ from jgrpo.sampling.pages import pages_for, pool_pages
 from jgrpo.sampling.state import Plan, queue_prompts
 
 PAGE_SIZE_AUTO = {"cpu": 16, "tpu": 64, "gpu": 16, "other": 16}
-SHRINK_AUTO = {"cpu": 3, "tpu": 0, "gpu": 0, "other": 0}
+SHRINK_AUTO = {"cpu": 0, "tpu": 0, "gpu": 0, "other": 0}  # each level is one more compiled loop (docs)
 BLOCK_TOKENS = 256  # the xla paged attention reads this many tokens' pages at a time
 
 

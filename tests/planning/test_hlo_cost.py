@@ -265,7 +265,10 @@ def test_decode_loop_copies_no_weight_or_cache_and_the_check_can_fail(mesh):
         assert sorted(t for _, _, t in loops(HloCost(sample))) == trips
         assert sample.count('custom_call_target="tpu_custom_call"') == calls
         assert big_copies_in_loops(sample, min_bytes=1024) == []
-        assert collectives_in_loops(sample) == []  # sampling layout: weights whole, rows independent
+        # Sampling layout: weights whole, rows and their page pools per device. What crosses devices in the loop
+        # is two predicates per step (any row waiting to be admitted, any row short of a page), 4 bytes each: the
+        # branches that admit and preempt are taken by all devices together.
+        assert [c.bytes for c in collectives_in_loops(sample)] == [4, 4]
         # The weights are float32 arguments; XLA casts them to the bfloat16 compute dtype once, outside the
         # loop, and each step reads that copy: every projection, the norms and the tied unembedding once (and
         # the embedding rows of the fed tokens).
