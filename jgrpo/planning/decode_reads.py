@@ -134,6 +134,11 @@ def decode_cache_bytes(hlo: str | HloCost, weight_parameters: set[int], head_dim
         arrays = {i.name: array_dims(i.type)[0] for i in cost.computations[computation]
                   if i.opcode == "get-tuple-element" and i.operands[0] in carried and taints[i.name] != WEIGHTS
                   and len(array_dims(i.type)) == 1 and array_dims(i.type)[0][0] in _CACHE_TYPES}
+        # A cache has one element type: beside a narrower one, a float32 carry of the same last dim is a value
+        # computed (the paged attention's running accumulator over a row's blocks), not the cache.
+        if {dtype for dtype, dims in arrays.values() if dims[-1:] == (head_dim,)} - {"f32"}:
+            arrays = {name: (dtype, dims) for name, (dtype, dims) in arrays.items()
+                      if not (dtype == "f32" and dims[-1:] == (head_dim,))}
         # Int8 scales: [..., 1], or with the 1 dropped as an int8 array's dims but its last ([S, KVH * P]).
         int8_rows = {dims[:-1] for dtype, dims in arrays.values() if dtype == "s8" and dims[-1:] == (head_dim,)}
         found = {name for name, (dtype, dims) in arrays.items()

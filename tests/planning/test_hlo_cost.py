@@ -460,7 +460,13 @@ def test_an_int8_kv_cache_is_read_as_int8_in_the_decode_step():
         assert int8_only(reads["int8"]) and not int8_only(reads["bfloat16"]), layers
         assert reads["bfloat16"].keys() == {"bf16"}, layers
         assert reads["int8"]["s8"] * 2 == reads["bfloat16"]["bf16"] > 0, layers
-        assert reads["int8"]["f32"] == reads["int8"]["s8"] // 16 * 4, layers
+        scales = reads["int8"]["s8"] // 16 * 4  # one float32 per head_dim int8 values
+        if layers == "unrolled":
+            assert reads["int8"]["f32"] == scales
+        else:
+            # Scanned, the tiny model's pools lie on chip, where XLA follows a step's scatter of the new scales with
+            # a relayout copy of the layer's scales (its T(8, 128) tiles to the gather's T(1, 128)): a third more.
+            assert reads["int8"]["f32"] == scales * 4 // 3
 
 
 def test_continuous_decode_loops_are_bounded_by_the_worst_case_and_copy_free():
