@@ -56,8 +56,8 @@ def child(args) -> None:
     import jax
 
     from jgrpo.parallel.channel import Codec, Listener, connect
-    from jgrpo.parallel.device_transfer import DeviceTransfer
-    from jgrpo.parallel.weight_buckets import receive_weights, send_weights
+    from jgrpo.parallel.weights.buckets import receive_weights, send_weights
+    from jgrpo.parallel.weights.device_transfer import DeviceTransfer
 
     results = []
     if args.child == "receiver":

@@ -30,9 +30,12 @@ MOVED = {
     "evaluator": "rollout.evaluator",
     "trainer": "training.trainer", "train_step": "training.steps", "checkpoint": "training.checkpoint",
     "optim": "training.optimizer", "trainer_metrics": "training.iteration_record", "metrics": "training.metrics_log",
-    "preflight": "training.preflight", "fingerprint": "training.fingerprint",
+    "preflight": "training.preflight", "fingerprint": "parallel.fingerprint",
     "abstract_run": "planning.abstract_run", "hlo_cost": "planning.hlo_cost", "hlo_inspect": "planning.hlo_inspect",
     "roofline": "planning.roofline",
+    # The weight transport gathered in one folder (parallel/weights/); the content fingerprint went below it.
+    "training.fingerprint": "parallel.fingerprint", "parallel.device_transfer": "parallel.weights.device_transfer",
+    "parallel.process_crossing": "parallel.weights.process_crossing",
 }
 _warned: set[str] = set()
 

@@ -106,7 +106,8 @@ class MeshConfig:
     # form the sampler's sub-mesh and the rest the trainer's, each with the axes above (the -1 axis absorbs its
     # devices); each publish of the weights is one resharding copy between them (`time/weight_sync`). With
     # several processes the sampler gets the last n devices as whole processes (n a multiple of the devices per
-    # process, the trainer's a multiple of n) and the weights cross in one collective (parallel/process_crossing.py).
+    # process, the trainer's a multiple of n) and the weights cross in one collective
+    # (parallel/weights/process_crossing.py).
     rollout_devices: int = 0
 
     def __post_init__(self):

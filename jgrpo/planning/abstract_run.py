@@ -36,10 +36,10 @@ from jgrpo.parallel.mesh import (
     logical_shardings,
     make_mesh,
     mesh_platform,
-    param_copier,
     replicated,
     row_sharding,
 )
+from jgrpo.parallel.weights.copies import param_copier
 from jgrpo.planning.roofline import CHIPS, Chip
 from jgrpo.rollout.sampling_weights import sampling_copy
 from jgrpo.sampling.layout import routing_record

@@ -4,7 +4,7 @@ The trainer job listens on `rollout.endpoint`; the rollout job (`jgrpo.rollout.r
 hello with its config. Configs that differ in any key but `rollout.role` are refused, naming the keys. Then the
 trainer sends where to start (the first batch it has not received: its index j, the prompt iterator's state
 after the batch before, the batches dropped so far, the prompt width) and its newest published weights; from
-then on each publish sends weights (`weight_buckets`, in buckets of `rollout.sync_bucket_mb`) and the rollout
+then on each publish sends weights (`parallel/weights/buckets.py`, in buckets of `rollout.sync_bucket_mb`) and the rollout
 job sends each batch it sampled and scored, with the version of the weights that sampled it, as a record. The
 trainer judges staleness as with the producer thread (`async_producer.Intake`): one-job async's rules, other
 transport.
@@ -33,10 +33,10 @@ import numpy as np
 from jgrpo.config.loading import to_dict
 from jgrpo.data.pipeline import PromptBatch
 from jgrpo.parallel.channel import Channel, ChannelClosed, Codec, Listener, interface_toward, parse_endpoint
-from jgrpo.parallel.device_transfer import DeviceTransfer
 from jgrpo.parallel.host_arrays import gather_json, global_sum, to_global_rows
 from jgrpo.parallel.mesh import SAMPLE_RULES
-from jgrpo.parallel.weight_buckets import send_weights
+from jgrpo.parallel.weights.buckets import send_weights
+from jgrpo.parallel.weights.device_transfer import DeviceTransfer
 from jgrpo.rewards.scorer import RewardResult
 from jgrpo.rollout.async_producer import Intake, Produced
 from jgrpo.rollout.process_links import join_rollouts, link_problem, rollout_targets, trainer_sources, weight_peers

@@ -31,10 +31,10 @@ import jax
 from jgrpo.config import ConfigError
 from jgrpo.config.loading import to_dict
 from jgrpo.parallel.channel import Channel, ChannelClosed, NoPeer, connect
-from jgrpo.parallel.device_transfer import DeviceTransfer
 from jgrpo.parallel.host_arrays import broadcast_json, local_rows
 from jgrpo.parallel.mesh import make_meshes, replicated
-from jgrpo.parallel.weight_buckets import receive_weights
+from jgrpo.parallel.weights.buckets import receive_weights
+from jgrpo.parallel.weights.device_transfer import DeviceTransfer
 from jgrpo.rollout.async_producer import AGREE_POLL_S, AsyncRollouts
 from jgrpo.rollout.collect import Scoring
 from jgrpo.rollout.episodes import EpisodeRunner

@@ -24,8 +24,9 @@ import jax
 
 from jgrpo.models.llm import param_logical_axes
 from jgrpo.models.quantize import sampler_copy
-from jgrpo.parallel.mesh import SAMPLE_RULES, logical_shardings, param_copier, param_mover
-from jgrpo.parallel.process_crossing import ProcessCrossing
+from jgrpo.parallel.mesh import SAMPLE_RULES, logical_shardings
+from jgrpo.parallel.weights.copies import param_copier, param_mover
+from jgrpo.parallel.weights.process_crossing import ProcessCrossing
 from jgrpo.rl.behaviour_refresh import RefreshPolicy
 
 log = logging.getLogger(__name__)

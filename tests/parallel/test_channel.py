@@ -16,8 +16,8 @@ import pytest
 
 from jgrpo.parallel import channel as channel_module
 from jgrpo.parallel.channel import ChannelClosed, Codec, Listener, connect, interface_toward
-from jgrpo.parallel.device_transfer import DeviceTransfer
-from jgrpo.parallel.weight_buckets import WeightsRefused, bucket_plan, receive_weights, send_weights
+from jgrpo.parallel.weights.buckets import WeightsRefused, bucket_plan, receive_weights, send_weights
+from jgrpo.parallel.weights.device_transfer import DeviceTransfer
 
 
 @dataclasses.dataclass

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jgrpo.parallel.channel import Channel, ChannelClosed
-from jgrpo.parallel.device_transfer import DeviceTransfer, whole_on_one_device
+from jgrpo.parallel.weights.device_transfer import DeviceTransfer, whole_on_one_device
 
 
 class Piece(NamedTuple):
