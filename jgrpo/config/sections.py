@@ -387,8 +387,6 @@ class Config:
                    f">= the completion width {self.completion_tokens} (sampler.max_new_tokens, or env.max_total_tokens "
                    "with an environment): a packed row must hold the longest completion, or 0 (auto)")
         if self.rollout.role != "both":
-            _check(self.model.lora.rank == 0, "rollout.role", self.rollout.role,
-                   "both with LoRA (model.lora.rank > 0): the rollout job would need the frozen base sent as well")
             _check(not self.mesh.rollout_devices, "mesh.rollout_devices", self.mesh.rollout_devices,
                    f"0 with rollout.role={self.rollout.role}: each job samples or trains on all of its own devices")
         if self.mesh.rollout_devices:

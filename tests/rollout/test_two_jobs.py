@@ -40,8 +40,6 @@ ASYNC = ["reward.functions=[tests.helpers:space_fraction]", "rollout.mode=async"
     (["rollout.role=rollout", "rollout.endpoint=h:1"], r"rollout.mode='sync' is not allowed: async with rollout.role"),
     (["rollout.role=trainer", "rollout.endpoint=h:1", "rollout.mode=async", "mesh.rollout_devices=2"],
      r"mesh.rollout_devices=2 is not allowed: 0 with rollout.role=trainer"),
-    (["rollout.role=trainer", "rollout.endpoint=h:1", "rollout.mode=async", "model.lora.rank=4"],
-     r"rollout.role='trainer' is not allowed: both with LoRA"),
     (["rollout.sync_bucket_mb=0"], r"rollout.sync_bucket_mb=0"),
     (["rollout.wait_timeout_s=0"], r"rollout.wait_timeout_s=0"),
 ])
