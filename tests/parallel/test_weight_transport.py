@@ -41,7 +41,7 @@ def _answer(channel, kind, version, bucket):
 class Link:
     """A sender (the trainer's side, run in a thread per publish) and a receiver over one loopback channel."""
 
-    def __init__(self, like, shardings, *, bucket_bytes=1 << 20, delta="on", transfer=False):
+    def __init__(self, like, shardings, *, bucket_bytes=1 << 20, delta="always", transfer=False):
         self.server, self.client = _pair()
         self.sender = WeightSender(bucket_bytes=bucket_bytes, delta=delta, answer=_answer,
                                    transfer=DeviceTransfer() if transfer else None)
@@ -124,7 +124,7 @@ def _training_run(weights_dtype: str, publishes: int):
 
 
 @pytest.mark.parametrize("weights_dtype", ["bfloat16", "int8"])
-@pytest.mark.parametrize("delta", ["off", "on"])
+@pytest.mark.parametrize("delta", ["never", "always"])
 def test_fifty_publishes_of_a_training_run_arrive_bit_for_bit(delta, weights_dtype):
     versions = _training_run(weights_dtype, 50)
     first = next(versions)
@@ -137,9 +137,9 @@ def test_fifty_publishes_of_a_training_run_arrive_bit_for_bit(delta, weights_dty
         assert_same_bits(got, params)
         kinds.append(stats["kind"])
         fractions.append(stats["changed_fraction"])
-    assert kinds == ["whole"] * (1 if delta == "on" else 50) + ["changes"] * (49 if delta == "on" else 0)
+    assert kinds == ["whole"] * (1 if delta == "always" else 50) + ["changes"] * (49 if delta == "always" else 0)
     assert link.sender.mismatches == link.receiver.refused == 0
-    if delta == "on":  # a few percent of the elements cross a rounding boundary at each step
+    if delta == "always":  # a few percent of the elements cross a rounding boundary at each step
         assert 0 < np.median(fractions[1:]) < 0.5, fractions
 
 
@@ -196,7 +196,7 @@ def test_weights_go_to_several_receivers_and_one_gone_leaves_the_others_theirs()
         return real_send(kind, body)
 
     client_b.send = breaks_at_the_first_bucket
-    sender = WeightSender(bucket_bytes=64, delta="on", answer=_answer)
+    sender = WeightSender(bucket_bytes=64, delta="always", answer=_answer)
     result = {}
     thread = threading.Thread(target=lambda: result.update(stats=sender.publish(
         [client_a, client_b, client_c, client_d], params, 1, rollouts=4)))
@@ -249,7 +249,7 @@ def test_host_memory_stays_within_a_few_buckets_beyond_the_weights():
     bucket being read and one being placed on the receiver's side, one read ahead and one sent on the sender's."""
     params = {f"l{i}": jnp.full((256, 256), i, jnp.float32) for i in range(16)}  # 256 KiB a leaf: 4 buckets each
     bucket = 64 << 10
-    link = Link(params, jax.tree.map(lambda x: x.sharding, params), bucket_bytes=bucket, delta="off")
+    link = Link(params, jax.tree.map(lambda x: x.sharding, params), bucket_bytes=bucket, delta="never")
     link.publish(params, 0)  # (programs compiled, buffers made)
     tracemalloc.start()
     try:

@@ -10,7 +10,7 @@ every rollout process ("weights_applied"), then the trainer's verdict ("weights_
   one its reader fills, the one it places).
 - Changes (`rollout.weight_delta`, after a whole copy the rollout job confirmed): leaf by leaf, the elements whose
   bits changed (`changes.py`), in chunks of at most a bucket; a leaf whose changes would not be smaller enough
-  than itself goes whole (`on`: not smaller; `auto`: more than AUTO_MAX_BYTES_FRACTION of it).
+  than itself goes whole (`always`: not smaller; `auto`: more than AUTO_MAX_BYTES_FRACTION of it).
 
 The check: the fingerprint (`parallel/fingerprint.py`) of the version the rollout job now holds must be the
 trainer's. Both sides keep each leaf's fingerprint and add the change of every publish of changes to it (sums over
@@ -68,10 +68,10 @@ class WeightSender:
     `bucket`) from `channel` (the caller's read loop, which keeps what else arrives meanwhile) or raises
     ChannelClosed."""
 
-    def __init__(self, *, bucket_bytes: int, delta: str = "off", transfer: DeviceTransfer | None = None,
+    def __init__(self, *, bucket_bytes: int, delta: str = "never", transfer: DeviceTransfer | None = None,
                  answer: Callable[[Channel, str, int, int | None], dict] | None = None, pull_timeout_s: float = 1800.0):
-        if delta not in ("off", "on", "auto"):
-            raise ValueError(f"delta={delta!r}: off, on or auto")
+        if delta not in ("never", "always", "auto"):
+            raise ValueError(f"delta={delta!r}: never, always or auto")
         self.bucket_bytes, self.delta, self.transfer = bucket_bytes, delta, transfer
         self.answer, self.pull_timeout_s = answer, pull_timeout_s
         self.base: Base | None = None  # None: the next publish is whole
@@ -91,7 +91,7 @@ class WeightSender:
         (None for a whole copy), "verified" (False: no answer from every rollout process)}. `tamper(bucket body)`:
         a test's hook on every bucket before it goes."""
         start = time.perf_counter()
-        if self.delta == "off" or self.base is None:
+        if self.delta == "never" or self.base is None:
             kind = "whole"
         else:
             kind = self.choice.next() if self.delta == "auto" else "changes"
@@ -219,7 +219,7 @@ class _Stream:
     def changes(self, leaves, base_leaves, fingerprints: list[int]) -> list[int]:
         """Leaf by leaf, what changed since the base; returns the new version's fingerprints."""
         out = list(fingerprints)
-        limit = 1.0 if self.sender.delta == "on" else AUTO_MAX_BYTES_FRACTION
+        limit = 1.0 if self.sender.delta == "always" else AUTO_MAX_BYTES_FRACTION
         for i, (new, old) in enumerate(zip(leaves, base_leaves, strict=True)):
             found = leaf_changes(new, old)
             n = len(found.indices)
