@@ -141,18 +141,26 @@ def main() -> None:
     p.add_argument("--iterations", type=int, default=5, help="training iterations per learning rate (part 1)")
     p.add_argument("--fractions", nargs="*", default=None, metavar="NAME=FRACTION",
                    help="skip part 1: the changed fractions to send (e.g. gsm8k=0.02)")
-    p.add_argument("--peer", choices=["sender", "receiver"], help=argparse.SUPPRESS)
+    p.add_argument("--peer", choices=["sender", "receiver", "fractions"], help=argparse.SUPPRESS)
     p.add_argument("--ports", default="{}", help=argparse.SUPPRESS)
     args = p.parse_args()
-    if args.peer:
+    if args.peer in ("sender", "receiver"):
         from weight_sync_peers import serve
 
         args.fractions = [(k, float(v)) for k, v in (item.split("=") for item in args.fractions)]
         serve(args.peer, args, json.loads(args.ports))
         return
+    if args.peer == "fractions":
+        print(json.dumps(measure_fractions(args)))
+        return
     measured = None
-    if args.fractions is None:
-        measured = measure_fractions(args)
+    if args.fractions is None:  # part 1 in a process of its own: its memory is gone before part 2 starts
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+        out = subprocess.run([sys.executable, __file__, "--peer", "fractions", "--iterations", str(args.iterations)],
+                             env=env, cwd=ROOT, stdout=subprocess.PIPE, text=True)
+        if out.returncode:
+            sys.exit(f"measuring the changed fractions failed ({out.returncode})")
+        measured = json.loads(out.stdout.strip().splitlines()[-1])
         fractions = {name: typical(f["bfloat16"]) for name, f in measured.items()}
     else:
         fractions = {k: float(v) for k, v in (item.split("=") for item in args.fractions)}

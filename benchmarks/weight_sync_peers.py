@@ -11,9 +11,9 @@ paths side by side), and times each from its start to the receiver's word that i
   (the fingerprint round trip included); ours_jax: the same with `rollout.weight_transfer: jax`.
 - changes_<name>: a publish of the changes from the version the receiver holds to one where the fraction <name>
   of the elements changed by one unit in the last place (a rounding boundary crossed), at random positions.
-- xor_zstd_<name>: the alternative encoding of the same changes: the XOR of the new and old bits on the devices,
-  to the host, zstd (level 1, pyarrow's) per bucket, and on the receiver decompressed, put on its devices and
-  XORed with the version it holds.
+- xor_zstd_<name>: the alternative encoding of the same changes (slime's): the XOR of the new and old bits, zstd
+  (level 1, pyarrow's) per bucket, and on the receiver decompressed and XORed with the version it holds, then laid
+  out on its devices as a whole copy is; on the host in numpy, as ours finds and applies its changes on CPU.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.flight as flight
 
-from jgrpo.parallel.channel import Codec, Listener, connect
-from jgrpo.parallel.weights.buckets import bucket_plan, placed, read_piece
+from jgrpo.parallel.channel import Codec, Listener, connect, host_buffer
+from jgrpo.parallel.weights.buckets import LeafAssembly, bucket_plan, read_piece
 from jgrpo.parallel.weights.device_transfer import DeviceTransfer
 from jgrpo.parallel.weights.receive import WeightReceiver
 from jgrpo.parallel.weights.send import WeightSender
@@ -60,18 +60,6 @@ def _one_ulp_changes(params, key, fraction):
                                             x.dtype)
 
     return {name: move(x, k) for (name, x), k in zip(sorted(params.items()), keys, strict=True)}
-
-
-@jax.jit
-def _xor(a, b):
-    return jax.tree.map(lambda x, y: jax.lax.bitcast_convert_type(x, jnp.uint16)
-                        ^ jax.lax.bitcast_convert_type(y, jnp.uint16), a, b)
-
-
-@jax.jit
-def _xor_back(held, xor):
-    return jax.tree.map(lambda x, d: jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(x, jnp.uint16) ^ d,
-                                                                   x.dtype), held, xor)
 
 
 ZSTD = pa.Codec("zstd", compression_level=1)
@@ -130,40 +118,44 @@ def sender(args, ports: dict) -> list[dict]:
     for size in args.sizes_mb:
         params, _ = params_of(size, args.bucket_mb)
         total = sum(x.nbytes for x in jax.tree.leaves(params))
-        changed = {name: _one_ulp_changes(params, jax.random.key(7), fraction) for name, fraction in args.fractions}
-        host = np.ones(total, np.uint8)  # raw: a prebuilt buffer of the same bytes
+        fractions = dict(args.fractions)  # (each changed version made when used: each is as large as the params)
         control.send("size", {"size": size, "bytes": total})
-        state["senders"] = {"host": WeightSender(bucket_bytes=bucket_bytes, delta="on", answer=answer),
+        state["senders"] = {"host": WeightSender(bucket_bytes=bucket_bytes, delta="always", answer=answer),
                             "jax": WeightSender(bucket_bytes=bucket_bytes, transfer=DeviceTransfer(), answer=answer)}
 
         for path in ("host", "host", "host", "jax", "jax"):  # warm: compiled, the receiver's buffers reused
             publish(params, path, whole=True)
         publish(params, whole=True)  # the receiver holds the base
-        for name, _ in args.fractions:
-            publish(changed[name])
+        for name in fractions:
+            publish(_one_ulp_changes(params, jax.random.key(7), fractions[name]))
             publish(params)
         for repeat in range(args.repeats):
             timings = state["timings"] = {}
+            host = np.ones(total, np.uint8)  # raw: a prebuilt buffer of the same bytes (made for it: memory is short)
+            control.send("raw", {"bytes": total})
+            control.recv(timeout=600)  # the receiver's buffer is ready
             start = time.perf_counter()
-            control.send("raw")
             raw.sendall(memoryview(host))
             raw.recv(1)
             timings["raw"] = time.perf_counter() - start
+            del host
             timings["flight"] = _flight(control, server, params, bucket_bytes)
             publish(params, "host", whole=True, timed="ours")
             publish(params, "jax", whole=True, timed="ours_jax")
-            for name, _ in args.fractions:
+            for name in fractions:
+                version_ = _one_ulp_changes(params, jax.random.key(7), fractions[name])
                 publish(params, whole=True)  # the base, held by the receiver (untimed)
                 start = time.perf_counter()  # (the receiver XORs onto the base and keeps holding the base)
-                timings[f"xor_zstd_{name}_bytes"] = _xor_zstd(control, changed[name], params, bucket_bytes)
+                timings[f"xor_zstd_{name}_bytes"] = _xor_zstd(control, version_, params, bucket_bytes)
                 timings[f"xor_zstd_{name}"] = time.perf_counter() - start
-                publish(changed[name])  # the first changes after a whole copy: fingerprints in full (untimed)
+                publish(version_)  # the first changes after a whole copy: fingerprints in full (untimed)
+                del version_
                 stats = publish(params, timed=f"changes_{name}")  # the steady state: changes after changes
                 timings[f"changes_{name}_bytes"] = stats["bytes"]
                 timings[f"changes_{name}_fraction"] = stats["changed_fraction"]
             results.append({"size_mb": size, "bytes": total, "repeat": repeat, **timings})
             print(json.dumps(results[-1]), flush=True)
-        del params, changed, host
+        del params
     control.send("stop")
     control.close()
     server.shutdown()
@@ -188,12 +180,14 @@ def _flight(control, server, params, bucket_bytes: int) -> float:
 
 
 def _xor_zstd(control, new, held, bucket_bytes: int) -> int:
-    """Send `new` as zstd-compressed XOR buckets against `held` (which the receiver holds); the bytes sent."""
-    xor = _xor(new, held)
+    """Send `new` as zstd-compressed XOR buckets against `held` (which the receiver holds); the bytes sent. On the
+    host, in numpy (as ours finds its changes on CPU): the XOR of the two versions' host views, no device pass."""
     sent = 0
-    for bucket in _host_buckets(xor, bucket_bytes):
-        packed = [np.frombuffer(ZSTD.compress(a.reshape(-1).view(np.uint8), asbytes=True), np.uint8) for a in bucket]
-        sent += control.send("xor_bucket", {"packed": packed, "sizes": [a.nbytes for a in bucket]})
+    for new_parts, held_parts in zip(_host_buckets(new, bucket_bytes), _host_buckets(held, bucket_bytes), strict=True):
+        packed = [np.frombuffer(ZSTD.compress(np.bitwise_xor(a.view(np.uint16), b.view(np.uint16)).view(np.uint8),
+                                              asbytes=True), np.uint8) for a, b in zip(new_parts, held_parts,
+                                                                                       strict=True)]
+        sent += control.send("xor_bucket", {"packed": packed, "sizes": [a.nbytes for a in new_parts]})
     control.send("xor_done")
     control.recv(timeout=600)
     return sent
@@ -207,7 +201,7 @@ def receiver(args, ports: dict) -> None:
     _, body = control.recv(timeout=120)
     client = flight.connect(f"grpc://127.0.0.1:{body['port']}")
     transfer = DeviceTransfer()
-    receiver_, buffer = None, None
+    receiver_ = None
     while True:
         kind, body = control.recv(timeout=600)
         if kind == "stop":
@@ -216,11 +210,13 @@ def receiver(args, ports: dict) -> None:
             params, sharding = params_of(body["size"], args.bucket_mb)
             shardings = jax.tree.map(lambda _, s=sharding: s, params)
             receiver_ = WeightReceiver(params, shardings, transfer=transfer)
-            buffer = np.ones(body["bytes"], np.uint8)  # raw: preallocated, and touched
             del params
         elif kind == "raw":
+            buffer = np.ones(body["bytes"], np.uint8)  # preallocated, and touched, before the clock starts
+            control.send("ready")
             _recv_exactly(raw, memoryview(buffer))
             raw.send(b"k")
+            del buffer
         elif kind == "flight_get":
             tables = [client.do_get(flight.Ticket(str(i).encode())).read_all() for i in range(body["buckets"])]
             control.send("flight_got", {"bytes": sum(t.nbytes for t in tables)})
@@ -233,29 +229,30 @@ def receiver(args, ports: dict) -> None:
             receiver_.refill_spares()
             control.send("ready")
         elif kind == "xor_bucket":
-            _receive_xor(control, receiver_, body, shardings)
+            _receive_xor(control, receiver_, body, args.bucket_mb << 20)
 
 
-def _receive_xor(control, receiver_, first: dict, shardings) -> None:
-    """The XOR buckets into device arrays, XORed with the version held; the result replaces it."""
+def _receive_xor(control, receiver_, first: dict, bucket_bytes: int) -> None:
+    """The XOR buckets, decompressed and XORed with the version held (its host views, in numpy) into new host
+    buffers, laid out on the devices as ours lays out a whole copy (`LeafAssembly`)."""
     held = receiver_.held.params
-    pieces, body = [], first
+    leaves = jax.tree.leaves(held)
+    pieces = LeafAssembly(leaves, [x.sharding for x in leaves])
+    plan = [piece for bucket in bucket_plan(leaves, bucket_bytes) for p in bucket
+            for piece, _ in read_piece(leaves[p.leaf], p, alias=True)]
+    held_parts = iter(_host_buckets(held, bucket_bytes))
+    at, body = 0, first
     while True:
-        for packed, size in zip(body["packed"], body["sizes"], strict=True):
-            raw = np.frombuffer(ZSTD.decompress(packed, decompressed_size=size, asbytes=True), np.uint16)
-            pieces.append(jax.device_put(raw))
+        for packed, size, old in zip(body["packed"], body["sizes"], next(held_parts), strict=True):
+            xor = np.frombuffer(ZSTD.decompress(packed, decompressed_size=size, asbytes=True), np.uint16)
+            out = host_buffer(old.shape, old.dtype)
+            np.bitwise_xor(old.view(np.uint16).reshape(-1), xor, out=out.view(np.uint16).reshape(-1))
+            pieces.add(plan[at], out)
+            at += 1
         kind, body = control.recv(timeout=600)
         if kind == "xor_done":
             break
-    leaves, treedef = jax.tree.flatten(held)
-    whole, at = [], 0  # the pieces come in leaf order
-    for leaf in leaves:
-        parts = []
-        while at < len(pieces) and sum(p.size for p in parts) < leaf.size:
-            parts.append(pieces[at])
-            at += 1
-        whole.append(placed(jnp.concatenate(parts).reshape(leaf.shape), leaf.sharding))
-    jax.block_until_ready(_xor_back(held, jax.tree.unflatten(treedef, whole)))
+    jax.block_until_ready(list(pieces.done.values()))
     control.send("xor_applied")
 
 
