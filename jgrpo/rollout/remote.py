@@ -218,6 +218,7 @@ class RemoteRollouts(Intake):
                                        "dropped": self.dropped, "prompt_width": self._prompt_width})
             except ChannelClosed:
                 pass
+        self._weights.forget()  # a started rollout process holds nothing yet: whole
         if self._latest is not None:  # (also after a failed start: the other processes' weight gathers need ours)
             self._send_weights(*self._latest)
 
