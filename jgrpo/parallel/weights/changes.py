@@ -29,6 +29,7 @@ import numpy as np
 
 from jgrpo.parallel.channel import host_buffer
 from jgrpo.parallel.fingerprint import counted_shards
+from jgrpo.parallel.weights.copies import copy_on_its_device
 
 FLAT_LIMIT = 2**31  # a leaf with more elements: int64 indices (on the host; the device path refuses, see below)
 MIN_ENTRIES = 1024  # the smallest padded size of a leaf's changes on a device (fewer sizes, fewer programs)
@@ -185,7 +186,7 @@ class Spares:
 def _copy_of(x: jax.Array):
     """A spare: a host copy (aligned, so that `device_put` takes it without a copy) or a device copy."""
     if not on_host(x):
-        return jnp.copy(x)
+        return copy_on_its_device(x)
     src = np.asarray(x)
     out = host_buffer(src.shape, src.dtype)
     np.copyto(out, src)

@@ -31,6 +31,11 @@ def param_copier(shardings, convert=None, *, source: Mesh | None = None):
     return ProcessCrossing(shardings, lambda on: param_copier(on, convert), source, target)
 
 
+# One array's copy on the device that holds it, always new buffers: the rollout job's spares, into which the next
+# changes are written beside the version that samples (`changes.Spares`).
+copy_on_its_device = jax.jit(jax.numpy.copy)
+
+
 def param_mover(shardings, source: Mesh):
     """The params (from `source`'s devices) onto `shardings` as they are: a `device_put`, or with the two meshes on
     other processes the crossing of `param_copier`."""
