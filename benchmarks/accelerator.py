@@ -224,7 +224,7 @@ def sampler(rows: int, hbm_bytes_per_s: float, dry: bool, weights: str = "bfloat
     from jgrpo.config import SamplerConfig
     from jgrpo.models.decode_step import resolve_decode_layers
     from jgrpo.models.quantize import sampler_copy
-    from jgrpo.parallel.mesh import param_copier
+    from jgrpo.parallel.weights.copies import param_copier
     from jgrpo.sampling.sampler import Prompts, Sampler
 
     platform = jax.devices()[0].platform

@@ -30,12 +30,15 @@ MOVED = {
     "evaluator": "rollout.evaluator",
     "trainer": "training.trainer", "train_step": "training.steps", "checkpoint": "training.checkpoint",
     "optim": "training.optimizer", "trainer_metrics": "training.iteration_record", "metrics": "training.metrics_log",
-    "preflight": "training.preflight", "fingerprint": "training.fingerprint",
+    "preflight": "training.preflight", "fingerprint": "parallel.fingerprint",
     "abstract_run": "planning.abstract_run", "hlo_cost": "planning.hlo_cost", "hlo_inspect": "planning.hlo_inspect",
     "roofline": "planning.roofline",
     # The paged cache (docs/architecture.md): the sampler's modules named after what they hold.
     "sampling.pool": "sampling.state", "sampling.slot_pool": "sampling.decode_loop",
     "models.decode": "models.decode_step",
+    # The weight transport gathered in one folder (parallel/weights/); the content fingerprint went below it.
+    "training.fingerprint": "parallel.fingerprint", "parallel.device_transfer": "parallel.weights.device_transfer",
+    "parallel.process_crossing": "parallel.weights.process_crossing",
 }
 _warned: set[str] = set()
 

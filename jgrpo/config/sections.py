@@ -106,7 +106,8 @@ class MeshConfig:
     # form the sampler's sub-mesh and the rest the trainer's, each with the axes above (the -1 axis absorbs its
     # devices); each publish of the weights is one resharding copy between them (`time/weight_sync`). With
     # several processes the sampler gets the last n devices as whole processes (n a multiple of the devices per
-    # process, the trainer's a multiple of n) and the weights cross in one collective (parallel/process_crossing.py).
+    # process, the trainer's a multiple of n) and the weights cross in one collective
+    # (parallel/weights/process_crossing.py).
     rollout_devices: int = 0
 
     def __post_init__(self):
@@ -400,8 +401,6 @@ class Config:
                    f">= the completion width {self.completion_tokens} (sampler.max_new_tokens, or env.max_total_tokens "
                    "with an environment): a packed row must hold the longest completion, or 0 (auto)")
         if self.rollout.role != "both":
-            _check(self.model.lora.rank == 0, "rollout.role", self.rollout.role,
-                   "both with LoRA (model.lora.rank > 0): the rollout job would need the frozen base sent as well")
             _check(not self.mesh.rollout_devices, "mesh.rollout_devices", self.mesh.rollout_devices,
                    f"0 with rollout.role={self.rollout.role}: each job samples or trains on all of its own devices")
         if self.mesh.rollout_devices:

@@ -36,10 +36,10 @@ from jgrpo.parallel.mesh import (
     Rules,
     logical_shardings,
     logical_to_spec,
-    param_copier,
     replicated,
     row_sharding,
 )
+from jgrpo.parallel.weights.copies import param_copier
 from jgrpo.rl.advantages import GroupAdvantages, group_advantages
 from jgrpo.rl.corrections import m2po_drop
 from jgrpo.rl.diagnostics import extreme_kind, finalize_metrics
