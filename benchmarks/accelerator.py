@@ -40,8 +40,8 @@ import functools
 import json
 import os
 import shutil
-import subprocess
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
