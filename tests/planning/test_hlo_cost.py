@@ -440,9 +440,9 @@ def test_an_int8_sampler_reads_every_projection_as_int8_once_per_decode_step():
 def test_an_int8_kv_cache_is_read_as_int8_in_the_decode_step():
     # sampler.kv_cache_dtype=int8 (models/kv_quant.py): the decode step reads the pages' int8 values and their
     # float32 per-token scales (4 bytes per 16 int8 values, head_dim), fewer bytes than the bfloat16 cache, nothing
-    # dequantized in bfloat16. Positive control: the bfloat16 cache's program fails the same check. Both decode forms (the TPU
-    # default is scanned), with the xla attention (the Pallas kernel's reads are counted from the page tables:
-    # jgrpo.planning.paged_rows).
+    # dequantized in bfloat16. Positive control: the bfloat16 cache's program fails the same check. Both decode
+    # forms (the TPU default is scanned), with the xla attention (the Pallas kernel's reads are counted from the
+    # page tables: jgrpo.planning.paged_rows).
     devices, _ = topology_devices("v5e:2x4")
     for layers in ("scanned", "unrolled"):
         reads = {}
