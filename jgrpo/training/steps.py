@@ -181,7 +181,9 @@ class StepFunctions(PackedSteps):
         the log-probs of the `reference` params (beta > 0) and of the `current` ones (pi_k, when `lp_k_source` is
         "computed"), and M2PO's token mask. Every program on the train mesh. With LoRA, `reference` and `current`
         are adapters (the reference may have none) and `frozen` the base they join."""
-        batch, _ = self.assemble(prompt_tokens, prompt_mask, samples, rewards)
+        # How often rows were preempted is a statistic of the sampler (the iteration record's), not training data:
+        # the programs take the same inputs whatever the sampler did (the planner lowers them without it).
+        batch, _ = self.assemble(prompt_tokens, prompt_mask, samples._replace(preempted=None), rewards)
         passes = self.grpo.beta > 0 or self.lp_k_source == "computed"
         packed = self.pack(prompt_tokens, prompt_mask, samples, batch) if self.packing and passes else None
         rows = samples.tokens.shape[0]
