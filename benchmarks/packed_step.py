@@ -48,7 +48,7 @@ def measure(name: str, args, graphdef, params) -> dict:
     from jgrpo.config import GRPOConfig, MeshConfig
     from jgrpo.parallel.mesh import make_mesh
     from jgrpo.sampling.methods import SamplingMethod
-    from jgrpo.sampling.pool import SampleOutput
+    from jgrpo.sampling.state import SampleOutput
     from jgrpo.training.step_options import StepOptions
     from jgrpo.training.steps import StepFunctions
 

@@ -4,7 +4,7 @@ SmolLM2-135M-Instruct (float32) answers prompts at temperature 1 with the tokeni
 tokens, so completion lengths are the model's own, not forced. `--task` picks the prompts, i.e. the length
 distribution:
 
-- gsm8k: GSM8K-style questions (tests/data/gsm8k_sample.jsonl) with the paper configs' system prompt ("reason
+- gsm8k: GSM8K-style questions (tests/testdata/gsm8k_sample.jsonl) with the paper configs' system prompt ("reason
   step by step"); SmolLM2 rambles, so most rows run to the limit;
 - arithmetic: the quickstart's own prompts (2-digit additions, " Answer with the number only."): most rows
   stop after a few tokens, a tail runs long.
@@ -48,7 +48,7 @@ from hardware import usable_cores  # benchmarks/ is on sys.path when run as a sc
 from jgrpo.config.errors import exits_on_user_error  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
-QUESTIONS = Path(__file__).resolve().parent.parent / "tests" / "data" / "gsm8k_sample.jsonl"
+QUESTIONS = Path(__file__).resolve().parent.parent / "tests" / "testdata" / "gsm8k_sample.jsonl"
 # The system prompt of configs/paper_gsm8k_qwen05b_*.yaml: the completions the trainer would sample.
 SYSTEM = "Please reason step by step, and write the final answer as a number after '####'."
 # configs/quickstart.yaml's instruction (no system prompt).

@@ -99,7 +99,7 @@ def jgrpo_step_setup(graphdef, params, host, *, chunk: int, generations: int, sh
     from jgrpo.models.lora import join_adapters
     from jgrpo.parallel.mesh import make_mesh
     from jgrpo.sampling.methods import SamplingMethod
-    from jgrpo.sampling.pool import SampleOutput
+    from jgrpo.sampling.state import SampleOutput
     from jgrpo.training.optimizer import make_optimizer
     from jgrpo.training.step_options import StepOptions
     from jgrpo.training.steps import StepFunctions

@@ -1,20 +1,26 @@
-"""Weight sync between two jobs (`rollout.weight_transfer` host, jax): seconds per GB, host memory against the bucket.
+"""Weights between two jobs: ours against the loopback's limit and Arrow Flight, whole and as changes.
 
-A sender process and a receiver process (2 emulated CPU devices each, as the two jobs of tests/rollout/
-test_two_jobs.py) joined over loopback by `jgrpo.parallel.channel`; the sender sends bf16 params of each size
-(32 MiB leaves, one of them 1.5 buckets where it fits: a split tensor in every run) with `send_weights`, the receiver
-lays them out on its devices with `receive_weights`: `host` sends the pieces inside the channel's frames, `jax`
-offers each bucket device to device (`jgrpo/parallel/device_transfer.py`) and the frames carry only what to
-pull. Each path, size and bucket is sent 3 times and the fastest is kept. Host memory: the Python-heap peak
-(`tracemalloc`: the frames and the host copies of the pieces) of each side during the transfers, against
-`sync_bucket_mb`; the device buffers (on CPU, host memory too: the params themselves, and with jax a bucket
-gathered on one device) are not counted.
+Two parts, one run:
 
-    python benchmarks/weight_sync.py             # host and jax x 64 MiB, 256 MiB, 1 GiB x buckets 16, 64, 256
-    python benchmarks/weight_sync.py --paths jax --sizes-mb 128 --buckets-mb 8 32
+1. How much changes per publish. The real SmolLM2-135M-Instruct trains on the quickstart's task (one process,
+   on-policy: v = 1, a publish per iteration, no warm-up: the rate from the first step) at the learning rates of
+   configs/quickstart.yaml (2e-5), paper_gsm8k_* (5e-6) and paper_deepscaler_* (1e-6), `--iterations` each; after
+   every iteration the sampler's bfloat16 and int8 copies (`models.quantize.sampler_copy`) are compared with the
+   last one, bit for bit: the fraction of elements a publish of changes carries. The first publish is reported
+   apart (Adam's first step moves every weight with a gradient by the full rate); the figure is the median of the
+   others.
+2. The transfer. A sender and a receiver process (benchmarks/weight_sync_peers.py: 2 emulated CPU devices each,
+   over loopback) move bf16 params of each `--sizes-mb` in buckets of `--bucket-mb`: raw socket, Arrow Flight,
+   ours whole (host path and device to device), and the changes at the fractions part 1 measured, as indices +
+   values (ours) and as XOR + zstd. Every path `--repeats` times, side by side; min and median of each.
 
-Prints a table, then one JSON line with every figure. On loopback the figure is the serialisation and the
-copies, not a network: over DCN the link (v5p: 50 Gbps per chip's host share) adds its own time.
+    python benchmarks/weight_sync.py                               # 256 MiB and 1 GiB, 3 repeats, ~15 min
+    python benchmarks/weight_sync.py --sizes-mb 64 --repeats 1 --fractions gsm8k=0.02   # quick, no training
+
+Prints a table, then one JSON line: raw_socket_gb_s, ours_gb_s (the default path, device to device, at the
+largest size), flight_gb_s, ours_over_raw, delta_fraction_quickstart, delta_fraction_gsm8k_lr,
+delta_speedup_gsm8k_lr (whole copy time / changes time at the GSM8K rate's fraction), and every figure. On
+loopback the figures are memory copies and the kernel's socket work on a shared 2-core host, not a network.
 """
 
 from __future__ import annotations
@@ -23,117 +29,168 @@ import argparse
 import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
-import time
-import tracemalloc
+import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent.parent))  # this checkout's jgrpo, installed or not (children too)
+sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(1, str(Path(__file__).parent.parent))  # this checkout's jgrpo, installed or not (children too)
 
 ROOT = Path(__file__).resolve().parent.parent
-REPEATS = 3
+RATES = {"quickstart": 2e-5, "gsm8k": 5e-6, "deepscaler": 1e-6}  # the configs' optim.learning_rate
 
 
-def params_of(size_mb: int, bucket_mb: int):
-    """bf16 leaves of 32 MiB filling `size_mb`, one of them 1.5 buckets where that fits in half of it (a leaf
-    split over two buckets in every run)."""
+def measure_fractions(args) -> dict:
+    """Part 1, in this process: {rate name: {"bfloat16": [fraction per publish], "int8": [...], "float32": [...]}}."""
     import jax
-    import jax.numpy as jnp
     import numpy as np
 
-    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("x",))  # automatic axes, as jgrpo's meshes
-    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))
-    split_mb = bucket_mb * 3 // 2 if bucket_mb * 3 <= size_mb else 0  # (a 32 MiB leaf is split by smaller buckets)
-    shapes = [((32 << 20) // 2 // 4096, 4096)] * ((size_mb - split_mb) // 32)
-    shapes += [((split_mb << 20) // 2 // 4096, 4096)] if split_mb else []
-    make = jax.jit(lambda i, shape: jnp.full(shape, i, jnp.bfloat16) + jnp.arange(shape[1], dtype=jnp.bfloat16),
-                   static_argnums=1, out_shardings=sharding)
-    return {f"w{i}": make(i, shape) for i, shape in enumerate(shapes)}, sharding
+    from jgrpo.config.loading import load_config
+    from jgrpo.models.quantize import sampler_copy
+    from jgrpo.training.trainer import Trainer
+
+    out = {}
+    for name, rate in RATES.items():
+        with tempfile.TemporaryDirectory() as run_dir:
+            config = load_config(ROOT / "configs/quickstart.yaml", [
+                f"run.output_dir={run_dir}", f"optim.learning_rate={rate}", "optim.warmup_steps=0",
+                "grpo.behaviour_refresh=1", f"run.iterations={args.iterations}", "run.eval_before=false",
+                "run.eval_every=0", "checkpoint.every=1000000", "logging.progress_bar=false",
+                "logging.samples_every=0"])
+            trainer = Trainer(config)
+            copies = {dtype: jax.jit(sampler_copy(dtype, config.model.compute_dtype))
+                      for dtype in ("bfloat16", "int8", "float32")}
+            bits = {dtype: _bits(copy(trainer.state.params)) for dtype, copy in copies.items()}
+            fractions = {dtype: [] for dtype in copies}
+            try:
+                for _ in range(args.iterations):
+                    trainer.train_iteration()
+                    for dtype, copy in copies.items():
+                        now = _bits(copy(trainer.state.params))
+                        changed = sum(int(np.count_nonzero(a != b)) for a, b in zip(now, bits[dtype], strict=True))
+                        fractions[dtype].append(changed / sum(a.size for a in now))
+                        bits[dtype] = now
+            finally:
+                trainer.close()
+        out[name] = fractions
+        print(f"{name} (lr {rate:g}): bf16 changed per publish {[f'{f:.4f}' for f in fractions['bfloat16']]}",
+              file=sys.stderr)
+    return out
 
 
-def child(args) -> None:
+def _bits(tree) -> list:
     import jax
+    import numpy as np
 
-    from jgrpo.parallel.channel import Codec, Listener, connect
-    from jgrpo.parallel.device_transfer import DeviceTransfer
-    from jgrpo.parallel.weight_buckets import receive_weights, send_weights
-
-    results = []
-    if args.child == "receiver":
-        listener = Listener(f"127.0.0.1:{args.port}", Codec())
-        channel = listener.accept(120)
-    else:
-        channel = connect(f"127.0.0.1:{args.port}", Codec(), wait_s=120)
-    transfer = DeviceTransfer() if "jax" in args.paths else None
-
-    def pulled(channel, bucket: int) -> None:  # the sender waits for the receiver's word after each bucket (jax)
-        kind, body = channel.recv()
-        assert kind == "weights_pulled" and body["bucket"] == bucket, (kind, body)
-
-    for size in args.sizes_mb:  # the paths side by side for each size and bucket (the machine's load drifts)
-        for bucket in args.buckets_mb:
-            params, sharding = params_of(size, bucket)
-            for path in args.paths:
-                best, peak = float("inf"), 0
-                for _ in range(REPEATS):
-                    tracemalloc.start()
-                    start = time.perf_counter()
-                    if args.child == "sender":
-                        send_weights([channel], params, version=0, bucket_bytes=bucket << 20,
-                                     transfer=transfer if path == "jax" else None, pulled=pulled)
-                        channel.recv()  # the receiver's "done": the weights are on its devices
-                    else:
-                        _, header = channel.recv()
-                        got = receive_weights(channel, header, params, jax.tree.map(lambda _, s=sharding: s, params),
-                                              transfer=transfer)
-                        jax.block_until_ready(got)
-                        del got
-                        channel.send("done")
-                    seconds = time.perf_counter() - start
-                    peak = max(peak, tracemalloc.get_traced_memory()[1])
-                    tracemalloc.stop()
-                    best = min(best, seconds)
-                total = sum(x.nbytes for x in jax.tree.leaves(params))
-                results.append({"path": path, "size_mb": size, "bucket_mb": bucket, "bytes": total, "seconds": best,
-                                "s_per_gb": best / (total / 1e9), "host_peak_mb": peak / 2**20})
-            del params
-    channel.close()
-    print(json.dumps(results))
+    return [np.asarray(x).reshape(-1).view({1: np.uint8, 2: np.uint16, 4: np.uint32}[x.dtype.itemsize])
+            for x in jax.tree.leaves(tree)]
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--paths", nargs="+", choices=["host", "jax"], default=["host", "jax"])
-    p.add_argument("--sizes-mb", type=int, nargs="+", default=[64, 256, 1024])
-    p.add_argument("--buckets-mb", type=int, nargs="+", default=[16, 64, 256])
-    p.add_argument("--child", choices=["sender", "receiver"], help=argparse.SUPPRESS)
-    p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
-    args = p.parse_args()
-    if args.child:
-        child(args)
-        return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2"}
-    common = ["--port", str(port), "--sizes-mb", *map(str, args.sizes_mb), "--buckets-mb", *map(str, args.buckets_mb),
-              "--paths", *args.paths]
-    procs = {role: subprocess.Popen([sys.executable, __file__, "--child", role, *common], env=env, cwd=ROOT,
+def typical(fractions: list[float]) -> float:
+    """The fraction a publish carries in a run: the median after the first (Adam's first step is every weight)."""
+    return statistics.median(fractions[1:] or fractions)
+
+
+def transfer(args, fractions: dict[str, float]) -> list[dict]:
+    """Part 2: the sender and receiver processes; one record per size and repeat."""
+    ports = {}
+    for name in ("control", "raw"):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports[name] = s.getsockname()[1]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get(
+           "PYTHONPATH", "")]), "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} "
+           "--xla_force_host_platform_device_count=2"}
+    common = ["--ports", json.dumps(ports), "--sizes-mb", *map(str, args.sizes_mb), "--bucket-mb",
+              str(args.bucket_mb), "--repeats", str(args.repeats), "--fractions",
+              *(f"{k}={v}" for k, v in fractions.items())]
+    procs = {role: subprocess.Popen([sys.executable, __file__, "--peer", role, *common], env=env, cwd=ROOT,
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for role in ("receiver", "sender")}
     done = {role: proc.communicate() for role, proc in procs.items()}
     failed = [f"the {role} failed:\n{done[role][1][-3000:]}" for role, proc in procs.items() if proc.returncode]
     if failed:
         sys.exit("\n".join(failed))
-    out = {role: json.loads(stdout.strip().splitlines()[-1]) for role, (stdout, _) in done.items()}
-    print("| path | params | bucket | s / GB | sender host peak | receiver host peak |")
-    print("|---|---:|---:|---:|---:|---:|")
-    for sent, received in zip(out["sender"], out["receiver"], strict=True):
-        print(f"| {sent['path']} | {sent['bytes'] / 2**20:.0f} MiB | {sent['bucket_mb']} MiB "
-              f"| {received['s_per_gb']:.2f} "
-              f"| {sent['host_peak_mb']:.0f} MiB | {received['host_peak_mb']:.0f} MiB |")
+    return json.loads(done["sender"][0].strip().splitlines()[-1])
+
+
+def summarise(records: list[dict], fractions: dict[str, float]) -> dict:
+    """Per size and path: GB/s (min and median over the repeats; the best is the fastest)."""
+    out = {}
+    for size in sorted({r["size_mb"] for r in records}):
+        rows = [r for r in records if r["size_mb"] == size]
+        gb = rows[0]["bytes"] / 1e9
+        paths = [k for k in rows[0] if k not in ("size_mb", "bytes", "repeat") and not k.endswith(
+            ("_bytes", "_fraction"))]
+        out[size] = {path: {"best_gb_s": gb / min(r[path] for r in rows),
+                            "median_gb_s": gb / statistics.median(r[path] for r in rows),
+                            "median_s": statistics.median(r[path] for r in rows),
+                            **({"wire_bytes": statistics.median(r[f"{path}_bytes"] for r in rows)}
+                               if f"{path}_bytes" in rows[0] else {})}
+                     for path in paths}
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sizes-mb", type=int, nargs="+", default=[256, 1024])
+    p.add_argument("--bucket-mb", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--iterations", type=int, default=5, help="training iterations per learning rate (part 1)")
+    p.add_argument("--fractions", nargs="*", default=None, metavar="NAME=FRACTION",
+                   help="skip part 1: the changed fractions to send (e.g. gsm8k=0.02)")
+    p.add_argument("--peer", choices=["sender", "receiver", "fractions"], help=argparse.SUPPRESS)
+    p.add_argument("--ports", default="{}", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.peer in ("sender", "receiver"):
+        from weight_sync_peers import serve
+
+        args.fractions = [(k, float(v)) for k, v in (item.split("=") for item in args.fractions)]
+        serve(args.peer, args, json.loads(args.ports))
+        return
+    if args.peer == "fractions":
+        print(json.dumps(measure_fractions(args)))
+        return
+    measured = None
+    if args.fractions is None:  # part 1 in a process of its own: its memory is gone before part 2 starts
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+        out = subprocess.run([sys.executable, __file__, "--peer", "fractions", "--iterations", str(args.iterations)],
+                             env=env, cwd=ROOT, stdout=subprocess.PIPE, text=True)
+        if out.returncode:
+            sys.exit(f"measuring the changed fractions failed ({out.returncode})")
+        measured = json.loads(out.stdout.strip().splitlines()[-1])
+        fractions = {name: typical(f["bfloat16"]) for name, f in measured.items()}
+    else:
+        fractions = {k: float(v) for k, v in (item.split("=") for item in args.fractions)}
+    summary = summarise(transfer(args, fractions), fractions)
+    if measured:
+        print("| learning rate | bf16: first publish | bf16: later (median) | int8: later | float32: later |")
+        print("|---|---:|---:|---:|---:|")
+        for name, f in measured.items():
+            print(f"| {name} ({RATES[name]:g}) | {f['bfloat16'][0]:.2%} | {typical(f['bfloat16']):.2%} "
+                  f"| {typical(f['int8']):.2%} | {typical(f['float32']):.2%} |")
+    print("\n| params | path | GB/s best | GB/s median | s median | vs raw (median) | bytes on the wire |")
+    print("|---:|---|---:|---:|---:|---:|---:|")
+    for size, paths in summary.items():
+        raw = paths["raw"]["median_gb_s"]
+        for path, f in paths.items():
+            wire = f"{f['wire_bytes'] / 2**20:.1f} MiB" if "wire_bytes" in f else ""
+            print(f"| {size} MiB | {path} | {f['best_gb_s']:.2f} | {f['median_gb_s']:.2f} | {f['median_s']:.3f} "
+                  f"| {f['median_gb_s'] / raw:.2f} | {wire} |")
+    largest = summary[max(summary)]
+    out = {"raw_socket_gb_s": largest["raw"]["median_gb_s"], "ours_gb_s": largest["ours"]["median_gb_s"],
+           "flight_gb_s": largest["flight"]["median_gb_s"],
+           "ours_over_raw": largest["ours"]["median_gb_s"] / largest["raw"]["median_gb_s"]}
+    for name, fraction in fractions.items():
+        key = f"{name}_lr" if name != "quickstart" else name
+        out[f"delta_fraction_{key}"] = fraction
+        if f"changes_{name}" in largest:
+            out[f"delta_speedup_{key}"] = largest["ours"]["median_s"] / largest[f"changes_{name}"]["median_s"]
+            out[f"xor_zstd_speedup_{key}"] = largest["ours"]["median_s"] / largest[f"xor_zstd_{name}"]["median_s"]
+    out.update(sizes_mb=args.sizes_mb, bucket_mb=args.bucket_mb, repeats=args.repeats, by_size=summary,
+               measured_fractions=measured)
     print(json.dumps(out))
 
 

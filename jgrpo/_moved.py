@@ -22,7 +22,7 @@ MOVED = {
     "mesh": "parallel.mesh", "host_arrays": "parallel.host_arrays", "distributed": "parallel.distributed",
     "platform_defaults": "parallel.platform_defaults", "process_setup": "parallel.startup",
     "frozen_base": "models.frozen_base",
-    "sampler": "sampling.sampler", "slot_decoding": "sampling.slot_pool", "sampling_methods": "sampling.methods",
+    "sampler": "sampling.sampler", "slot_decoding": "sampling.decode_loop", "sampling_methods": "sampling.methods",
     "advantages": "rl.advantages", "objectives": "rl.objectives", "corrections": "rl.corrections",
     "diagnostics": "rl.diagnostics", "logprobs": "rl.logprobs", "behaviour_refresh": "rl.behaviour_refresh",
     "rollout_source": "rollout.sources", "dynamic_sampling": "rollout.dynamic_sampling",
@@ -30,9 +30,15 @@ MOVED = {
     "evaluator": "rollout.evaluator",
     "trainer": "training.trainer", "train_step": "training.steps", "checkpoint": "training.checkpoint",
     "optim": "training.optimizer", "trainer_metrics": "training.iteration_record", "metrics": "training.metrics_log",
-    "preflight": "training.preflight", "fingerprint": "training.fingerprint",
+    "preflight": "training.preflight", "fingerprint": "parallel.fingerprint",
     "abstract_run": "planning.abstract_run", "hlo_cost": "planning.hlo_cost", "hlo_inspect": "planning.hlo_inspect",
     "roofline": "planning.roofline",
+    # The paged cache (docs/architecture.md): the sampler's modules named after what they hold.
+    "sampling.pool": "sampling.state", "sampling.slot_pool": "sampling.decode_loop",
+    "models.decode": "models.decode_step",
+    # The weight transport gathered in one folder (parallel/weights/); the content fingerprint went below it.
+    "training.fingerprint": "parallel.fingerprint", "parallel.device_transfer": "parallel.weights.device_transfer",
+    "parallel.process_crossing": "parallel.weights.process_crossing",
 }
 _warned: set[str] = set()
 

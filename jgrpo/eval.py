@@ -60,9 +60,9 @@ def load_for_eval(target: str, overrides: list[str], step: int | None = None):
     from jgrpo.config.loading import load_config
     from jgrpo.models.hf import load_model, load_tokenizer, model_options
     from jgrpo.models.lora import join_adapters, split_adapters
+    from jgrpo.parallel.fingerprint import fingerprint
     from jgrpo.parallel.mesh import TRAIN_RULES, make_mesh
     from jgrpo.training.checkpoint import Checkpointer
-    from jgrpo.training.fingerprint import fingerprint
 
     path = epath.Path(target)  # a local run directory or a bucket (gs://...), as train writes it
     model_dir = is_model_dir(path)

@@ -33,8 +33,8 @@ def export_run(run_dir: str | Path, out_dir: str | Path, step: int | None = None
     from jgrpo.models.llm import ModelOptions, abstract_model
     from jgrpo.models.lora import join_adapters, merge_adapters, split_adapters, with_lora, without_lora
     from jgrpo.models.peft_format import export_peft
+    from jgrpo.parallel.fingerprint import fingerprint
     from jgrpo.training.checkpoint import Checkpointer
-    from jgrpo.training.fingerprint import fingerprint
 
     run_dir = epath.Path(run_dir)  # a local run directory or a bucket (gs://...), as train writes it
     if not (run_dir / "config.yaml").is_file():

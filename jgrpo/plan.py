@@ -29,6 +29,7 @@ from jgrpo.planning.abstract_run import (  # noqa: F401 - re-exported for caller
     topology_devices,
 )
 from jgrpo.planning.fit import GIB, fit, plan_iteration  # noqa: F401 - plan_iteration re-exported
+from jgrpo.planning.paged_rows import KVShape, paged_row_tokens, roofline_tokens_per_s, rows_in_flight, step_reads
 from jgrpo.planning.roofline import Chip, roofline
 
 
@@ -91,7 +92,27 @@ def report_lines(topology: str, chip: Chip, plan: dict, hbm_gib: float) -> list[
         lines.append(f"sampler: the last decode step reads {sample['step_bytes'] / 1e9:.3f} GB of HBM per chip"
                      + (f"; of the weights: {weights}" if weights else "")
                      + (f"; of the KV cache: {cache}" if cache else ""))
+    if plan.get("sampler"):
+        lines.append(sampler_line(plan["sampler"], chip, hbm_gib, sample))
     return lines
+
+
+def sampler_line(s: dict, chip: Chip, hbm_gib: float, sample: dict | None) -> str:
+    """The paged cache on a chip: its pool, and the rows that fit beside everything else it holds while sampling,
+    reserving their longest or holding half of it (a row's mean over its life when it runs to N), with what a step
+    then reads and its roofline tokens/s (docs/tpu_plans.md)."""
+    kv = KVShape(**s["kv"])
+    free = hbm_gib * GIB - s["without_pool_bytes"]
+    G, P, N, ps = s["group"], s["prompt_width"], s["new_tokens"], s["page_size"]
+    longest = rows_in_flight(free, paged_row_tokens(P, N - 1, G, ps), kv)
+    half = rows_in_flight(free, paged_row_tokens(P, (N - 1) / 2, G, ps), kv)
+    weights = sum((sample or {}).get("decode_weight_bytes", {}).values())
+    reads = step_reads(weights, kv, [(P, (N - 1) // 2)] * half, page_size=ps, prompt_width=P, new_tokens=N)
+    return (f"sampler cache: pages of {ps} tokens ({s['attention']} attention), a pool of {s['pages']} pages = "
+            f"{s['pool_bytes'] / GIB:.2f} GiB per chip; beside the rest ({s['without_pool_bytes'] / GIB:.2f} GiB), "
+            f"{longest} rows per chip fit at their longest, {half} at half of it, where a step reads "
+            f"{reads.paged / 1e9:.3f} GB ({reads.paged_over_live:.2f}x the live minimum): "
+            f"{roofline_tokens_per_s(half, reads.paged, chip.hbm_gbps):,.0f} tokens/s per chip at best")
 
 
 @exits_on_user_error

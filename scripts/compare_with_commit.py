@@ -156,9 +156,10 @@ def run_recorder(checkout: Path, modes: list[str], out: Path, env: dict | None =
 
 
 def differences(ours: dict, theirs: dict, rtol: float = 0.0, atol: float = 0.0,
-                atol_by_key: dict[str, float] | None = None) -> list[str]:
+                atol_by_key: dict[str, float] | None = None, added: frozenset[str] = frozenset()) -> list[str]:
     """What differs between two recordings of one mode; floats within `rtol` relative or `atol` absolute (for a
-    metric named in `atol_by_key`, that one) count as equal (all 0: exactly)."""
+    metric named in `atol_by_key`, that one) count as equal (all 0: exactly). Metrics named in `added` were made
+    after `theirs` was recorded: where `theirs` lacks them, nothing is compared."""
     import math
 
     found = []
@@ -178,7 +179,7 @@ def differences(ours: dict, theirs: dict, rtol: float = 0.0, atol: float = 0.0,
     if len(ours["metrics"]) != len(theirs["metrics"]):
         found.append(f"{len(ours['metrics'])} vs {len(theirs['metrics'])} metric records")
     for i, (a, b) in enumerate(zip(ours["metrics"], theirs["metrics"], strict=False)):
-        for key in sorted(set(a) | set(b)):
+        for key in sorted((set(a) | set(b)) - (added - set(b))):
             if key not in a or key not in b or not close(a[key], b[key], key):
                 found.append(f"iteration {a.get('iteration', i)} {key}: {a.get(key)!r} vs {b.get(key)!r}")
     if rtol == 0 and ours["params"]["sha256"] != theirs["params"]["sha256"]:

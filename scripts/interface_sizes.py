@@ -1,4 +1,4 @@
-"""How wide the package's interfaces are: `python scripts/interface_sizes.py [--all]`.
+"""How wide the package's interfaces are: `python scripts/interface_sizes.py [--rev REV]`.
 
 Two counts, read from the source with `ast` (nothing is imported), in rl/, training/ and models/ (ROOMS):
   - the parameters of every public function (module functions and the methods of public classes, `__init__`
@@ -8,8 +8,8 @@ Two counts, read from the source with `ast` (nothing is imported), in rl/, train
     (and a dataclass's fields), over LIMITS' `attributes`. NamedTuples, and dataclasses whose only methods are
     properties (and `__post_init__`'s checks), are records (one value of many fields) and are not counted.
 A function that needs more inputs than the limit is asking for a record (a NamedTuple passed whole) or an object;
-a class that holds more attributes is two classes (the design notes). EXEMPT files are being rewritten by another
-change and are counted only with `--all`; classes of the other rooms are listed, not held to the limit.
+a class that holds more attributes is two classes (the design notes). Classes of the other rooms are listed, not
+held to the limit.
 
 It prints every function and class over its limit, then one JSON line with the totals;
 tests/test_interface_sizes.py runs it and expects none over in ROOMS. `--rev REV` counts a commit's package instead
@@ -32,8 +32,6 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "jgrpo"
 ROOMS = ("rl", "training", "models")
 LIMITS = {"parameters": 8, "attributes": 15}
-# The paged-cache change rewrites these (decode, the int8 KV cache, the attention backends): not counted until then.
-EXEMPT = ("jgrpo/models/decode.py", "jgrpo/models/kv_quant.py", "jgrpo/models/attention_backends.py")
 
 
 def _parameters(node: ast.FunctionDef | ast.AsyncFunctionDef, method: bool) -> int:
@@ -75,14 +73,12 @@ def _attributes(node: ast.ClassDef) -> set[str]:
     return names
 
 
-def measure(package: Path = PACKAGE, include_exempt: bool = False) -> dict:
+def measure(package: Path = PACKAGE) -> dict:
     """{"functions": {name: parameters}, "classes": {name: attributes}} of every counted function and class of
     `package` (a class of another room than ROOMS is named with a leading "other:")."""
     functions, classes = {}, {}
     for path in sorted(package.rglob("*.py")):
         relative = path.relative_to(package.parent).as_posix()
-        if relative in EXEMPT and not include_exempt:
-            continue
         tree = ast.parse(path.read_text())
         room = path.relative_to(package).parts[0]
         counted_room = room in ROOMS and not path.stem.startswith("_")
@@ -109,25 +105,21 @@ def over_limits(sizes: dict, other_rooms: bool = False) -> dict:
                         if v > LIMITS["attributes"] and (other_rooms or not k.startswith("other:"))}}
 
 
-def _measure_rev(rev: str, include_exempt: bool) -> dict:
+def _measure_rev(rev: str) -> dict:
     """`measure` of the package as commit `rev` holds it (unpacked from `git archive` into a scratch folder)."""
     archive = subprocess.run(["git", "archive", "--format=tar", rev, "jgrpo"], cwd=ROOT, capture_output=True,
                              check=True).stdout
     with tempfile.TemporaryDirectory() as tmp:
         with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
             tar.extractall(tmp, filter="data")
-        return measure(Path(tmp) / "jgrpo", include_exempt)
+        return measure(Path(tmp) / "jgrpo")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--all", action="store_true", help=f"count the exempt files too: {', '.join(EXEMPT)}")
     parser.add_argument("--rev", help="count this git revision's package (e.g. main, HEAD~3) instead")
     args = parser.parse_args(argv)
-    if args.rev:
-        sizes = _measure_rev(args.rev, args.all)
-    else:
-        sizes = measure(include_exempt=args.all)
+    sizes = _measure_rev(args.rev) if args.rev else measure()
     over, everywhere = over_limits(sizes), over_limits(sizes, other_rooms=True)
     print(f"public functions in {', '.join(ROOMS)} with more than {LIMITS['parameters']} parameters:")
     for name, count in sorted(over["functions"].items(), key=lambda kv: -kv[1]):
@@ -139,8 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({"functions": len(sizes["functions"]), "functions_over": len(over["functions"]),
                       "most_parameters": max(sizes["functions"].values()), "classes": len(in_rooms),
                       "classes_over": len(over["classes"]), "most_attributes": max(in_rooms.values()),
-                      "other_rooms_classes_over": len(everywhere["classes"]) - len(over["classes"]),
-                      "exempt_counted": args.all}))
+                      "other_rooms_classes_over": len(everywhere["classes"]) - len(over["classes"])}))
     return 0
 
 

@@ -112,7 +112,7 @@ def sampled(tokens, completion_mask, logprobs, truncated=None):
     """A sampler record (`SampleOutput`) of given rows: every real token drawn, by version 0."""
     import jax.numpy as jnp
 
-    from jgrpo.sampling.pool import SampleOutput
+    from jgrpo.sampling.state import SampleOutput
 
     completion_mask = jnp.asarray(completion_mask, bool)
     truncated = jnp.zeros(completion_mask.shape[0], bool) if truncated is None else jnp.asarray(truncated, bool)

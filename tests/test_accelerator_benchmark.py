@@ -20,6 +20,7 @@ def test_dry_run_writes_every_figure(tmp_path):
     figures = {**results["train"], **results["sampler"], **results["moe"], **results["iteration"]}
     assert set(figures) == {"qwen2.5-0.5b-shapes", "smollm2", "rows_16", "rows_32", "rows_32_int8",
                             "rows_32_int8_cache", "rows_32_scanned", "rows_32_int8_cache_scanned",
+                            "rows_32_command_buffers",
                             "qwen3-30b-a3b-block", "v1", "v4"}
     errors = {name: f["error"] for name, f in figures.items() if "error" in f}
     assert not errors, errors

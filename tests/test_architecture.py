@@ -168,7 +168,7 @@ OWNERS = [
     ("left padding", "jgrpo.data.prompts", r"width - len\(|def \w*left_pad\w*\("),
     ("bucketing", "jgrpo.data.prompts", r"ceil\([^)]*bucket|//\s*bucket"),
     ("metric reduction by suffix", "jgrpo.rl.diagnostics", r"""endswith\(\s*(["']_(min|max)|"_" \+)"""),
-    ("param copy", "jgrpo.parallel.mesh", r"(jnp|jax\.numpy)\.copy\b"),
+    ("param copy", "jgrpo.parallel.weights.copies", r"(jnp|jax\.numpy)\.copy\b"),
     ("replicated key", "jgrpo.parallel.mesh", r"lambda: jax\.random\.key\("),
     ("decode and score completions", "jgrpo.rollout.collect", r"\.batch_decode\(|\bscorer\.score\("),
 ]

@@ -37,7 +37,14 @@ class RolloutConfig:
     # to device (jax.experimental.transfer), the channel carrying only its id. auto: host on every platform
     # (measured on CPU loopback, benchmarks/weight_sync.py; on TPU not yet measured).
     weight_transfer: Literal["auto", "host", "jax"] = "auto"
-    # The host memory one bucket of weights takes on either side (a larger tensor is split over buckets).
+    # Two jobs: after the first whole copy, send only the weights whose value changed since the version the rollout
+    # job holds (indices and values; a fingerprint checks every publish and a mismatch is healed by a whole copy,
+    # counted as rollout/weight_mismatches). always / never (not on / off: YAML reads those as booleans). auto:
+    # whichever the run measures faster, timing both as it goes (on CPU loopback whole copies win: docs/benchmarks.md
+    # "Two jobs").
+    weight_delta: Literal["auto", "always", "never"] = "auto"
+    # The host memory one bucket of weights takes on either side (a larger tensor is split over buckets): the
+    # sender holds two (one read off the devices while the other is sent), the receiver two (one read, one placed).
     sync_bucket_mb: int = 512
     # How long either job waits for the other (a restart, a preemption) before it gives up, naming the endpoint.
     wait_timeout_s: float = 1800.0

@@ -106,7 +106,8 @@ class MeshConfig:
     # form the sampler's sub-mesh and the rest the trainer's, each with the axes above (the -1 axis absorbs its
     # devices); each publish of the weights is one resharding copy between them (`time/weight_sync`). With
     # several processes the sampler gets the last n devices as whole processes (n a multiple of the devices per
-    # process, the trainer's a multiple of n) and the weights cross in one collective (parallel/process_crossing.py).
+    # process, the trainer's a multiple of n) and the weights cross in one collective
+    # (parallel/weights/process_crossing.py).
     rollout_devices: int = 0
 
     def __post_init__(self):
@@ -148,15 +149,26 @@ class SamplerConfig:
     # last step); int8 reads a quarter of float32's bytes, half of bf16's. Like int8 weights it makes the sampler
     # another policy (set grpo.masked_is or grpo.truncated_is); the evaluator keeps the compute dtype.
     kv_cache_dtype: Literal["auto", "float32", "bfloat16", "int8"] = "auto"
-    # Length of the cache chunks the decode attends to one at a time (one compiled decode loop per chunk);
-    # 0 = the sampler's choice: at most 8 chunks, none shorter than 64 slots (`sampler.decode_chunking`).
+    # The KV cache is pages of page_size tokens (0 = by platform, docs/configuration.md): a group's prompt is stored
+    # once for its G rows, a row takes pages as it grows and gives them back when it stops.
+    page_size: int = 0
+    # Pages of each queue's pool (a queue per device of the row axis; 0 = every prompt's pages and every slot's row
+    # at its longest: nothing is ever preempted). Fewer admit rows by the memory they use at their own lengths:
+    # where a step finds too few pages, the youngest rows are preempted and drawn again from their start (the same
+    # keys: the same tokens up to rounding; counted as sampler/preempted).
+    kv_pages: int = 0
+    # The decode attention over pages: xla (blocks of pages up to the step's longest row) or pallas (a TPU kernel
+    # that reads each row's live pages only); auto = by platform (docs/configuration.md).
+    paged_attention: Literal["auto", "xla", "pallas"] = "auto"
+    # How often a whole-batch sampling call may halve its slots as rows finish (the rows left moved to the first
+    # slots: their page tables move, not their keys/values); -1 = by platform (docs/configuration.md).
+    shrink: int = -1
+    # Multi-turn episodes: steps the sampler decodes between returns to the host (where paused turns are seen);
+    # 0 = a quarter of a turn, at least 8 (`rollout.episodes.episode_chunk`).
     decode_chunk: int = 0
-    # The decode step's layer loop: unrolled over per-layer weights and caches (no per-step copies on CPU), or
+    # The decode step's layer loop: unrolled over per-layer weights and pools (no per-step copies on CPU), or
     # one lax.scan over the stacked ones (one layer to compile); auto = by platform (docs/configuration.md).
     decode_layers: Literal["auto", "unrolled", "scanned"] = "auto"
-    # The decode attention's softmax: whole (one over all cache slots) or segments (one per cache segment, merged
-    # by log-sum-exp: no [rows, heads, slots] array leaves the chip); auto = by platform (docs/configuration.md).
-    decode_softmax: Literal["auto", "whole", "segments"] = "auto"
     # How a token is drawn from the processed distribution (same distribution, different cost per backend):
     # inverse_cdf, gumbel or categorical; auto = by platform (docs/configuration.md).
     draw: Literal["auto", "inverse_cdf", "gumbel", "categorical"] = "auto"
@@ -177,6 +189,9 @@ class SamplerConfig:
         _check(self.max_new_tokens > 0, "sampler.max_new_tokens", self.max_new_tokens, "a positive integer")
         _check(self.prompt_bucket > 0, "sampler.prompt_bucket", self.prompt_bucket, "a positive integer")
         _check(self.decode_chunk >= 0, "sampler.decode_chunk", self.decode_chunk, ">= 0 (0 = the sampler's choice)")
+        _check(self.page_size >= 0, "sampler.page_size", self.page_size, ">= 0 (0 = by platform)")
+        _check(self.kv_pages >= 0, "sampler.kv_pages", self.kv_pages, ">= 0 (0 = every slot's row at its longest)")
+        _check(self.shrink >= -1, "sampler.shrink", self.shrink, ">= 0, or -1 = by platform")
         _check(self.slots >= 0, "sampler.slots", self.slots, ">= 0 (0 = one slot per row)")
         _check(not self.quantize_embeddings or self.weights_dtype == "int8", "sampler.quantize_embeddings", True,
                f"false with sampler.weights_dtype={self.weights_dtype}: embeddings are quantized with int8 weights "
@@ -386,8 +401,6 @@ class Config:
                    f">= the completion width {self.completion_tokens} (sampler.max_new_tokens, or env.max_total_tokens "
                    "with an environment): a packed row must hold the longest completion, or 0 (auto)")
         if self.rollout.role != "both":
-            _check(self.model.lora.rank == 0, "rollout.role", self.rollout.role,
-                   "both with LoRA (model.lora.rank > 0): the rollout job would need the frozen base sent as well")
             _check(not self.mesh.rollout_devices, "mesh.rollout_devices", self.mesh.rollout_devices,
                    f"0 with rollout.role={self.rollout.role}: each job samples or trains on all of its own devices")
         if self.mesh.rollout_devices:

@@ -18,7 +18,8 @@ import jax.numpy as jnp
 from jgrpo.models.llm import param_logical_axes
 from jgrpo.models.lora import join_adapters, split_adapters
 from jgrpo.models.quantize import sampler_copy
-from jgrpo.parallel.mesh import SAMPLE_RULES, logical_shardings, param_copier
+from jgrpo.parallel.mesh import SAMPLE_RULES, logical_shardings
+from jgrpo.parallel.weights.copies import param_copier
 
 
 def sample_layout(base: dict, mesh, sampler, compute_dtype: str, rules=SAMPLE_RULES) -> tuple[dict, object] | None:

@@ -6,7 +6,8 @@ this socket: records flow one way, weights the other. A frame is
     8 bytes   big-endian length of the rest
     4 bytes   big-endian length of the header
     header    UTF-8 JSON: {"kind": ..., "body": the message with every array replaced by a reference}
-    arrays    the arrays' raw bytes, one after another (their dtype and shape are in the header)
+    arrays    the arrays' raw bytes, one after another (their dtype and shape are in the header), each starting
+              at a multiple of `ALIGN` bytes from the header's start (zero bytes pad the gaps)
 
 so a message is any tree of dicts, lists, tuples, strings, numbers, numpy arrays and the dataclasses or
 NamedTuples the caller registers by name (`Codec`): nothing is unpickled, a peer can only send data.
@@ -17,16 +18,24 @@ busy side slows its peer's sends down instead of buffering them (TCP's backpress
 `HEARTBEAT_S` from a thread of their own; a peer that sends nothing at all for `SILENCE_S` while its bytes are
 awaited (a hung or paused host: a killed process closes its socket at once) is taken for dead, as a closed
 socket is: `recv` raises `ChannelClosed` naming why.
+
+The arrays of a received frame are views of one buffer, each aligned to `ALIGN` bytes: on CPU `jax.device_put`
+then keeps the bytes where they are instead of copying them (it aliases a host buffer only when it is aligned),
+so a weights bucket crosses with the kernel's copies alone. Buffers are reused once nothing views them
+(`_Buffers`). The buffer is not zero-filled first (a `bytearray`
+would be: one more pass over every bucket), and a frame is read with `MSG_WAITALL` (one system call, not one
+per socket buffer); silence is still judged by `SO_RCVTIMEO`, a receive that returns nothing for `SILENCE_S`.
 """
 
 from __future__ import annotations
 
 import collections
+import ctypes
 import dataclasses
 import json
-import select
 import socket
 import struct
+import sys
 import threading
 import time
 from typing import Any
@@ -36,8 +45,10 @@ import numpy as np
 HEARTBEAT_S = 5.0  # a frame at least this often, also when there is nothing to say
 SILENCE_S = 30.0  # a peer silent this long is gone
 MAX_FRAME_BYTES = 1 << 36  # 64 GiB: anything longer is not a frame of ours (rollout.sync_bucket_mb is far below)
+ALIGN = 64  # each array of a frame starts at a multiple of this (XLA's CPU client aliases 64-byte aligned buffers)
 _HEARTBEAT = "heartbeat"
 _SIZE = struct.Struct(">QI")
+_ZEROS = bytes(ALIGN)
 
 
 class ChannelClosed(ConnectionError):
@@ -103,6 +114,43 @@ def _dtype(name: str) -> np.dtype:
         return np.dtype(getattr(ml_dtypes, name))
 
 
+class _Buffers:
+    """Receive buffers, each reused once no array views it any more (a weights bucket placed on the devices and
+    copied there, or, on CPU, the params made of it released): a frame lands in memory the kernel has mapped
+    already, instead of faulting in (and zeroing) a fresh page every 4 KiB. A buffer is a ctypes array: numpy
+    arrays made from it, and whatever holds them (a jax CPU array aliasing one), keep a reference to it, so it is
+    free when its reference count is the pool's own. Up to KEEP buffers of each size (a publish's buckets share a
+    few sizes); frames under MIN_BYTES are not kept."""
+
+    KEEP, MIN_BYTES = 64, 1 << 20
+
+    def __init__(self):
+        self._kept: dict[int, list] = {}
+        self._lock = threading.Lock()
+
+    def take(self, n: int) -> np.ndarray:
+        with self._lock:
+            kept = self._kept.setdefault(n, []) if n >= self.MIN_BYTES else []
+            slab = next((b for b in kept if sys.getrefcount(b) <= _FREE_REFS), None)
+            if slab is None:
+                slab = (ctypes.c_uint8 * (n + ALIGN))()
+                if len(kept) < self.KEEP:
+                    kept.append(slab)
+        start = -ctypes.addressof(slab) % ALIGN
+        return np.frombuffer(slab, np.uint8, n, start)
+
+
+_FREE_REFS = 3  # a kept buffer nobody views: the pool's list, the generator's name, getrefcount's argument
+_BUFFERS = _Buffers()
+
+
+def host_buffer(shape, dtype) -> np.ndarray:
+    """An uninitialised host array aligned as a frame's arrays are (on CPU `jax.device_put` takes it without a
+    copy), from the channel's reused buffers (`_Buffers`)."""
+    dtype = np.dtype(dtype)
+    return _BUFFERS.take(int(np.prod(shape, dtype=np.int64)) * dtype.itemsize).view(dtype).reshape(shape)
+
+
 class Channel:
     """One connected socket: `send(kind, body)`, `recv(timeout) -> (kind, body)`, `close()`."""
 
@@ -110,6 +158,10 @@ class Channel:
         self.sock, self.codec, self.peer = sock, codec, peer
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.settimeout(None)  # sends block while the peer's reader waits (backpressure); see _read_exactly
+        # A receive that gets nothing for SILENCE_S returns (EAGAIN): the reader's silence check (sends unaffected).
+        seconds = int(SILENCE_S)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
+                        struct.pack("ll", seconds, int((SILENCE_S - seconds) * 1e6)))
         self._send_lock = threading.Lock()
         self._inbox: collections.deque = collections.deque()  # at most one message: the reader waits for `recv`
         self._inbox_changed = threading.Condition()
@@ -132,13 +184,19 @@ class Channel:
         """Send one message; returns its size in bytes. Raises ChannelClosed if the peer is gone."""
         arrays: list[np.ndarray] = []
         header = json.dumps({"kind": kind, "body": self.codec.encode(body, arrays)}).encode()
-        size = 4 + len(header) + sum(a.nbytes for a in arrays)
-        raw = (memoryview(a.reshape(-1).view(np.uint8)) for a in arrays if a.nbytes)  # any dtype, as bytes
-        parts = [_SIZE.pack(size, len(header)), header, *raw]
+        parts, offset = [header], len(header)
+        for a in arrays:
+            if a.nbytes:
+                padding = -offset % ALIGN
+                parts += [_ZEROS[:padding], memoryview(a.reshape(-1).view(np.uint8))]  # any dtype, as bytes
+                offset += padding + a.nbytes
+        size = 4 + offset
+        parts.insert(0, _SIZE.pack(size, len(header)))
         try:
             with self._send_lock:
                 for part in parts:
-                    self.sock.sendall(part)
+                    if len(part):
+                        self.sock.sendall(part)
         except OSError as e:
             self._close(f"sending to {self.peer} failed: {e}")
             raise ChannelClosed(self.closed_because) from None
@@ -166,15 +224,19 @@ class Channel:
             self._inbox_changed.notify_all()
         return item
 
-    def _read_exactly(self, n: int) -> bytearray:
-        buf, view, got = bytearray(n), None, 0
-        view = memoryview(buf)
+    def _read_exactly(self, n: int) -> np.ndarray:
+        """The next `n` bytes, in a buffer aligned to ALIGN (uninitialised until read: not zero-filled)."""
+        buf = _BUFFERS.take(n)
+        view, got = memoryview(buf), 0
         while got < n:
-            if not select.select([self.sock], [], [], SILENCE_S)[0]:
-                raise ChannelClosed(f"{self.peer} sent nothing for {SILENCE_S:.0f} s (no heartbeat either)")
-            k = self.sock.recv_into(view[got:], n - got)
+            try:  # MSG_WAITALL: the rest at once, or what came before SILENCE_S without a byte (SO_RCVTIMEO)
+                k = self.sock.recv_into(view[got:], n - got, socket.MSG_WAITALL)
+            except (BlockingIOError, TimeoutError):
+                k = -1
             if k == 0:
                 raise ChannelClosed(f"{self.peer} closed the connection")
+            if k < 0:
+                raise ChannelClosed(f"{self.peer} sent nothing for {SILENCE_S:.0f} s (no heartbeat either)")
             got += k
         return buf
 
@@ -186,7 +248,7 @@ class Channel:
                     raise ValueError(f"a frame of {size} bytes")
                 frame = self._read_exactly(size - 4)
                 self.bytes_received += 8 + size
-                message = json.loads(bytes(frame[:header_size]))
+                message = json.loads(frame[:header_size].tobytes())
                 if message["kind"] == _HEARTBEAT:
                     continue
                 arrays, offset = [], header_size
@@ -195,6 +257,8 @@ class Channel:
                     if spec["__array__"] != i or min(shape, default=0) < 0:
                         raise ValueError(f"array {i}: {spec}")
                     count = int(np.prod(shape, dtype=np.int64))
+                    if count:
+                        offset += -offset % ALIGN
                     arrays.append(np.frombuffer(frame, dtype, count, offset).reshape(shape))
                     offset += count * dtype.itemsize
                 if offset != len(frame):

@@ -95,7 +95,7 @@ def fetch(tree):
 def move_rows(tree, mesh: Mesh, rules: Rules):
     """Row-batched global arrays onto `mesh`, rows sharded (`row_sharding`): a device transfer, or through the
     hosts when the two meshes belong to other processes (JAX moves arrays between processes only as equal
-    shardings; a batch's records are small next to the weights, which cross as such: `mesh.param_copier`)."""
+    shardings; a batch's records are small next to the weights, which cross as such: `parallel/weights/`)."""
     def one(x):
         sharding = row_sharding(mesh, rules, x.shape)
         if {d.process_index for d in x.sharding.device_set} == {d.process_index for d in mesh.devices.flat}:

@@ -17,7 +17,6 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jgrpo.config import ConfigError, MeshConfig
-from jgrpo.parallel.process_crossing import ProcessCrossing
 
 MESH_AXES = ("data", "fsdp", "expert", "tensor")
 # The axes rows (prompts, completions, tokens) are split over: data parallelism, FSDP and, outside the experts'
@@ -108,7 +107,8 @@ def make_meshes(config: MeshConfig) -> tuple[Mesh, Mesh]:
 
 def check_process_split(rollout_devices: int, per_process: int, total: int) -> None:
     """With several processes the sampler gets whole processes (the last ones), and the trainer's devices a
-    multiple of the sampler's: the weights cross from one to the other as equal shardings (`param_copier`)."""
+    multiple of the sampler's: the weights cross from one to the other as equal shardings
+    (`weights.process_crossing`)."""
     n = rollout_devices
     if n % per_process:
         raise ConfigError(f"mesh.rollout_devices={n} is not a multiple of the {per_process} devices per process: with "
@@ -203,38 +203,6 @@ def row_sharding(mesh: Mesh, rules: Rules, shape: tuple[int, ...], row_axis: int
     logical = [None] * len(shape)
     logical[row_axis] = "batch"
     return NamedSharding(mesh, logical_to_spec(tuple(logical), rules, tuple(shape), mesh))
-
-
-def param_copier(shardings, convert=None, *, source: Mesh | None = None):
-    """A jitted copy of a param pytree onto `shardings` (None: where it is), through `convert` (params -> params,
-    e.g. the sampler's cast or int8 quantization, `models.quantize.sampler_copy`; None: as they are).
-
-    Always new buffers, never the inputs forwarded, so a copy (behaviour, reference, sampling weights)
-    survives the train step's donation of the current params. `source`: the params' mesh, when `shardings` lie on
-    another sub-mesh (`make_meshes`): convert where the params are, then one transfer (a jit cannot span both) of
-    the converted bytes (int8: a quarter of float32's).
-    """
-    convert = convert or (lambda params: params)
-    if source is None:
-        return jax.jit(lambda params: jax.tree.map(jax.numpy.copy, convert(params)), out_shardings=shardings)
-    target = jax.tree.leaves(shardings)[0].mesh
-    if _processes(source) == _processes(target):
-        convert_all = jax.jit(convert)
-        return lambda params: jax.device_put(convert_all(params), shardings)
-    return ProcessCrossing(shardings, lambda on: param_copier(on, convert), source, target)
-
-
-def param_mover(shardings, source: Mesh):
-    """The params (from `source`'s devices) onto `shardings` as they are: a `device_put`, or with the two meshes on
-    other processes the crossing of `param_copier`."""
-    target = jax.tree.leaves(shardings)[0].mesh
-    if _processes(source) == _processes(target):
-        return lambda params: jax.device_put(params, shardings)
-    return param_copier(shardings, source=source)
-
-
-def _processes(mesh: Mesh) -> set[int]:
-    return {d.process_index for d in mesh.devices.flat}
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

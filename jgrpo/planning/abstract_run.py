@@ -36,10 +36,10 @@ from jgrpo.parallel.mesh import (
     logical_shardings,
     make_mesh,
     mesh_platform,
-    param_copier,
     replicated,
     row_sharding,
 )
+from jgrpo.parallel.weights.copies import param_copier
 from jgrpo.planning.roofline import CHIPS, Chip
 from jgrpo.rollout.sampling_weights import sampling_copy
 from jgrpo.sampling.methods import SamplingMethod
@@ -219,9 +219,16 @@ def _resident(config: Config, run: AbstractRun) -> dict[str, int]:
         resident["sample_base"] = per_chip_bytes(run.sample_base) if run.sample_base is not None else 0
     if g.beta > 0:  # a copy of the initial params; with LoRA the base itself, or a frozen adapter copy after a swap
         resident["reference"] = resident["params"] if run.base is None or g.swap_reference else 0
-    if sampling_copy(config) in ("behaviour", "published"):  # a copy that lives across iterations
-        resident["behaviour"] = per_chip_bytes(run.sample_params)
+    # A copy that lives across iterations: the behaviour policy's, or the last one published to the async producer
+    # (with two jobs: the trainer's copy of what the rollout job holds, the base of the next publish's changes).
+    if (kind := sampling_copy(config)) in ("behaviour", "published"):
+        resident[kind] = per_chip_bytes(run.sample_params)
     return resident
+
+
+def _sampling_copy(resident: dict) -> int:
+    """The resident copy the sampler reads, if any (`_resident`)."""
+    return resident.get("behaviour", resident.get("published", 0))
 
 
 def _sampling_programs(config, run: AbstractRun, resident, shape, rules, wanted) -> dict[str, Program]:
@@ -238,11 +245,11 @@ def _sampling_programs(config, run: AbstractRun, resident, shape, rules, wanted)
             ((v * B, P), jnp.int32), ((v * B, P), jnp.bool_), ((v * B,), jnp.int32))))
         lowered = sampler.replace(slots=c.sampler.slots or R).lower(sample_whole, window,
                                                                       _rows(mesh, rules, (v * B,), key.dtype))
-        programs["sample"] = Program("sample", lowered, resident.get("behaviour", 0) + sampling_base, runs=1 / v)
+        programs["sample"] = Program("sample", lowered, _sampling_copy(resident) + sampling_base, runs=1 / v)
     elif "sample" in wanted:
         prompts = Prompts(_rows(mesh, rules, (B, P), jnp.int32), _rows(mesh, rules, (B, P), jnp.bool_))
         programs["sample"] = Program("sample", sampler.lower(sample_whole, prompts, key),
-                                     resident.get("behaviour", 0) + sampling_base)
+                                     _sampling_copy(resident) + sampling_base)
     if "behaviour" in wanted:
         copy = param_copier(jax.tree.map(lambda x: x.sharding, run.sample_params),
                             sampler_copy(c.sampler.weights_dtype, c.model.compute_dtype, c.sampler.quantize_embeddings))

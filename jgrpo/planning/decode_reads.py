@@ -119,37 +119,58 @@ def decode_weight_bytes(hlo: str | HloCost, weight_parameters: set[int]) -> dict
 def decode_cache_bytes(hlo: str | HloCost, weight_parameters: set[int], head_dim: int) -> dict[str, int]:
     """Bytes of KV cache the last decode step reads (the costliest trip of a top-level loop), by element type:
     e.g. `{"bf16": ...}`, or with an int8 cache `{"f32": ..., "s8": ...}` (values and their per-token scales). The
-    cache is what the loops carry from trip to trip, not weights, as float or int8 arrays whose last dim is
+    cache is what the decode loop carries from step to step, not weights, as float or int8 arrays whose last dim is
     head_dim (keys, values) or 1 (int8 scales), read where they lie or once moved (XLA may merge other dims:
-    [S, KVH, P, Dh] carried as [S, KVH * P, Dh], its scales as [S, KVH * P]). A chunk written in place is not read
+    [S, KVH, P, Dh] carried as [S, KVH * P, Dh], its scales as [S, KVH * P]). A loop inside a step (the layer
+    scan, the paged attention's block loop) holds the cache where its parent hands it the cache, never a value of
+    the step that merely has head_dim (a query, an attention accumulator). A chunk written in place is not read
     (`HloCost.parameter_reads`)."""
     cost = hlo if isinstance(hlo, HloCost) else HloCost(hlo)
     flow = _Flow(cost)
     flow.evaluate(cost.entry, {n: WEIGHTS for n in weight_parameters})
+    found_in: dict[str, set[str]] = {}
 
-    def cache(computation: str) -> set[str]:
-        flow.evaluate(computation, {0: flow.loop_state[computation]})
-        taints = flow.values[computation]
-        carried = {i.name for i in cost.computations[computation] if i.opcode == "parameter"}
-        arrays = {i.name: array_dims(i.type)[0] for i in cost.computations[computation]
-                  if i.opcode == "get-tuple-element" and i.operands[0] in carried and taints[i.name] != WEIGHTS
-                  and len(array_dims(i.type)) == 1 and array_dims(i.type)[0][0] in _CACHE_TYPES}
+    def carried(body: str) -> dict[int, Instruction]:
+        state = {i.name for i in cost.computations[body] if i.opcode == "parameter"}
+        return {int(_INDEX.search(i.attributes).group(1)): i for i in cost.computations[body]
+                if i.opcode == "get-tuple-element" and i.operands[0] in state}
+
+    def decode_loop_cache(body: str) -> set[str]:
+        flow.evaluate(body, {0: flow.loop_state[body]})
+        taints = flow.values[body]
+        arrays = {i.name: array_dims(i.type)[0] for i in carried(body).values()
+                  if taints[i.name] != WEIGHTS and len(array_dims(i.type)) == 1
+                  and array_dims(i.type)[0][0] in _CACHE_TYPES}
         # Int8 scales: [..., 1], or with the 1 dropped as an int8 array's dims but its last ([S, KVH * P]).
         int8_rows = {dims[:-1] for dtype, dims in arrays.values() if dtype == "s8" and dims[-1:] == (head_dim,)}
-        found = {name for name, (dtype, dims) in arrays.items()
-                 if dims[-1:] == (head_dim,) or (dtype == "f32" and (dims[-1:] == (1,) or dims in int8_rows))}
-        types = {i.name: i.type for i in cost.computations[computation]}
-        for ins in cost.computations[computation]:
+        return {name for name, (dtype, dims) in arrays.items()
+                if dims[-1:] == (head_dim,) or (dtype == "f32" and (dims[-1:] == (1,) or dims in int8_rows))}
+
+    def walk(body: str, found: set[str]) -> None:
+        types = {i.name: i.type for i in cost.computations[body]}
+        by_name = {i.name: i for i in cost.computations[body]}
+        for ins in cost.computations[body]:
             # The cache after a step's in-place write (a dynamic-update-slice, fused or not: the same array type
             # out as in), bitcast, or moved ahead of its reader (as weights are).
             if ins.operands and ins.operands[0] in found and (
                     array_dims(ins.type) == array_dims(types[ins.operands[0]]) or ins.opcode == "bitcast"
                     or ins.opcode.endswith(("-start", "-done")) or _CONCAT_BITCAST in ins.attributes):
                 found.add(ins.name)
-        return found
+        found_in[body] = found
+        for ins in cost.computations[body]:
+            if ins.opcode != "while":
+                continue
+            inner = called_computations(ins, "body")[0]
+            init = by_name.get(ins.operands[0])
+            handed = ({n for n, operand in enumerate(init.operands) if operand in found}
+                      if init is not None and init.opcode == "tuple" else set())
+            walk(inner, {i.name for n, i in carried(inner).items() if n in handed})
 
     # The last decode loop's step reads the most chunks.
-    steps = [_reads(cost, body, cache) for body in _decode_loops(cost)]
+    steps = []
+    for body in _decode_loops(cost):
+        walk(body, decode_loop_cache(body))
+        steps.append(_reads(cost, body, lambda computation: found_in.get(computation, set())))
     return max(steps, key=lambda reads: sum(reads.values()), default={})
 
 

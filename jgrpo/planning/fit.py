@@ -26,6 +26,7 @@ from jgrpo.planning.decode_reads import decode_cache_bytes, decode_weight_bytes
 from jgrpo.planning.hlo_cost import HloCost
 from jgrpo.planning.hlo_inspect import loops
 from jgrpo.planning.hlo_inspect import summary as loop_summary
+from jgrpo.planning.paged_rows import KVShape
 from jgrpo.planning.roofline import Chip, iteration_model_flops, roofline
 
 GIB = 2**30
@@ -183,7 +184,30 @@ def _summarise(config: Config, devices: list, iteration: Iteration, reports: lis
         "peak_bytes": sum(resident.values()) + worst.live_bytes,
         "peak_program": worst.name,
         "compile_s": sum(r.compile_s for r in reports),
+        "sampler": sampler_pages(iteration, reports),
     }
+
+
+def sampler_pages(iteration: Iteration, reports: list[ProgramReport]) -> dict:
+    """The sampler's paged cache on one chip: its pool, what a token's keys/values take, and the bytes the chip
+    holds while sampling without the pool (what rows in flight have to fit beside: `paged_rows`)."""
+    run, (B, G, P, N) = iteration.run, (iteration.shape[k] for k in "BGPN")
+    sample = next((r for r in reports if r.name == "sample"), None)
+    if sample is None:
+        return {}
+    plan = run.sampler.spec(B, P, run.cfg).plan
+    kv = KVShape(run.cfg.num_layers, run.cfg.num_kv_heads // _tensor_shards(run.mesh, run.cfg.num_kv_heads),
+                 run.cfg.head_dim, plan.kv_dtype)
+    pool = plan.pages * plan.page_size * kv.token_bytes()
+    return {"page_size": plan.page_size, "pages": plan.pages, "pool_bytes": pool, "token_bytes": kv.token_bytes(),
+            "group": G, "prompt_width": P, "new_tokens": N, "slots_per_chip": plan.slots_per_queue,
+            "without_pool_bytes": sum(iteration.resident.values()) + sample.live_bytes - pool,
+            "kv": dataclasses.asdict(kv), "attention": plan.attention}
+
+
+def _tensor_shards(mesh, kv_heads: int) -> int:
+    size = mesh.shape.get("tensor", 1)
+    return size if kv_heads % size == 0 else 1
 
 
 

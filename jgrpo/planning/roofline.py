@@ -37,6 +37,37 @@ CHIPS = {
 }
 
 
+@dataclasses.dataclass(frozen=True)
+class HostCopies:
+    """What one host moves per second (GB/s) on the weights' way between two jobs: device to host, over one TCP
+    connection to the peer host, host to device."""
+
+    d2h_gbps: float
+    tcp_gbps: float
+    h2d_gbps: float
+
+
+# The one published measurement of a TPU host's weight sync (Raiden, verl #7905/#7982: v6e, per host, 1.5 GB). Used
+# for every TPU generation: none publishes its own (an assumption; PCIe-attached chips alike).
+TPU_HOST = HostCopies(d2h_gbps=11.5, tcp_gbps=3.6, h2d_gbps=16.4)
+
+
+def weight_sync_seconds(nbytes: float, *, dcn_gbps: float, bucket_bytes: float, host: HostCopies = TPU_HOST,
+                        channel_efficiency: float = 1.0) -> dict[str, float]:
+    """Seconds to move `nbytes` from a trainer host to a rollout host, pipelined in buckets (jgrpo's
+    `parallel/weights/send.py`: bucket k + 1 off the devices while k crosses and k - 1 lands): the slowest stage
+    sets the pace, and one bucket fills and drains the pipeline. The link is the host's data-center bandwidth
+    (`dcn_gbps`) or one TCP connection's, whichever is lower, times the share of it jgrpo's channel reaches
+    (`channel_efficiency`: ours_over_raw, benchmarks/weight_sync.py)."""
+    link = min(dcn_gbps, host.tcp_gbps) * channel_efficiency
+    rates = {"d2h": host.d2h_gbps, "link": link, "h2d": host.h2d_gbps}
+    pace = min(rates.values())
+    bucket = min(bucket_bytes, nbytes)
+    total = nbytes / (pace * 1e9) + bucket / (host.d2h_gbps * 1e9) + bucket / (host.h2d_gbps * 1e9)
+    return {"seconds": total, "bound_by": min(rates, key=rates.get), "link_gbps": link,
+            "serial_seconds": sum(nbytes / (r * 1e9) for r in rates.values())}
+
+
 def bounds(flops: float, hbm_bytes: float, ici_bytes: float, chip: Chip) -> dict[str, float]:
     """Seconds one program needs at best on one chip for its compute, its HBM traffic and its collectives."""
     return {"compute": flops / (chip.bf16_tflops * 1e12), "memory": hbm_bytes / (chip.hbm_gbps * 1e9),

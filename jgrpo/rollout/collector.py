@@ -29,7 +29,7 @@ from jgrpo.rollout.records import Rollout
 from jgrpo.rollout.remote import RemoteRollouts
 from jgrpo.rollout.sampling_weights import Refresh, SamplingWeights
 from jgrpo.rollout.sources import DataExhausted, RolloutSource
-from jgrpo.sampling.pool import SampleOutput
+from jgrpo.sampling.state import SampleOutput
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +134,7 @@ class Collector:
         refresh = None if last else self.weights.refresh_for(state, state.iteration, requested)
         publishes = self.producer is not None and state.iteration % self.config.rollout.publish_every == 0
         if publishes:
-            self.producer.publish(jax.block_until_ready(self.weights.published(state)), state.iteration)
+            self.producer.publish(jax.block_until_ready(self._published(state)), state.iteration)
         if publishes or refresh is not None:
             timings["weight_sync"] = timings.get("weight_sync", 0.0) + time.perf_counter() - start
             _add_quantize(timings, self.weights)
@@ -169,7 +169,11 @@ class Collector:
             self.producer = AsyncRollouts(self.source, max_staleness=self.config.rollout.max_staleness,
                                           first_index=counters.batches_drawn, dropped=counters.stale_dropped,
                                           prompt_width=counters.prompt_width)
-        self.producer.publish(self.weights.published(state), state.iteration)
+        self.producer.publish(self._published(state), state.iteration)
+
+    def _published(self, state):
+        """The copy the producer samples with; a rollout job joins LoRA's base to it itself."""
+        return self.weights.published(state, with_base=not isinstance(self.producer, RemoteRollouts))
 
     def data_state(self) -> dict:
         """The prompt iterator's state of the batches trained on (not of those sampled ahead)."""

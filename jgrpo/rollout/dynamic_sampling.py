@@ -26,7 +26,7 @@ from jgrpo.parallel.mesh import SAMPLE_RULES
 from jgrpo.rewards.scorer import RewardResult
 from jgrpo.rl.routing_replay import right_aligned
 from jgrpo.rollout.records import Rollout
-from jgrpo.sampling.pool import SampleOutput
+from jgrpo.sampling.state import SampleOutput
 
 
 def groups_with_signal(table: np.ndarray, group_size: int, per_reward: bool) -> np.ndarray:

@@ -1,6 +1,6 @@
 """The record a rollout returns: one batch of prompts, sampled and scored, per token and per row.
 
-`samples` is the sampler's record (`jgrpo.sampling.pool.SampleOutput`), global arrays on the sampling mesh with
+`samples` is the sampler's record (`jgrpo.sampling.state.SampleOutput`), global arrays on the sampling mesh with
 rows b*G .. b*G+G-1 the group of prompt b: per token [R, N] the tokens, the loss mask (tokens the sampler drew),
 lp_alpha (their log-probs under the sampling distribution) and the weights version that drew each one; per row
 [R] the lengths and whether the row was truncated. The rest is this process's view of its own rows: its prompts,
@@ -19,7 +19,7 @@ import numpy as np
 
 from jgrpo.data import PromptBatch
 from jgrpo.rewards.scorer import RewardResult
-from jgrpo.sampling.pool import SampleOutput
+from jgrpo.sampling.state import SampleOutput
 
 
 @dataclasses.dataclass

@@ -4,8 +4,10 @@ The trainer job listens on `rollout.endpoint`; the rollout job (`jgrpo.rollout.r
 hello with its config. Configs that differ in any key but `rollout.role` are refused, naming the keys. Then the
 trainer sends where to start (the first batch it has not received: its index j, the prompt iterator's state
 after the batch before, the batches dropped so far, the prompt width) and its newest published weights; from
-then on each publish sends weights (`weight_buckets`, in buckets of `rollout.sync_bucket_mb`) and the rollout
-job sends each batch it sampled and scored, with the version of the weights that sampled it, as a record. The
+then on each publish sends weights (`parallel/weights/send.py`: whole, or the changes since the version the
+rollout job holds, `rollout.weight_delta`, in buckets of `rollout.sync_bucket_mb`, checked by fingerprint) and
+the rollout job sends each batch it sampled and scored, with the version of the weights that sampled it, as a
+record. With LoRA only the adapters cross: the rollout job holds the frozen base it loaded itself. The
 trainer judges staleness as with the producer thread (`async_producer.Intake`): one-job async's rules, other
 transport.
 
@@ -33,16 +35,16 @@ import numpy as np
 from jgrpo.config.loading import to_dict
 from jgrpo.data.pipeline import PromptBatch
 from jgrpo.parallel.channel import Channel, ChannelClosed, Codec, Listener, interface_toward, parse_endpoint
-from jgrpo.parallel.device_transfer import DeviceTransfer
 from jgrpo.parallel.host_arrays import gather_json, global_sum, to_global_rows
 from jgrpo.parallel.mesh import SAMPLE_RULES
-from jgrpo.parallel.weight_buckets import send_weights
+from jgrpo.parallel.weights.device_transfer import DeviceTransfer
+from jgrpo.parallel.weights.send import WeightSender
 from jgrpo.rewards.scorer import RewardResult
 from jgrpo.rollout.async_producer import Intake, Produced
 from jgrpo.rollout.process_links import join_rollouts, link_problem, rollout_targets, trainer_sources, weight_peers
 from jgrpo.rollout.records import Rollout
 from jgrpo.rollout.sources import DataExhausted
-from jgrpo.sampling.pool import SampleOutput
+from jgrpo.sampling.state import SampleOutput
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +101,11 @@ class RemoteRollouts(Intake):
         self.peers = gather_json(self.endpoint if first else f"{here}:{self._listener.port}")
         # rollout.weight_transfer jax: every process offers its buckets from a transfer server of its own (decided
         # by the config, not by a live connection: the gathers before an offer are collectives of all processes).
-        self._transfer = DeviceTransfer() if config.rollout.weight_transfer == "jax" else None
+        transfer = DeviceTransfer() if config.rollout.weight_transfer == "jax" else None
+        self._weights = WeightSender(bucket_bytes=config.rollout.sync_bucket_mb << 20,
+                                     delta=config.rollout.weight_delta, transfer=transfer, answer=self._answer,
+                                     pull_timeout_s=config.rollout.wait_timeout_s)
+        self._publish_stats: dict = {}  # the last publish's (rollout/weight_* metrics)
         self._unstarted = False  # a connection adopted but not yet told where to start
         self._acceptor = threading.Thread(target=self._accept_loop, name="jgrpo-rollout-listener", daemon=True)
         self._acceptor.start()
@@ -155,6 +161,7 @@ class RemoteRollouts(Intake):
             for old in self._links.values():
                 old.close("a restarted rollout job connected")
             self._job, self._rollouts, self._links = job, processes, {}
+            self._weights.forget()  # it holds no weights: the next publish is whole
             self._parts.clear()  # the new job samples them again, from the first batch not received whole
             self._ready = collections.deque(m for m in self._ready if m[0] == "record")  # received: trained
         if process in self._links:
@@ -211,6 +218,7 @@ class RemoteRollouts(Intake):
                                        "dropped": self.dropped, "prompt_width": self._prompt_width})
             except ChannelClosed:
                 pass
+        self._weights.forget()  # a started rollout process holds nothing yet: whole
         if self._latest is not None:  # (also after a failed start: the other processes' weight gathers need ours)
             self._send_weights(*self._latest)
 
@@ -228,27 +236,23 @@ class RemoteRollouts(Intake):
         """To the rollout processes this trainer process serves weights (`process_links.weight_peers`)."""
         peers = weight_peers(jax.process_index(), jax.process_count(), self._rollouts) if self._job is not None else []
         channels = [self._links[j] for j in peers if j in self._links] if started else []
+        stats = self._weights.publish(channels, params, version, rollouts=self._rollouts if started else 0,
+                                      extra={"dropped": self.dropped})
+        self.sync_bytes += stats["bytes"]
+        self._publish_stats = stats
 
-        def pulled(channel: Channel, bucket: int) -> None:  # device to device: the receiver says when it pulled
-            while True:
-                try:
-                    message = self._read(self._process_of(channel), channel, self.config.rollout.wait_timeout_s)
-                except TimeoutError:  # alive but not pulling: as gone (`_connected` waits for it to come back)
-                    channel.close("no weights_pulled within rollout.wait_timeout_s")
-                    raise ChannelClosed(f"the rollout job did not pull bucket {bucket}") from None
-                if message is not None and message[0] == "weights_pulled" and \
-                        (message[1]["version"], message[1]["bucket"]) == (version, bucket):
-                    return
-
-        try:
-            sent = send_weights(channels, params, version=version,
-                                bucket_bytes=self.config.rollout.sync_bucket_mb << 20, extra={"dropped": self.dropped},
-                                transfer=self._transfer, pulled=pulled,
-                                pull_timeout_s=self.config.rollout.wait_timeout_s)
-        except ChannelClosed as e:
-            log.warning("two jobs: the rollout job is gone (%s); the weights go out when it reconnects", e)
-            return
-        self.sync_bytes += sent["bytes"]
+    def _answer(self, channel: Channel, kind: str, version: int, bucket: int | None) -> dict:
+        """The rollout process's next `kind` message about `version` (and `bucket`) on `channel`; records that arrive
+        first are kept (`_read`). Silence past rollout.wait_timeout_s: as gone (`_connected` waits for it)."""
+        while True:
+            try:
+                message = self._read(self._process_of(channel), channel, self.config.rollout.wait_timeout_s)
+            except TimeoutError:
+                channel.close(f"no {kind} within rollout.wait_timeout_s")
+                raise ChannelClosed(f"the rollout job did not answer {kind} for version {version}") from None
+            if message is not None and message[0] == kind and message[1]["version"] == version and \
+                    message[1].get("bucket", bucket) == bucket:
+                return message[1]
 
     def _process_of(self, channel: Channel) -> int:
         return next(j for j, c in self._links.items() if c is channel)
@@ -304,6 +308,12 @@ class RemoteRollouts(Intake):
     def take(self, iteration: int):
         produced, metrics = super().take(iteration)
         metrics["rollout/weight_sync_gb"], self.sync_bytes = self.sync_bytes / 1e9, 0
+        last = self._publish_stats
+        metrics.update({"rollout/weight_sync_s": last.get("seconds", 0.0),
+                        "rollout/weight_changed_fraction": last.get("changed_fraction") or 0.0,
+                        "rollout/weight_as_changes": float(last.get("kind") == "changes"),
+                        "rollout/weight_whole_copies": float(self._weights.whole_copies),
+                        "rollout/weight_mismatches": float(self._weights.mismatches)})
         return produced, metrics
 
     def close(self, run_over: bool = True) -> None:

@@ -5,7 +5,9 @@ the sampler: `run_parts`), connects to `rollout.endpoint` and says hello with it
 where to start (batch index j, the prompt iterator's state, drops so far, prompt width) and its newest weights.
 Then one-job async's producer thread (`async_producer.AsyncRollouts`) samples batch j with `fold_in(sample_root,
 j)` and the newest weights within the staleness bound, and a forwarding thread sends each scored batch to the
-trainer as a record, while this thread receives the weights of each publish. It writes nothing under
+trainer as a record, while this thread receives the weights of each publish (`parallel/weights/receive.py`: whole,
+or the changes since the version it holds, built beside the one that samples and handed over once the trainer
+confirmed them; with LoRA only the adapters, joined to the base this job loaded itself). It writes nothing under
 `run.output_dir`; its rollout metrics travel in the records.
 
 With several processes, process 0 connects first and learns the trainer processes' addresses; each process then
@@ -30,11 +32,12 @@ import jax
 
 from jgrpo.config import ConfigError
 from jgrpo.config.loading import to_dict
+from jgrpo.models.lora import join_adapters
 from jgrpo.parallel.channel import Channel, ChannelClosed, NoPeer, connect
-from jgrpo.parallel.device_transfer import DeviceTransfer
 from jgrpo.parallel.host_arrays import broadcast_json, local_rows
 from jgrpo.parallel.mesh import make_meshes, replicated
-from jgrpo.parallel.weight_buckets import receive_weights
+from jgrpo.parallel.weights.device_transfer import DeviceTransfer
+from jgrpo.parallel.weights.receive import WeightReceiver
 from jgrpo.rollout.async_producer import AGREE_POLL_S, AsyncRollouts
 from jgrpo.rollout.collect import Scoring
 from jgrpo.rollout.episodes import EpisodeRunner
@@ -62,8 +65,11 @@ class RolloutJob:
         parts = load_run_parts(config, mesh, mesh)
         self.scorer = parts.scorer
         weights = SamplingWeights(config, parts.params, frozen=parts.frozen, train_mesh=mesh, sample_mesh=mesh)
-        # The weights the trainer sends: the sampling copy's shapes and dtypes, laid out for this job's sampler.
-        self.like, self.shardings = weights.abstract_copy(parts.params), weights.shardings
+        # The weights the trainer sends: the sampling copy's shapes and dtypes (LoRA: of the adapters; the frozen base
+        # is this job's own, loaded above, held once), laid out for this job's sampler.
+        self.sample_base = parts.frozen.sample  # (the training layout's base goes with `parts`: held once)
+        self.transfer = DeviceTransfer()  # its server starts on the first weights a trainer offers device to device
+        self.receiver = WeightReceiver(weights.abstract_copy(parts.params), weights.shardings, transfer=self.transfer)
         root = jax.jit(lambda: sample_root(config.run.seed), out_shardings=replicated(mesh))()
         scoring = Scoring(parts.tokenizer, parts.scorer, config.reward, config.completion_tokens)
         # (rows are multi-turn episodes with an environment: its workers run on this job's hosts)
@@ -72,9 +78,9 @@ class RolloutJob:
         self.source = RolloutSource(config, data=parts.data, sampler=parts.sampler, scoring=scoring, root=root,
                                     episodes=self.episodes)
         del parts, weights  # the loaded weights: only their structure is needed, the values come from the trainer
+        # (LoRA: the frozen base in the sampling layout stays: it never changes, so the trainer sends only adapters)
         self.discarded = 0  # batches sampled and then drawn again after a restart (rollout/discarded_on_resume)
         self._drawn = 0  # batches the last connection's producer drew (the index after its last)
-        self.transfer = DeviceTransfer()  # its server starts on the first weights a trainer offers device to device
 
     def run(self) -> int:
         """Sample until the trainer ends the run (0), or no trainer answers for rollout.wait_timeout_s (4)."""
@@ -184,16 +190,20 @@ class RolloutJob:
                                      name="jgrpo-rollout-forwarder")
         forwarder.start()
         channel = channels[0]
+        self.receiver.forget()  # (a trainer's first publish to a new connection is whole)
         try:
             while True:
                 kind, body = channel.recv()
                 if kind == "stop":
                     return True
                 if kind == "weights":
-                    params = receive_weights(channel, body, self.like, self.shardings, transfer=self.transfer,
-                                             timeout=self.config.rollout.wait_timeout_s)
-                    producer.publish(params, body["version"], dropped=body["extra"]["dropped"])
+                    params = self.receiver.receive(channel, body, timeout=self.config.rollout.wait_timeout_s)
+                    if params is None:  # found wrong by the trainer: it sends the version again, whole
+                        continue
+                    producer.publish(join_adapters(params, self.sample_base), body["version"],
+                                     dropped=body["extra"]["dropped"])
                     del params
+                    self.receiver.refill_spares()  # for the next changes, while the trainer trains
         finally:
             stop.set()
             for link in channels:  # first: a forwarder blocked in a send to a trainer that stopped reading returns

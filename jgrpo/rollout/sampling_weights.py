@@ -24,8 +24,9 @@ import jax
 
 from jgrpo.models.llm import param_logical_axes
 from jgrpo.models.quantize import sampler_copy
-from jgrpo.parallel.mesh import SAMPLE_RULES, logical_shardings, param_copier, param_mover
-from jgrpo.parallel.process_crossing import ProcessCrossing
+from jgrpo.parallel.mesh import SAMPLE_RULES, logical_shardings
+from jgrpo.parallel.weights.copies import param_copier, param_mover
+from jgrpo.parallel.weights.process_crossing import ProcessCrossing
 from jgrpo.rl.behaviour_refresh import RefreshPolicy
 
 log = logging.getLogger(__name__)
@@ -118,9 +119,11 @@ class SamplingWeights:
             params = self.reshard(state.params)
         return jax.block_until_ready(self.frozen.join_sample(params))
 
-    def published(self, state):
-        """A copy of the current params for the async producer (never donated), with LoRA's sampling base."""
-        return self.frozen.join_sample(self.copy(state.params))
+    def published(self, state, *, with_base: bool = True):
+        """A copy of the current params for the async producer (never donated), with LoRA's sampling base; without
+        it for a rollout job (`rollout.role`), which holds the base itself: only the adapters cross."""
+        copy = self.copy(state.params)
+        return self.frozen.join_sample(copy) if with_base else copy
 
     def refresh_for(self, state, k: int, requested: int = 0) -> Refresh | None:
         """behaviour <- current when iteration k must sample from a fresh copy (`RefreshPolicy.due`; `requested`:

@@ -1,3 +1,4 @@
-"""The on-device sampler: the engine that samples G completions per prompt (`sampler`), the slot pool that
-decodes them with continuous batching (`slot_pool`), and how one token is drawn from the logits (`methods`).
+"""The on-device sampler: the engine that samples G completions per prompt (`sampler`), its program (`decode_loop`:
+prefill into pages, then decode with continuous batching), its record and state (`state`), the pages it holds
+(`pages`), the slot-level interface for multi-turn episodes (`turns`), and how one token is drawn (`methods`).
 """

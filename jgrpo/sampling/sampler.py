@@ -1,29 +1,28 @@
 """The sampler engine: a `Sampler` holds what every sampling call repeats (the model definition, how a token is
-drawn, stop and pad ids, the mesh and its rules, max new tokens, slots, decode layout) and samples G completions
-per prompt with any params of the model: a whole batch at once (`generate`), or slot by slot, a chunk at a time,
-with rows paused between turns (`start`, `advance`, `append`, `finish`, `drain`, and `park` / `resume` /
-`finish_row` for a row that gives its slot away while it waits: `jgrpo.sampling.turns`). `lower`
-gives the planner the program `generate` runs.
+drawn, stop and pad ids, the mesh and its rules, max new tokens, slots, the page cache's settings) and samples G
+completions per prompt with any params of the model: a whole batch at once (`generate`), or slot by slot, with
+rows paused between turns (`start`, `advance`, `append`, `finish`, `drain`, and `park` / `resume` / `finish_row`
+for a row that gives its slot away while it waits: `jgrpo.sampling.turns`). `lower` gives the planner the program
+`generate` runs.
 
-One jitted program per (prompt batch shape, samples per prompt, max new tokens, slots, method, stop ids):
-the prompts are prefilled once, then a pool of slots decodes inside `lax.while_loop`s with the KV cache
-in the loop carry (`jgrpo.sampling.slot_pool`, `jgrpo.models.decode`). By default there is one slot per row
-(static batching: the batch decodes until its longest row stops); `slots` < rows is continuous batching:
-a slot whose row stops takes the next pending row, so long-tailed completion lengths do not leave slots
-decoding padding (docs/configuration.md, `sampler.slots`).
+One jitted program per (prompt batch shape, samples per prompt, max new tokens, slots, pages, method, stop ids):
+the prompts are prefilled once into pages their G rows share, then the rows decode in a `lax.while_loop`, each
+slot taking the next waiting row when its row stops (`jgrpo.sampling.decode_loop`). By default there is one slot
+per row; `slots` < rows bounds the rows decoding at once, and `kv_pages` the pages they may hold
+(docs/configuration.md, `sampler.slots`, `sampler.kv_pages`).
 
-The cache never leaves the jitted program (it is created and consumed inside), so there is no
-host-visible buffer to donate and no cache-sized copy per call. Slots are laid out as
-[prompt | generated ring], sized from P and N, so the cache cannot overflow; prompts longer than allowed
-are rejected (or left-truncated) by `left_pad_prompts` before that.
+The cache never leaves the jitted program (it is created and consumed inside), so there is no host-visible buffer
+to donate and no cache-sized copy per call. Prompts longer than allowed are rejected (or left-truncated) by
+`left_pad_prompts` before that.
 
 Randomness: row r draws its token t with `fold_in(fold_in(key, r), t)`. A row's tokens depend only on
-the key, its global row index and the model, not on the batch sharding or the slot count.
+the key, its global row index and the model, not on the batch sharding, the slot count or the pages.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -36,13 +35,14 @@ from jax.sharding import Mesh
 from jgrpo.config import SamplerConfig
 from jgrpo.models.attention_backends import mesh_context_factory
 from jgrpo.models.llm import abstract_model, model_config, param_logical_axes
+from jgrpo.models.paged_attention import resolve_paged_attention
 from jgrpo.models.quantize import quantized, with_int8, without_scales
 from jgrpo.parallel.mesh import SAMPLE_RULES, Rules, logical_shardings, replicated
 from jgrpo.sampling import turns
+from jgrpo.sampling.decode_loop import sample
 from jgrpo.sampling.layout import plan_and_layout, platform
 from jgrpo.sampling.methods import SamplingMethod
-from jgrpo.sampling.pool import PoolSpec, SampleOutput
-from jgrpo.sampling.slot_pool import sample
+from jgrpo.sampling.state import PoolSpec, SampleOutput
 
 __all__ = ["Prompts", "SampleOutput", "Sampler", "SamplingMethod", "stop_ids_for"]
 
@@ -101,13 +101,14 @@ class Sampler:
 
     With a `mesh`, rows are sharded over the batch axes and heads over tensor (`rules`, the sampling rules);
     params in another layout (e.g. the FSDP training layout) are resharded first, once per call, and params
-    already in the sampling layout are used as they are. `decode_chunk` sets the length of the cache chunks the
-    decode attends to one by one (default: `pool.decode_chunking`'s choice), `decode_layers` whether the decode
-    step unrolls the layers or scans them (`models.decode`; "auto": by the platform), `decode_softmax` whether its
-    attention takes one softmax over all cache slots or one per segment merged by log-sum-exp, `slots` how many
-    rows decode at once (None: all of them, static batching; fewer: continuous batching). These change speed and
-    compile time, the samples at most by float rounding. `kv_cache_dtype` does change them ("int8":
-    models/kv_quant.py). `cfg` is the model's LLMConfig (None: read from the params at each call).
+    already in the sampling layout are used as they are. `slots` bounds the rows decoding at once (None: all of
+    them), `kv_pages` the pages of each queue's pool (0: enough for every slot's row at its longest, so nothing is
+    ever preempted), `page_size` the tokens of a page (None: by platform), `decode_layers` whether the decode step
+    unrolls the layers or scans them (`models.decode_step`), `paged_attention` its attention's implementation
+    (`models.paged_attention`), `shrink` how often `generate` may halve its slots as rows finish (None: by
+    platform), `decode_chunk` how many steps the slot interface decodes between returns to the host. These change
+    speed, memory and compile time, the samples at most by float rounding. `kv_cache_dtype` does change them
+    ("int8": models/kv_quant.py). `cfg` is the model's LLMConfig (None: read from the params at each call).
     """
 
     graphdef: Any
@@ -119,9 +120,12 @@ class Sampler:
     mesh: Mesh | None = None
     rules: Rules = dataclasses.field(default_factory=lambda: SAMPLE_RULES)
     slots: int | None = None
+    kv_pages: int = 0
+    page_size: int | None = None
     decode_chunk: int | None = None
     decode_layers: str = "auto"
-    decode_softmax: str = "auto"  # "whole" or "segments" (`models.decode._attend_one`); "auto": by the platform
+    paged_attention: str = "auto"  # "xla" or "pallas" (`models.paged_attention`); "auto": by the platform
+    shrink: int | None = None
     kv_cache_dtype: str = "auto"  # "auto" (the model's compute dtype), "float32", "bfloat16" or "int8"
     cfg: Any = None
     turn_tokens: int | None = None  # the slot interface: tokens a turn may draw (None: max_new_tokens)
@@ -144,8 +148,10 @@ class Sampler:
         return cls(graphdef=graphdef, max_new_tokens=config.max_new_tokens,
                    method=SamplingMethod.from_config(config, platform(mesh)), num_samples=num_samples,
                    stop_ids=stop_ids, pad_id=pad_id, mesh=mesh, slots=config.slots or None,
+                   kv_pages=config.kv_pages, page_size=config.page_size or None,
                    decode_chunk=config.decode_chunk or None, decode_layers=config.decode_layers,
-                   decode_softmax=config.decode_softmax, kv_cache_dtype=config.kv_cache_dtype, cfg=cfg)
+                   paged_attention=config.paged_attention, shrink=None if config.shrink < 0 else config.shrink,
+                   kv_cache_dtype=config.kv_cache_dtype, cfg=cfg)
 
     def replace(self, **changes) -> Sampler:
         return dataclasses.replace(self, **changes)
@@ -159,10 +165,14 @@ class Sampler:
         return self._derived[key]
 
     def _context(self, cfg):
-        """The context the prefill's attention kernel traces in (a mesh for splash), a new one per call."""
+        """The context the program's kernels trace in (a mesh for splash's prefill and for the paged attention's
+        kernel, which run per device), a new one per call."""
         key = ("context", cfg.attention, cfg.num_experts)
         if key not in self._derived:
-            self._derived[key] = mesh_context_factory(cfg, self.mesh)
+            kernel = self.mesh is not None and resolve_paged_attention(self.paged_attention,
+                                                                       platform(self.mesh)) == "pallas"
+            self._derived[key] = functools.partial(jax.set_mesh, self.mesh) if kernel else \
+                mesh_context_factory(cfg, self.mesh)
         return self._derived[key]()
 
     def generate(self, params, prompts: Prompts, key: jax.Array, version: int = 0) -> SampleOutput:
@@ -184,7 +194,8 @@ class Sampler:
             return turns.begin(self._graphdef(params), self.placed(params), spec, prompts, _typed(key), version)
 
     def advance(self, params, state: turns.SlotState, chunks: int = 1, version: int = 0) -> turns.SlotState:
-        """Decode with `params` (of `version`) up to `chunks` ring chunk boundaries, or until nothing can run."""
+        """Decode with `params` (of `version`) up to `chunks` chunk boundaries (every `decode_chunk` steps), or
+        until nothing can run."""
         with self._context(self._config(params)):
             return turns.advance(self._graphdef(params), self.placed(params), state, chunks, version)
 

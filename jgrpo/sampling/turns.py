@@ -20,17 +20,17 @@ A turn ends at a stop id or after `turn_tokens` drawn tokens; a row is complete 
 drawn token records the `version` of the params that drew it (`SampleOutput.version`; appended tokens -1, and
 out of the loss mask).
 
-The programs are the slot pool's (`jgrpo.sampling.slot_pool`) in its interactive form: the same prefill, first
-tokens, feed and refill, the same keys (row r's token t is drawn with fold_in(fold_in(key, r), t) whatever the
-turn), so a pool driven here draws what `generate` draws (tested token for token). The differences: a slot whose
-turn ends keeps its row (held) instead of taking the next one, and its prompt segment has room for the row's
-whole context (P + N columns). `append` moves the turn's keys/values from the decode ring into the slot's prompt
-segment (a paused slot's ring columns are not overwritten while it waits), prefills the turn's last drawn token
-(drawn, not fed yet) and the appended ids after them (attending to the context, not recomputing it), and draws the
-next turn's first token from the last logits: prefilling the concatenated prompt up to rounding, at the cost of a
-forward over W = 1 + append_tokens tokens (the Sampler's `append_tokens`). `park` keeps the same context aside on
-the device, and `resume` does the same prefill from it in another slot. Appended ids are padded to W, so appends of
-any length run one compiled program.
+The programs are the decode loop's (`jgrpo.sampling.decode_loop`) in its interactive form: the same prefill,
+admission and feed, the same keys (row r's token t is drawn with fold_in(fold_in(key, r), t) whatever the turn),
+so a pool driven here draws what `generate` draws (tested token for token). The differences: a slot whose turn
+ends keeps its row (held) instead of taking the next one, and a row takes the pages for its N tokens when it
+starts (an episode cannot be drawn again: its environment has moved on), so it never runs short. A row's keys and
+values stay in its pages between turns, whether it keeps its slot or not: `append` prefills the turn's last drawn
+token (drawn, not fed yet) and the appended ids into the row's pages, attending to what they hold (not recomputing
+it), and draws the next turn's first token from the last logits: prefilling the concatenated prompt up to rounding,
+at the cost of a forward over W = 1 + append_tokens tokens (the Sampler's `append_tokens`). `park` gives the slot
+away and keeps the pages; `resume` does the same prefill in another slot of the row's queue. Appended ids are padded
+to W, so appends of any length run one compiled program.
 """
 
 from __future__ import annotations
@@ -43,13 +43,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jgrpo.models import kv_quant
-from jgrpo.models.decode import DecodeCache
+from jgrpo.models import kv_quant, paged_kv
 from jgrpo.models.layer_stack import unstack_layers
 from jgrpo.models.llm import KVCache, merge_model
 from jgrpo.parallel.host_arrays import fetch
-from jgrpo.sampling.pool import Pool, PoolSpec, PromptStore, SampleOutput, record, turn_ends
-from jgrpo.sampling.slot_pool import decode_chunk, draw, local_prompt, outputs, start, weights
+from jgrpo.sampling.decode_loop import (
+    draw,
+    free_slots,
+    outputs,
+    release,
+    start,
+    step,
+    view_of,
+    weights,
+)
+from jgrpo.sampling.state import Pool, PoolSpec, PromptStore, SampleOutput, record, turn_ends
 
 DECODING, PAUSED, DONE, EMPTY = "decoding", "paused", "done", "empty"
 
@@ -74,23 +82,23 @@ class SlotState:
     store: PromptStore
     pool: Pool
     drained: np.ndarray  # [R] bool
-    # Rows that left their slot between turns (`park`), to `resume` or `finish_row`: their context's keys/values
-    # (device arrays, [L, 1, P + N, KVH, Dh]).
-    parked: dict[int, KVCache] = dataclasses.field(default_factory=dict)
+    parked: set[int] = dataclasses.field(default_factory=set)  # rows that left their slot between turns (`park`)
     unstacked: tuple | None = None  # (params["layers"], its layers split) for the unrolled decode, reused per params
 
     def status(self) -> SlotStatus:
         plan = self.spec.plan
-        sl, stopped = fetch((self.pool.slots, self.pool.rows.stopped))
+        sl, lengths, turn_start, stopped = fetch((self.pool.slots, self.pool.rows.lengths, self.pool.rows.turn_start,
+                                                  self.pool.rows.stopped))
         Rq = plan.rows_per_queue
         queue = np.repeat(np.arange(plan.queues), plan.slots_per_queue)
         local, done, held = (np.asarray(x).reshape(-1) for x in (sl.row, sl.done, sl.held))
         real = local < Rq
         row = np.where(real, queue * Rq + np.minimum(local, Rq - 1), -1)
+        at = np.maximum(row, 0)
+        length, start_of_turn = np.asarray(lengths).reshape(-1)[at], np.asarray(turn_start).reshape(-1)[at]
         state = np.where(~real, EMPTY, np.where(~done, DECODING, np.where(held, PAUSED, DONE)))
-        return SlotStatus(row, np.where(real, sl.count.reshape(-1), 0),
-                          np.where(real, (sl.count - sl.turn_start).reshape(-1), 0), state,
-                          (state == PAUSED) & np.asarray(stopped).reshape(-1)[np.maximum(row, 0)])
+        return SlotStatus(row, np.where(real, length, 0), np.where(real, length - start_of_turn, 0), state,
+                          (state == PAUSED) & np.asarray(stopped).reshape(-1)[at])
 
     def turns(self) -> np.ndarray:
         """Each slot's current turn, [S, turn_limit] int32 on every host (its first `status().turn_length` ids
@@ -100,21 +108,20 @@ class SlotState:
 
     def idle(self) -> bool:
         """Nothing can decode until the host appends to or finishes a paused row (or every row is complete)."""
-        plan = self.spec.plan
-        sl, pending = fetch((self.pool.slots, self.pool.pending))
+        sl, queued = fetch((self.pool.slots, self.pool.rows.queued))
         free = sl.done & ~sl.held
-        return bool(sl.done.all() and (~free.any(axis=1) | (pending >= plan.rows_per_queue)).all())
+        return bool(sl.done.all() and (~free.any(axis=1) | ~queued.any(axis=1)).all())
 
 
 @functools.partial(jax.jit, static_argnames=("spec",))
 def _turns(pool: Pool, *, spec: PoolSpec) -> jax.Array:
     """Each slot's row's tokens from its turn's first drawn one, [S, turn_limit] (0 past the row's end)."""
     plan = spec.plan
-    sl = pool.slots
-    rows = jnp.minimum(sl.row, plan.rows_per_queue - 1)[..., None]  # [Q, Sq, 1] (an empty slot: any row)
-    columns = sl.turn_start[..., None] + jnp.arange(plan.turn_limit)  # [Q, Sq, T]
+    rows = jnp.minimum(pool.slots.row, plan.rows_per_queue - 1)  # [Q, Sq] (an empty slot: any row)
+    start_of_turn = jax.vmap(lambda t, r: t[r])(pool.rows.turn_start, rows)
+    columns = start_of_turn[..., None] + jnp.arange(plan.turn_limit)  # [Q, Sq, T]
     queues = jnp.arange(plan.queues)[:, None, None]
-    turns = pool.rows.tokens.at[queues, rows, columns].get(mode="fill", fill_value=0)
+    turns = pool.rows.tokens.at[queues, rows[..., None], columns].get(mode="fill", fill_value=0)
     return spec.pin("replicated", turns.reshape(plan.slots, plan.turn_limit))
 
 
@@ -123,12 +130,22 @@ def _start(graphdef, params, prompts, key, version, *, spec: PoolSpec):
     return start(spec, weights(graphdef, params, spec.plan), prompts, key, version)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "spec", "chunk", "lap"), donate_argnames=("pool",))
-def _decode_chunk(graphdef, params, layers, store, pool, version, *, spec: PoolSpec, chunk: int, lap: bool):
-    """Decode until the clock leaves ring chunk `chunk` (from wherever it is in it) or nothing can run."""
-    steps = spec.plan.chunk_len - pool.clock % spec.plan.chunk_len if lap else None
-    return decode_chunk(spec, weights(graphdef, params, spec.plan, layers), store, pool._replace(version=version),
-                        chunk, lap, steps)
+@functools.partial(jax.jit, static_argnames=("graphdef", "spec"), donate_argnames=("pool",))
+def _decode_chunk(graphdef, params, layers, store, pool, version, *, spec: PoolSpec):
+    """Decode until the clock reaches the next multiple of the plan's chunk, or nothing can run."""
+    plan = spec.plan
+    w = weights(graphdef, params, plan, layers)
+    pool = pool._replace(version=version)
+
+    def go_on(carry):
+        at, p = carry
+        free = free_slots(plan, p.slots)
+        can_run = ~jnp.all(p.slots.done) | jnp.any(jnp.any(free, axis=1) & jnp.any(p.rows.queued, axis=1))
+        return (at < plan.chunk) & can_run
+
+    _, pool = jax.lax.while_loop(go_on, lambda c: (c[0] + 1, step(spec, w, store, c[1])),
+                                 (pool.clock % plan.chunk, pool))
+    return pool
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))
@@ -137,7 +154,7 @@ def _unstack(graphdef, params):
 
 
 def advance(graphdef, params, state: SlotState, chunks: int, version: int) -> SlotState:
-    """Decode up to `chunks` chunk boundaries of the ring, stopping early when nothing can run."""
+    """Decode up to `chunks` chunk boundaries, stopping early when nothing can run."""
     plan = state.spec.plan
     layers = None
     # The unrolled decode reads the layers as separate arrays: split once per params object, not in every chunk
@@ -150,10 +167,7 @@ def advance(graphdef, params, state: SlotState, chunks: int, version: int) -> Sl
     for _ in range(chunks):
         if state.idle():
             break
-        clock = int(fetch(state.pool.clock))
-        chunk, lap = (clock // plan.chunk_len) % plan.chunks, clock >= plan.ring
-        pool = _decode_chunk(graphdef, params, layers, state.store, state.pool, np.int32(version), spec=state.spec,
-                             chunk=chunk, lap=lap)
+        pool = _decode_chunk(graphdef, params, layers, state.store, state.pool, np.int32(version), spec=state.spec)
         state = dataclasses.replace(state, pool=pool)
     return state
 
@@ -170,9 +184,76 @@ def _with_ids(plan, rows, q, row, length, ids, count):
                          stopped=rows.stopped.at[q, row].set(False))
 
 
-def _next_turn(spec, store, pool: Pool, rows, slot, row, length, logits, mask, segment, version) -> Pool:
-    """Slot `slot` decodes row `row`'s next turn: its first token drawn from `logits`, the slot's context
-    (`mask` [P + N], keys/values `segment`) set, writing from the next column on."""
+def _one(plan, x):
+    """[Q, 1]: `x` for every queue (a single row's index or count, as the per-queue gathers and writes take it)."""
+    return jnp.full((plan.queues, 1), x, jnp.int32)
+
+
+def _context(plan, store, pool: Pool, q, row, fed):
+    """Row `row` of queue q with `fed` tokens in its own pages: what it attends to (the view, [Q, 1, ...]), its
+    keys/values as a dense one-row cache [L, 1, E * ps, KVH, Dh], and which of those slots hold a token [E * ps]."""
+    ps = plan.page_size
+    view = view_of(plan, store, pool.rows, _one(plan, row), _one(plan, fed))
+    entries = jnp.arange(view.table.shape[-1])
+    valid = (jnp.arange(ps) < view.tokens_in(entries[None, None], ps)[..., None])[q, 0].reshape(-1)
+
+    def one(pool):  # one layer's pool [Q, NP, KVH, ps, Dh] -> queue q's row [1, E * ps, KVH, Dh]
+        pages = paged_kv.read_pages(pool, view.table)  # [Q, 1, E, KVH, ps, Dh]
+        return kv_quant.per_part(lambda x: jnp.swapaxes(x[q, 0], 1, 2).reshape(1, -1, x.shape[-3], x.shape[-1]),
+                                 pages)
+
+    def dense(pools):
+        if plan.scanned:
+            return jax.vmap(one)(pools[0])
+        return kv_quant.per_part(lambda *xs: jnp.stack(xs), *[one(p) for p in pools])
+
+    return view, KVCache(dense(pool.cache.k), dense(pool.cache.v)), valid
+
+
+def _prefill_turn(spec, store: PromptStore, pool: Pool, w, slot, row, length, ids, count, version) -> Pool:
+    """Queue-local `row` (`length` tokens; all but its last, a drawn token not fed yet, in its pages) goes on in
+    `slot`: `count` ids (of `ids` [N]) after its tokens, its last token and the ids prefilled into its pages
+    (attending to them, not recomputing them), the next turn's first token drawn."""
+    plan = spec.plan
+    q = slot // plan.slots_per_queue
+    N, ps, W = plan.max_new_tokens, plan.page_size, plan.append_width
+    rows = _with_ids(plan, pool.rows, q, row, length, ids, count)
+    fed = length - 1  # the row's own tokens in its pages
+    feed = jax.lax.dynamic_slice(jnp.concatenate([rows.tokens[q, row], jnp.zeros(W, jnp.int32)]), (fed,), (W,))
+    view, context, valid = _context(plan, store, pool._replace(rows=rows), q, row, fed)
+    width = valid.shape[0]
+    positions = view.prompt_len[q, 0] + fed + jnp.arange(W)
+    cache = jax.tree.map(lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, W), (0, 0), (0, 0))), context)
+    mask = jnp.concatenate([valid, jnp.arange(W) <= count])
+    hidden, cache, experts = w.model.routed(feed[None], positions[None], mask[None], cache, width)
+    if plan.routing:  # the experts of the fed tokens: the turn's last drawn token and the appended ids
+        fed_ids = jnp.where(jnp.arange(W) <= count, fed + jnp.arange(W), N)  # past them: dropped
+        rows = rows._replace(routing=rows.routing.at[q, row, fed_ids].set(experts[0].astype(rows.routing.dtype),
+                                                                          mode="drop"))
+    own = fed + jnp.arange(W)  # the new tokens' own indices; those past the ids are not written
+    page = jnp.where(jnp.arange(W) <= count, rows.pages[q, row, jnp.minimum(own // ps, plan.own_pages - 1)],
+                     plan.pages)
+    page = jnp.where(jnp.arange(plan.queues)[:, None] == q, page[None], plan.pages)  # [Q, W]: queue q's only
+    offset = jnp.broadcast_to(own % ps, page.shape)
+
+    def write(pools, new):  # new [L, 1, width + W, KVH, Dh]: the new tokens' keys/values into the row's pages
+        new = kv_quant.per_part(lambda x: jnp.broadcast_to(x[:, :, width:], (x.shape[0], plan.queues, W,
+                                                                             *x.shape[3:])), new)
+        layer = lambda i: kv_quant.per_part(lambda x: x[i], new)  # noqa: E731
+        if plan.scanned:
+            (stacked,) = pools
+            for i in range(new.shape[0]):
+                stacked = paged_kv.write_tokens(stacked, layer(i), page, offset, i)
+            return (stacked,)
+        return tuple(paged_kv.write_tokens(p, layer(i), page, offset) for i, p in enumerate(pools))
+
+    cache = paged_kv.PagedKV(write(pool.cache.k, cache.k), write(pool.cache.v, cache.v))
+    pool = pool._replace(rows=rows, cache=spec.pin("cache", cache))
+    return _next_turn(spec, store, pool, slot, row, length + count, w.model.logits(hidden[0, count]), version)
+
+
+def _next_turn(spec, store, pool: Pool, slot, row, length, logits, version) -> Pool:
+    """Slot `slot` decodes row `row`'s next turn: its first token drawn from `logits`."""
     plan = spec.plan
     q, j = slot // plan.slots_per_queue, slot % plan.slots_per_queue
     token, logprob = draw(spec, store, jnp.broadcast_to(logits, (plan.queues, 1, logits.shape[-1])),
@@ -181,50 +262,19 @@ def _next_turn(spec, store, pool: Pool, rows, slot, row, length, logits, mask, s
     token, logprob = token[q, 0], logprob[q, 0]
     stopped = jnp.isin(token, plan.stops())
     one = lambda x: jnp.asarray(x)[None, None]  # noqa: E731 - a scalar as [Q = 1, n = 1] for the per-queue scatter
+    rows = pool.rows
     queue_rows = jax.tree.map(lambda x: x[q][None], rows)
     queue_rows = record(queue_rows, one(row), one(length), one(token), one(logprob), one(stopped), one(True), version)
     rows = jax.tree.map(lambda whole, part: whole.at[q].set(part[0]), rows, queue_rows)
     length = length + 1
     done, held, full = turn_ends(plan, stopped, length, length - 1)
-    rows = rows._replace(finished=rows.finished.at[q, row].set(full))
+    rows = rows._replace(finished=rows.finished.at[q, row].set(full), turn_start=rows.turn_start.at[q, row].set(
+        length - 1))
     sl = pool.slots
-    slots = sl._replace(row=sl.row.at[q, j].set(row), start=sl.start.at[q, j].set(pool.clock),
-                        count=sl.count.at[q, j].set(length), last=sl.last.at[q, j].set(token),
-                        done=sl.done.at[q, j].set(done), held=sl.held.at[q, j].set(held),
-                        turn_start=sl.turn_start.at[q, j].set(length - 1),
-                        prompt_len=sl.prompt_len.at[q, j].set(jnp.sum(mask, dtype=jnp.int32)),
-                        prompt_mask=sl.prompt_mask.at[q, j].set(mask))
-    cache = _write_segment(plan, pool.cache, segment, slot)
-    return pool._replace(slots=slots, rows=rows, cache=spec.pin("cache", cache))
-
-
-def _prefill_turn(spec, store: PromptStore, pool: Pool, w, slot, row, context: KVCache, length, ids, count,
-                  version) -> Pool:
-    """Queue-local `row` (`length` tokens; the keys/values of all but its last, a drawn token not fed yet, in
-    `context` [L, 1, P + N, KVH, Dh]) goes on in `slot`: `count` ids (of `ids` [N]) after its tokens, its last token
-    and the ids prefilled after the context (attending to it, not recomputing it), the next turn's first token
-    drawn."""
-    plan = spec.plan
-    q = slot // plan.slots_per_queue
-    N = plan.max_new_tokens
-    rows = _with_ids(plan, pool.rows, q, row, length, ids, count)
-    prompt_mask = store.mask[q, local_prompt(plan, store, q, row)]
-    P, W = prompt_mask.shape[0], plan.append_width
-    fed = length - 1  # the row's tokens whose keys/values are in `context`
-    feed = jax.lax.dynamic_slice(jnp.concatenate([rows.tokens[q, row], jnp.zeros(W, jnp.int32)]), (fed,), (W,))
-    length = length + count
-    mask = jnp.concatenate([prompt_mask, jnp.arange(N) < length])  # the row's context after the append, [P + N]
-    positions = jnp.sum(prompt_mask, dtype=jnp.int32) + fed + jnp.arange(W)
-    cache = jax.tree.map(lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, W), (0, 0), (0, 0))), context)  # room past the end
-    hidden, cache, experts = w.model.routed(feed[None], positions[None],
-                                            jnp.concatenate([mask, jnp.zeros(W, bool)])[None], cache, P + fed)
-    if plan.routing:  # the experts of the fed tokens: the turn's last drawn token and the appended ids
-        fed_ids = jnp.where(jnp.arange(W) <= count, fed + jnp.arange(W), N)  # past them: dropped
-        rows = rows._replace(routing=rows.routing.at[q, row, fed_ids].set(experts[0].astype(rows.routing.dtype),
-                                                                          mode="drop"))
-    context = jax.tree.map(lambda x: x[:, :, :P + N], cache)
-    return _next_turn(spec, store, pool, rows, slot, row, length, w.model.logits(hidden[0, count]), mask, context,
-                      version)
+    slots = sl._replace(row=sl.row.at[q, j].set(row), last=sl.last.at[q, j].set(token),
+                        done=sl.done.at[q, j].set(done), held=sl.held.at[q, j].set(held))
+    pool = pool._replace(slots=slots, rows=rows)
+    return release(spec, store, pool, _one(plan, row), (jnp.arange(plan.queues)[:, None] == q) & full)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "spec"), donate_argnames=("pool",))
@@ -232,67 +282,19 @@ def _append(graphdef, params, store: PromptStore, pool: Pool, slot, ids, count, 
     """`slot`: `count` ids (of `ids` [N]) after its row's tokens, its next turn in the same slot."""
     plan = spec.plan
     q, j = slot // plan.slots_per_queue, slot % plan.slots_per_queue
-    sl = pool.slots
-    return _prefill_turn(spec, store, pool, weights(graphdef, params, plan), slot, sl.row[q, j],
-                         _read_context(plan, pool, slot), sl.count[q, j], ids, count, version)
+    row = pool.slots.row[q, j]
+    return _prefill_turn(spec, store, pool, weights(graphdef, params, plan), slot, row, pool.rows.lengths[q, row],
+                         ids, count, version)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "spec"), donate_argnames=("pool",))
-def _resume(graphdef, params, store: PromptStore, pool: Pool, slot, row, context, ids, count, version, *,
+def _resume(graphdef, params, store: PromptStore, pool: Pool, slot, row, ids, count, version, *,
             spec: PoolSpec) -> Pool:
-    """Parked queue-local `row` (its context's keys/values kept when it parked): `count` ids after its tokens, its
-    next turn in free slot `slot`."""
+    """Parked queue-local `row` (its keys/values still in its pages): `count` ids after its tokens, its next turn
+    in free slot `slot`."""
     plan = spec.plan
     length = pool.rows.lengths[slot // plan.slots_per_queue, row]
-    return _prefill_turn(spec, store, pool, weights(graphdef, params, plan), slot, row, context, length, ids, count,
-                         version)
-
-
-def _read_context(plan, pool: Pool, slot) -> KVCache:
-    """Paused `slot`'s row's context as a one-row KVCache [L, 1, P + N, KVH, Dh]: its prompt segment (the context
-    before this turn) with the turn's fed tokens' keys/values moved in from the decode ring (the slot's token i of
-    the turn was written at ring column (start + i) mod T; a paused slot's columns are not overwritten)."""
-    q, j = slot // plan.slots_per_queue, slot % plan.slots_per_queue
-    sl = pool.slots
-    columns = jnp.mod(sl.start[q, j] + jnp.arange(plan.turn_limit), plan.ring)
-    N = plan.max_new_tokens
-
-    def read(per_layer):
-        if plan.scanned:
-            (segment, *chunks), = per_layer
-            context, ring = segment[:, slot], jnp.concatenate([c[:, slot] for c in chunks], axis=2)
-        else:
-            context = jnp.stack([segment[slot] for segment, *_ in per_layer])  # [L, KVH, P + N, Dh]
-            ring = jnp.stack([jnp.concatenate([c[slot] for c in chunks], axis=1) for _, *chunks in per_layer])
-        P = context.shape[2] - N
-        turn = jnp.take(ring, columns, axis=2)  # [L, KVH, turn_limit, Dh]; past the fed tokens: overwritten later
-        context = jnp.pad(context, ((0, 0), (0, 0), (0, plan.turn_limit), (0, 0)))
-        context = jax.lax.dynamic_update_slice_in_dim(context, turn.astype(context.dtype), P + sl.turn_start[q, j],
-                                                      axis=2)[:, :, :P + N]
-        return jnp.swapaxes(context, 1, 2)[:, None]  # [L, 1, P + N, KVH, Dh]
-
-    return kv_quant.per_part(lambda c: KVCache(read(c.k), read(c.v)), pool.cache)
-
-
-@functools.partial(jax.jit, static_argnames=("spec",))
-def _keep(pool: Pool, slot, *, spec: PoolSpec) -> KVCache:
-    return _read_context(spec.plan, pool, slot)
-
-
-def _write_segment(plan, cache: DecodeCache, context, slot) -> DecodeCache:
-    """The prefilled context's keys/values [L, 1, P + N, KVH, Dh] as slot `slot`'s prompt segment, every layer."""
-    def write(per_layer, new):
-        if plan.scanned:
-            (segment, *chunks), = per_layer
-            return ((segment.at[:, slot].set(new.astype(segment.dtype)), *chunks),)
-        return tuple((segment.at[slot].set(new[i].astype(segment.dtype)), *chunks)
-                     for i, (segment, *chunks) in enumerate(per_layer))
-
-    def write_both(cache, context):
-        k, v = (jnp.swapaxes(x[:, 0], 1, 2) for x in (context.k, context.v))  # [L, KVH, P + N, Dh]
-        return DecodeCache(write(cache.k, k), write(cache.v, v))
-
-    return kv_quant.per_part(write_both, cache, context)
+    return _prefill_turn(spec, store, pool, weights(graphdef, params, plan), slot, row, length, ids, count, version)
 
 
 def _padded_ids(plan, token_ids, length: int, row: int) -> tuple[np.ndarray, np.int32]:
@@ -322,10 +324,18 @@ def append(graphdef, params, state: SlotState, slot: int, token_ids, version: in
 
 
 @functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("pool",))
-def _finish(pool: Pool, q, j, *, spec: PoolSpec) -> Pool:
+def _finish(store: PromptStore, pool: Pool, q, j, *, spec: PoolSpec) -> Pool:
+    """Slot (q, j)'s paused row is complete: its pages back, the slot free."""
     sl, rows = pool.slots, pool.rows
-    return pool._replace(slots=sl._replace(held=sl.held.at[q, j].set(False), done=sl.done.at[q, j].set(True)),
-                         rows=rows._replace(finished=rows.finished.at[q, sl.row[q, j]].set(True, mode="drop")))
+    row = sl.row[q, j]
+    pool = pool._replace(slots=sl._replace(held=sl.held.at[q, j].set(False), done=sl.done.at[q, j].set(True)),
+                         rows=rows._replace(finished=rows.finished.at[q, row].set(True, mode="drop")))
+    return _released(spec, store, pool, q, row)
+
+
+def _released(spec, store, pool, q, row):
+    plan = spec.plan
+    return release(spec, store, pool, _one(plan, row), jnp.arange(plan.queues)[:, None] == q)
 
 
 def finish(state: SlotState, slot: int) -> SlotState:
@@ -333,7 +343,8 @@ def finish(state: SlotState, slot: int) -> SlotState:
     if status.state[slot] != PAUSED:
         raise ValueError(f"slot {slot} is {status.state[slot]}: only a paused row can be finished")
     q, j = divmod(slot, state.spec.plan.slots_per_queue)
-    return dataclasses.replace(state, pool=_finish(state.pool, jnp.int32(q), jnp.int32(j), spec=state.spec))
+    pool = _finish(state.store, state.pool, jnp.int32(q), jnp.int32(j), spec=state.spec)
+    return dataclasses.replace(state, pool=pool)
 
 
 @functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("pool",))
@@ -344,22 +355,20 @@ def _park(pool: Pool, q, j, *, spec: PoolSpec) -> Pool:
 
 
 def park(state: SlotState, slot: int) -> tuple[SlotState, int]:
-    """Paused `slot`'s row leaves it, its context's keys/values kept aside (on the device: as much memory as a
-    slot's prompt segment while it waits): the slot takes a pending row at the next `advance`, and the row goes on
-    later with `resume` into a free slot of its queue. Returns (state, the row)."""
+    """Paused `slot`'s row leaves it, its keys/values kept in its pages: the slot takes a pending row at the next
+    `advance`, and the row goes on later with `resume` into a free slot of its queue. Returns (state, the row)."""
     status = state.status()
     if status.state[slot] != PAUSED:
         raise ValueError(f"slot {slot} is {status.state[slot]}: only a paused row can be parked")
     q, j = divmod(slot, state.spec.plan.slots_per_queue)
     row = int(status.row[slot])
-    parked = {**state.parked, row: _keep(state.pool, np.int32(slot), spec=state.spec)}
     return dataclasses.replace(state, pool=_park(state.pool, jnp.int32(q), jnp.int32(j), spec=state.spec),
-                               parked=parked), row
+                               parked=state.parked | {row}), row
 
 
 def resume(graphdef, params, state: SlotState, slot: int, row: int, token_ids, version: int) -> SlotState:
-    """Parked `row`: `token_ids` after its tokens, its next turn in free `slot` (of the row's queue): the kept
-    context moves there and the turn and the ids are prefilled after it, as `append` does in place."""
+    """Parked `row`: `token_ids` after its tokens, its next turn in free `slot` (of the row's queue): the turn and
+    the ids prefilled into its pages, as `append` does in place."""
     plan = state.spec.plan
     status = state.status()
     if row not in state.parked:
@@ -368,30 +377,30 @@ def resume(graphdef, params, state: SlotState, slot: int, row: int, token_ids, v
         raise ValueError(f"slot {slot} is {status.state[slot]} or of another queue than row {row}: a parked row "
                          "resumes in a free slot of its queue")
     ids = _padded_ids(plan, token_ids, int(fetch(state.pool.rows.lengths).reshape(-1)[row]), row)
-    parked = dict(state.parked)
     pool = _resume(graphdef, params, state.store, state.pool, np.int32(slot), np.int32(row % plan.rows_per_queue),
-                   parked.pop(row), *ids, np.int32(version), spec=state.spec)
-    return dataclasses.replace(state, pool=pool, parked=parked)
+                   *ids, np.int32(version), spec=state.spec)
+    return dataclasses.replace(state, pool=pool, parked=state.parked - {row})
 
 
 @functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("pool",))
-def _finish_row(pool: Pool, q, row, *, spec: PoolSpec) -> Pool:
-    return pool._replace(rows=pool.rows._replace(finished=pool.rows.finished.at[q, row].set(True)))
+def _finish_row(store: PromptStore, pool: Pool, q, row, *, spec: PoolSpec) -> Pool:
+    pool = pool._replace(rows=pool.rows._replace(finished=pool.rows.finished.at[q, row].set(True)))
+    return _released(spec, store, pool, q, row)
 
 
 def finish_row(state: SlotState, row: int) -> SlotState:
-    """Parked `row` is complete."""
+    """Parked `row` is complete: its pages back."""
     if row not in state.parked:
         raise ValueError(f"row {row} is not parked")
     Rq = state.spec.plan.rows_per_queue
-    pool = _finish_row(state.pool, jnp.int32(row // Rq), jnp.int32(row % Rq), spec=state.spec)
-    return dataclasses.replace(state, pool=pool, parked={r: p for r, p in state.parked.items() if r != row})
+    pool = _finish_row(state.store, state.pool, jnp.int32(row // Rq), jnp.int32(row % Rq), spec=state.spec)
+    return dataclasses.replace(state, pool=pool, parked=state.parked - {row})
 
 
 def drain(state: SlotState) -> tuple[np.ndarray, SampleOutput, SlotState]:
     """(row indices, their outputs as numpy [n, ...], the state with them marked drained): the complete rows not
     drained before, in row order."""
-    out = fetch(outputs(state.spec.plan, state.pool, prompts=state.store))
+    out = fetch(outputs(state.spec.plan, state.pool, store=state.store))
     complete = np.asarray(fetch(state.pool.rows.finished)).reshape(-1) & ~state.drained
     rows = np.flatnonzero(complete)
     drained = state.drained | complete
@@ -401,4 +410,3 @@ def drain(state: SlotState) -> tuple[np.ndarray, SampleOutput, SlotState]:
 def begin(graphdef, params, spec: PoolSpec, prompts, key, version: int) -> SlotState:
     store, pool = _start(graphdef, params, prompts, key, np.int32(version), spec=spec)
     return SlotState(spec, store, pool, np.zeros(spec.plan.rows, bool))
-

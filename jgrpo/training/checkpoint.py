@@ -36,8 +36,8 @@ from etils import epath
 
 from jgrpo.config import CheckpointConfig
 from jgrpo.config.errors import UserError
+from jgrpo.parallel.fingerprint import fingerprint
 from jgrpo.parallel.host_arrays import broadcast_json
-from jgrpo.training.fingerprint import fingerprint
 
 log = logging.getLogger(__name__)
 

@@ -6,6 +6,7 @@ process computes the same numbers; only process 0 writes them. Names group into 
     reward/mean, reward/std, reward/<fn>, reward/<fn>/std, reward/<fn>/failures, reward/<fn>/timeouts
     accuracy                  fraction of completions the first reward function scores >= 1 (correct)
     completion/*              length_mean / length_min / length_max, truncated_frac
+    sampler/preempted         rows the sampler preempted for lack of pages and drew again (`sampler.kv_pages`)
     kl/mean, entropy/mean     per token, over the loss tokens / all completion tokens
     clip/*                    frac_low, frac_high, frac_dual
     theorem1/*                tv_theta_alpha, tv_k_alpha, tv_weight_mean, tv_weight_M, surrogate_alpha,
@@ -156,6 +157,8 @@ def iteration_metrics(rollout, update_metrics: list[dict], facts: IterationFacts
     record["accuracy"] = float(stats["accuracy"])
     for key in ("length_mean", "length_min", "length_max", "truncated_frac"):
         record[f"completion/{key}"] = float(stats[key])
+    if out.preempted is not None:  # rows the sampler preempted for lack of pages and drew again (sampler.kv_pages)
+        record["sampler/preempted"] = int(fetch(jnp.sum(out.preempted)))
 
     record.update(_update_means(update_metrics, facts.behaviour_is_current))
     record["theorem1/staleness"] = facts.staleness

@@ -22,7 +22,7 @@ from jgrpo.parallel.mesh import row_sharding
 from jgrpo.rl.advantages import GroupAdvantages, group_advantages
 from jgrpo.rl.routing_replay import sequence_routing
 from jgrpo.sampling.layout import routing_record
-from jgrpo.sampling.pool import SampleOutput
+from jgrpo.sampling.state import SampleOutput
 from jgrpo.training.step_model import StepModel
 from jgrpo.training.step_options import StepOptions
 

@@ -21,8 +21,9 @@ from jax.sharding import Mesh
 
 from jgrpo.models.llm import model_config, param_logical_axes
 from jgrpo.models.lora import join_adapters
-from jgrpo.parallel.mesh import TRAIN_RULES, Rules, logical_shardings, param_copier, replicated
-from jgrpo.sampling.pool import SampleOutput
+from jgrpo.parallel.mesh import TRAIN_RULES, Rules, logical_shardings, replicated
+from jgrpo.parallel.weights.copies import param_copier
+from jgrpo.sampling.state import SampleOutput
 from jgrpo.training.logprob_passes import LogprobPasses
 from jgrpo.training.packed_layout import PackedLayout
 from jgrpo.training.padded_layout import PaddedLayout
@@ -79,7 +80,9 @@ class StepFunctions:
         the log-probs of the `reference` params (beta > 0) and of the `current` ones (pi_k, when `lp_k_source` is
         "computed"), and M2PO's token mask. Every program on the train mesh. With LoRA, `reference` and `current`
         are adapters (the reference may have none) and `frozen` the base they join."""
-        batch, _ = self.assemble(prompt_tokens, prompt_mask, samples, rewards)
+        # How often rows were preempted is a statistic of the sampler (the iteration record's), not training data:
+        # the programs take the same inputs whatever the sampler did (the planner lowers them without it).
+        batch, _ = self.assemble(prompt_tokens, prompt_mask, samples._replace(preempted=None), rewards)
         plan = self.layout.plan_passes(prompt_tokens, prompt_mask, samples, batch) if self.passes.run_model else None
         batch = self.passes.run(batch, plan, reference=reference, current=current, frozen=frozen)
         return jax.block_until_ready(batch)

@@ -28,6 +28,7 @@ from etils import epath
 
 from jgrpo.config import Config, ConfigError
 from jgrpo.config.loading import to_dict
+from jgrpo.parallel.fingerprint import fingerprint
 from jgrpo.parallel.mesh import make_meshes, replicated, replicated_key
 from jgrpo.rollout.collect import Scoring
 from jgrpo.rollout.collector import Collected, Collector
@@ -39,7 +40,6 @@ from jgrpo.rollout.sampling_weights import Refresh, SamplingWeights
 from jgrpo.rollout.sources import DataExhausted, RolloutSource, sample_root
 from jgrpo.training.checkpoint import PreemptionFlag, RunCounters, TrainState, latest_data_state
 from jgrpo.training.checkpoint_split import make_checkpointer
-from jgrpo.training.fingerprint import fingerprint
 from jgrpo.training.iteration_record import IterationFacts, count_updates, iteration_metrics, sample_dump
 from jgrpo.training.metrics_log import MetricsLogger
 from jgrpo.training.preflight import check_before_loading

@@ -1,6 +1,6 @@
-"""The int8 KV cache (`sampler.kv_cache_dtype: int8`, models/kv_quant.py): the round trip, the decode attention's
-int8 read against attention over the dequantized cache, and the decode step (unrolled and scanned) against the
-cached forward over the same int8 cache, token by token."""
+"""The int8 KV cache (`sampler.kv_cache_dtype: int8`, models/kv_quant.py): the round trip, the paged attention's
+int8 read against attention over the dequantized pages, and the decode step over int8 pages (unrolled and scanned)
+against the cached forward over the same int8 cache, token by token."""
 
 
 import jax
@@ -10,12 +10,14 @@ import pytest
 from flax import nnx
 
 from jgrpo.models import kv_quant
-from jgrpo.models.decode import _attend_one, decode_cache, prompt_store
 from jgrpo.models.llm import LLM, forward, init_cache, merge_model, position_ids_from_mask, split_model
+from jgrpo.models.paged_attention import paged_attention_xla
 from tests.models.test_model_cache import (
     CFG,  # 3 layers, 4 heads over 2 KV heads of 16, biases and qk-norm
+    PagedRows,
     fed_one_token_at_a_time,
 )
+from tests.models.test_paged_attention import random_pages
 
 
 @pytest.fixture(scope="module")
@@ -41,45 +43,14 @@ def test_an_int8_cache_array_cannot_be_indexed_as_a_tuple():
         c[0]  # noqa: B018 - a NamedTuple would silently give the values
 
 
-def test_int8_attention_equals_attention_over_the_dequantized_cache():
-    keys = jax.random.split(jax.random.key(1), 5)
-    B, KVH, G, Dh = 3, 2, 2, 16
-    q = jax.random.normal(keys[0], (B, 1, KVH * G, Dh))
-    segments = [(jax.random.normal(keys[1 + i], (B, KVH, n, Dh)) * 3, jax.random.normal(keys[3 + i], (B, KVH, n, Dh)))
-                for i, n in enumerate((5, 4))]
-    allowed = jnp.asarray(np.random.default_rng(0).random((B, 9)) < 0.7).at[:, 0].set(True)
-    ks = tuple(kv_quant.quantize_kv(k) for k, _ in segments)
-    vs = tuple(kv_quant.quantize_kv(v) for _, v in segments)
-    int8 = _attend_one(q, ks, vs, allowed)
-    dequantized = _attend_one(q, tuple(map(kv_quant.dequantize_kv, ks)), tuple(map(kv_quant.dequantize_kv, vs)),
-                              allowed)
+def test_int8_attention_equals_attention_over_the_dequantized_pages():
+    q, k_pool, v_pool, view = random_pages(jax.random.key(1))
+    ks, vs = kv_quant.quantize_kv(k_pool), kv_quant.quantize_kv(v_pool)
+    int8 = paged_attention_xla(q, ks, vs, view, block=2)
+    dequantized = paged_attention_xla(q, kv_quant.dequantize_kv(ks), kv_quant.dequantize_kv(vs), view, block=2)
     np.testing.assert_allclose(int8, dequantized, atol=1e-5, rtol=0)
-    exact = _attend_one(q, tuple(k for k, _ in segments), tuple(v for _, v in segments), allowed)
+    exact = paged_attention_xla(q, k_pool, v_pool, view, block=2)
     assert 1e-4 < float(jnp.max(jnp.abs(int8 - exact))) < 0.1  # quantized, and close
-
-
-@pytest.mark.parametrize("int8", [False, True], ids=["float", "int8"])
-def test_segments_softmax_merged_by_log_sum_exp_equals_one_softmax_over_all_slots(int8):
-    """`merged` (sampler.decode_softmax: segments): per-segment softmax merged by log-sum-exp == one softmax over
-    the concatenated scores, with a segment no row may read, a row that may read one segment only, and a row
-    that may read nothing (uniform over all slots either way)."""
-    keys = jax.random.split(jax.random.key(3), 7)
-    B, KVH, G, Dh = 4, 2, 3, 8
-    q = jax.random.normal(keys[0], (B, 1, KVH * G, Dh)) * 2
-    sizes = (5, 4, 3)
-    ks = tuple(jax.random.normal(keys[1 + i], (B, KVH, n, Dh)) * 3 for i, n in enumerate(sizes))
-    vs = tuple(jax.random.normal(keys[4 + i], (B, KVH, n, Dh)) for i, n in enumerate(sizes))
-    if int8:
-        ks, vs = tuple(map(kv_quant.quantize_kv, ks)), tuple(map(kv_quant.quantize_kv, vs))
-    allowed = np.random.default_rng(1).random((B, 12)) < 0.6
-    allowed[:, 9:] = False  # the last segment: nobody reads it
-    allowed[1] = np.arange(12) < 5  # the prompt segment only
-    allowed[2] = False  # nothing
-    allowed[0, 0] = True
-    one = _attend_one(q, ks, vs, jnp.asarray(allowed))
-    merged = _attend_one(q, ks, vs, jnp.asarray(allowed), merged=True)
-    np.testing.assert_allclose(merged, one, atol=2e-6, rtol=2e-6)
-    assert float(jnp.max(jnp.abs(one[0] - one[3]))) > 0.1  # rows differ: the comparison is not trivial
 
 
 @pytest.mark.parametrize("scanned", [False, True], ids=["unrolled", "scanned"])
@@ -88,7 +59,7 @@ def test_decode_over_an_int8_cache_equals_the_cached_forward_over_it(model, scan
     the model's cached forward fed one token at a time over an int8 cache (dequantized reads), and both differ
     from the float cache's forward."""
     graphdef, params = model
-    prompt_len, new_tokens, chunk_len = 5, 4, 3
+    prompt_len, new_tokens = 5, 4
     S = prompt_len + new_tokens
     rng = np.random.default_rng(2)
     tokens = jnp.asarray(rng.integers(0, CFG.vocab_size, (2, S)), jnp.int32)
@@ -109,11 +80,10 @@ def test_decode_over_an_int8_cache_equals_the_cached_forward_over_it(model, scan
     prompt_mask = mask[:, :prompt_len]
     _, prefill = forward(graphdef, params, tokens[:, :prompt_len], positions[:, :prompt_len], prompt_mask,
                          init_cache(CFG, 2, prompt_len, "int8"), 0)
-    dcache = decode_cache(prompt_store(prefill), 2, chunk_len, scanned)
-    first = dcache.k[0][1]
-    assert kv_quant.is_int8(first) and first.values.dtype == jnp.int8 and first.scales.shape[-1] == 1
-    for t, hidden, _ in fed_one_token_at_a_time(CFG, params, scanned, dcache, prompt_mask, tokens, positions,
-                                                chunk_len):
+    paged = PagedRows(CFG, prefill, prompt_mask, 1, new_tokens, page_size=2, stacked=scanned)
+    pool = paged.cache.k[0]
+    assert kv_quant.is_int8(pool) and pool.values.dtype == jnp.int8 and pool.scales.shape[-1] == 1
+    for t, hidden, _ in fed_one_token_at_a_time(CFG, params, scanned, paged, tokens, positions, prompt_len):
         np.testing.assert_allclose(hidden, stepped[t - prompt_len], atol=1e-5, rtol=0)
         assert float(jnp.max(jnp.abs(hidden - full[:, t]))) > 1e-4  # the float cache's forward differs
     assert t == S - 1  # every new token was fed

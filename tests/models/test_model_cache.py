@@ -1,7 +1,6 @@
 """Prefill + one-token decode through the KV cache reproduces the full-sequence forward."""
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -92,25 +91,78 @@ def test_cache_requires_index_and_matching_mask(model):
         forward(graphdef, params, tokens, tokens, jnp.ones((2, 3), bool), init_cache(CFG, 2, 4), 0)
 
 
-def fed_one_token_at_a_time(cfg, params, scanned, cache, prompt_mask, tokens, positions, chunk_len):
-    """Feed `tokens` [B, P + n] after the prompt (width P = prompt_mask's) one token per `models.decode` step
-    (unrolled, or scanned) over the decode cache `cache`, in chunks of `chunk_len`: yields (t, hidden, routing)."""
-    from jgrpo.models.decode import decode_step, decode_step_scanned
+class PagedRows:
+    """Rows laid out in pages by hand, as the sampler lays them out: each prompt's real tokens from page 0 of its
+    own pages (the last part full), shared by its `repeats` rows, then each row's own pages; Q = 1 queue."""
+
+    def __init__(self, cfg, prefill, prompt_mask, repeats: int, new_tokens: int, page_size: int, stacked: bool):
+        from jgrpo.models import kv_quant, paged_kv
+
+        prompts, P = prompt_mask.shape
+        self.page_size, self.repeats = page_size, repeats
+        self.lengths = np.asarray(prompt_mask).sum(1)
+        count = -(-self.lengths // page_size)
+        self.prompt_pages = -(-P // page_size)
+        self.own_pages = -(-new_tokens // page_size)
+        rows = prompts * repeats
+        self.pages = int(count.sum()) + rows * self.own_pages
+        start = np.cumsum(count) - count
+        self.prompt_table = np.full((prompts, self.prompt_pages), self.pages)
+        for b in range(prompts):
+            self.prompt_table[b, :count[b]] = start[b] + np.arange(count[b])
+        self.own_table = count.sum() + np.arange(rows * self.own_pages).reshape(rows, self.own_pages)
+        # Prompt b's token i: column P - length_b + i of the left-padded prefill cache.
+        columns = np.clip(P - self.lengths[:, None] + np.arange(self.prompt_pages * page_size), 0, P - 1)
+
+        def paged(x):  # [L, B, P, KVH, Dh] -> [L, 1, B, pp, KVH, ps, Dh]
+            x = jnp.take_along_axis(x, jnp.asarray(columns)[None, :, :, None, None], axis=2)
+            x = x.reshape(x.shape[0], prompts, self.prompt_pages, page_size, *x.shape[3:])
+            return jnp.swapaxes(x, 3, 4)[:, None]
+
+        new = kv_quant.per_part(lambda c: jax.tree.map(paged, c), prefill)
+        dtype = "int8" if kv_quant.is_int8(prefill.k) else jnp.dtype(prefill.k.dtype).name
+        cache = paged_kv.empty(cfg, 1, self.pages, page_size, dtype, stacked)
+        table = jnp.asarray(self.prompt_table)[None]
+        if stacked:
+            write = jax.vmap(lambda pool, x: paged_kv.write_pages(pool, x, table))
+            self.cache = paged_kv.PagedKV((write(cache.k[0], new.k),), (write(cache.v[0], new.v),))
+        else:
+            layer = lambda c, i: kv_quant.per_part(lambda x: x[i], c)  # noqa: E731
+            self.cache = paged_kv.PagedKV(*(tuple(paged_kv.write_pages(pool, layer(parts, i), table)
+                                                  for i, pool in enumerate(pools))
+                                            for pools, parts in ((cache.k, new.k), (cache.v, new.v))))
+
+    def inputs(self, tokens, positions, own: int):
+        """StepInputs of every row feeding its own token `own` (0, 1, ...)."""
+        from jgrpo.models.decode_step import StepInputs
+        from jgrpo.models.paged_kv import PageView
+
+        rows = len(tokens)
+        prompt = np.arange(rows) // self.repeats
+        count = -(-self.lengths[prompt] // self.page_size)
+        table = np.full((rows, self.prompt_pages + self.own_pages), self.pages)
+        for r in range(rows):
+            table[r, :count[r]] = self.prompt_table[prompt[r], :count[r]]
+            table[r, count[r]:count[r] + self.own_pages] = self.own_table[r]
+        view = PageView(jnp.asarray(table)[None], jnp.asarray(count)[None], jnp.asarray(self.lengths[prompt])[None],
+                        jnp.full((1, rows), own + 1))
+        page = jnp.asarray(self.own_table[:, own // self.page_size])[None]
+        return StepInputs(tokens, positions, view, page, jnp.full((1, rows), own % self.page_size))
+
+
+def fed_one_token_at_a_time(cfg, params, scanned, paged: PagedRows, tokens, positions, prompt_len):
+    """Feed `tokens` [B, P + n] after the prompt (width P) one token per `models.decode_step` step (unrolled, or
+    scanned) over the pages `paged` lays out: yields (t, hidden, routing)."""
+    from jgrpo.models.decode_step import StepOptions, decode_step
     from jgrpo.models.layer_stack import unstack_layers
 
-    if scanned:
-        step = functools.partial(jax.jit(decode_step_scanned, static_argnums=(0, 6, 8)), cfg, params)
-    else:
-        step = functools.partial(jax.jit(decode_step, static_argnums=(0, 7, 9)), cfg, params,
-                                 unstack_layers(cfg, params["layers"]))
-    B, prompt_len = prompt_mask.shape
-    for slot, t in enumerate(range(prompt_len, tokens.shape[1])):
-        chunk, offset = divmod(slot, chunk_len)
-        # The real prompt slots and the generated slots up to this one, over the chunks read (0 .. chunk).
-        allowed = jnp.concatenate([prompt_mask, jnp.broadcast_to(jnp.arange((chunk + 1) * chunk_len) <= slot,
-                                                                  (B, (chunk + 1) * chunk_len))], axis=1)
-        hidden, cache, routing = step(tokens[:, t], positions[:, t], allowed, cache, chunk, jnp.int32(offset),
-                                      chunk + 1)
+    layers = None if scanned else unstack_layers(cfg, params["layers"])
+    step = jax.jit(decode_step, static_argnums=(0, 5))
+    options = StepOptions(scanned=scanned, attention="xla", block=2)  # several blocks of table entries
+    cache = paged.cache
+    for own, t in enumerate(range(prompt_len, tokens.shape[1])):
+        hidden, cache, routing = step(cfg, params, layers, cache, paged.inputs(tokens[:, t], positions[:, t], own),
+                                      options)
         yield t, hidden, routing
 
 
@@ -119,9 +171,9 @@ def fed_one_token_at_a_time(cfg, params, scanned, cache, prompt_mask, tokens, po
 @pytest.mark.parametrize(("moe", "scanned"), [(None, False), (None, True), (MOE_CFG, False), (MOE_STEP2_CFG, True)],
                          ids=["dense-unrolled", "dense-scanned", "moe-unrolled", "moe_step2-scanned"])
 def test_decode_step_matches_full_forward(model, moe, scanned):
-    """models.decode (per-layer weights and [B, KVH, S, Dh] caches as the sampler uses them, or its scanned form)
-    == the full forward; a mixture of experts also routes each fed token to the experts the full forward picks."""
-    from jgrpo.models.decode import decode_cache, prompt_store
+    """models.decode_step over pages (two rows sharing each prompt's pages, pages of 2 tokens: a prompt of 5 on
+    three, the last part full; per-layer pools, or the scanned form's stacked ones) == the full forward; a mixture
+    of experts also routes each fed token to the experts the full forward picks."""
     from jgrpo.models.llm import merge_model
 
     graphdef, params = _moe_model(moe) if moe else model
@@ -130,7 +182,7 @@ def test_decode_step_matches_full_forward(model, moe, scanned):
     rng = np.random.default_rng(1)
     prompts = jnp.asarray(rng.integers(0, CFG.vocab_size, (2, prompt_len)), jnp.int32)
     prompt_mask = jnp.asarray(np.arange(prompt_len)[None, :] >= np.array([[0], [3]]))  # lengths 5 and 2
-    # Each prompt continues with the same new tokens in both of its rows, so rows of one prompt must agree.
+    # Each prompt continues with other new tokens in each of its rows: rows of one prompt share its pages only.
     tokens = jnp.concatenate([jnp.repeat(prompts, repeats, 0),
                               jnp.asarray(rng.integers(0, CFG.vocab_size, (4, new_tokens)), jnp.int32)], 1)
     mask = jnp.concatenate([jnp.repeat(prompt_mask, repeats, 0), jnp.ones((4, new_tokens), bool)], 1)
@@ -139,18 +191,11 @@ def test_decode_step_matches_full_forward(model, moe, scanned):
 
     _, prefill = forward(graphdef, params, prompts, position_ids_from_mask(prompt_mask), prompt_mask,
                          init_cache(cfg, 2, prompt_len), 0)
-    chunk_len = 3  # 4 fed slots in chunks of 3: two segments, the second one ragged
-    store = prompt_store(prefill)
-    cache = decode_cache(jax.tree.map(lambda x: jnp.repeat(x, repeats, axis=1), store), 2, chunk_len, scanned)
-    if scanned:
-        assert len(cache.k) == 1 and cache.k[0][1].shape == (cfg.num_layers, 4, CFG.num_kv_heads, chunk_len, 16)
-    else:
-        assert len(cache.k) == cfg.num_layers and len(cache.k[0]) == 3
-        assert cache.k[0][0].shape == (4, CFG.num_kv_heads, prompt_len, CFG.head_dim)
-        assert cache.k[0][1].shape == (4, CFG.num_kv_heads, chunk_len, CFG.head_dim)
-    row_prompt_mask = jnp.repeat(prompt_mask, repeats, 0)
-    for t, hidden, routing in fed_one_token_at_a_time(cfg, params, scanned, cache, row_prompt_mask, tokens, positions,
-                                                      chunk_len):
+    paged = PagedRows(cfg, prefill, prompt_mask, repeats, new_tokens, page_size=2, stacked=scanned)
+    assert paged.pages == 4 + 4 * 2  # the prompts' pages once (3 + 1), then 2 of each row's own
+    pool = paged.cache.k[0]
+    assert pool.shape == ((cfg.num_layers,) if scanned else ()) + (1, 12, CFG.num_kv_heads, 2, CFG.head_dim)
+    for t, hidden, routing in fed_one_token_at_a_time(cfg, params, scanned, paged, tokens, positions, prompt_len):
         np.testing.assert_allclose(hidden, full[:, t], atol=1e-5, rtol=0)
         if moe:
             assert routing.shape == (4, cfg.num_layers // cfg.decoder_sparse_step, 2)

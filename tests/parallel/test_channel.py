@@ -1,11 +1,11 @@
-"""The two-job channel (length-prefixed frames, heartbeats) and the bucketed weight transfer over it, on loopback."""
+"""The two-job channel (length-prefixed frames, heartbeats, reused receive buffers) and the weights' bucket plan, on
+loopback. The weights over it: tests/parallel/test_weight_transport.py."""
 
 import dataclasses
 import socket
 import struct
 import threading
 import time
-import tracemalloc
 from typing import NamedTuple
 
 import jax
@@ -16,8 +16,7 @@ import pytest
 
 from jgrpo.parallel import channel as channel_module
 from jgrpo.parallel.channel import ChannelClosed, Codec, Listener, connect, interface_toward
-from jgrpo.parallel.device_transfer import DeviceTransfer
-from jgrpo.parallel.weight_buckets import WeightsRefused, bucket_plan, receive_weights, send_weights
+from jgrpo.parallel.weights.buckets import bucket_plan
 
 
 @dataclasses.dataclass
@@ -133,126 +132,26 @@ def test_bucket_plan_cuts_leaves_into_rows():
     assert covered == {0: 15, 1: 0, 2: 7, 3: 1, 4: 2}
 
 
-def _bits(x) -> np.ndarray:
-    return np.asarray(x).reshape(-1).view(np.uint8)
-
-
-@pytest.mark.parametrize("path", ["host", "jax"])
-@pytest.mark.parametrize("bucket_bytes", [1 << 20, 1000])
-def test_weights_arrive_bit_for_bit_in_the_receivers_sharding(bucket_bytes, path):
-    # rollout.weight_transfer host (the pieces inside the frames) and jax (pulled device to device from the
-    # sender's transfer server, the sender waiting for each bucket's "weights_pulled"): the same bits, laid out in
-    # the receiver's sharding, whole buckets and a leaf split over several.
-    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("x",))  # automatic axes, as jgrpo's meshes (mesh.py)
-    sharded = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))
-    whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    key = jax.random.key(0)
-    params = {"w": jax.random.normal(key, (64, 48), jnp.bfloat16), "q": {"values": jnp.arange(256, dtype=jnp.int8)
-              .reshape(16, 16), "scale": jnp.linspace(0, 1, 16, dtype=jnp.float32)}, "b": jnp.zeros((8,), jnp.float32),
-              "t": jnp.float32(2.5)}
-    params["w"] = jax.device_put(params["w"], sharded)  # a piece of a sharded leaf is gathered before it goes
-    shardings = {"w": sharded, "q": {"values": sharded, "scale": whole}, "b": whole, "t": whole}
+def test_a_frames_arrays_are_aligned_and_its_buffer_is_reused_only_once_nothing_views_it():
+    """The arrays of a frame start at multiples of ALIGN (on CPU `device_put` then takes them without a copy) and
+    a received buffer comes back to the channel once no array views it, including a jax CPU array that aliases it."""
     server, client = _pair()
-    sending, receiving = (DeviceTransfer(), DeviceTransfer()) if path == "jax" else (None, None)
-    acks = []
-
-    def pulled(channel, bucket):
-        kind, body = channel.recv(timeout=10)
-        assert kind == "weights_pulled" and body == {"version": 3, "bucket": bucket}
-        acks.append(bucket)
-
-    result = {}
-    thread = threading.Thread(target=lambda: result.update(sent=send_weights(
-        [client], params, version=3, bucket_bytes=bucket_bytes, extra={"dropped": 1}, transfer=sending, pulled=pulled)))
-    thread.start()
-    kind, header = server.recv(timeout=10)
-    assert kind == "weights" and header["version"] == 3 and header["extra"] == {"dropped": 1}
-    got = receive_weights(server, header, params, shardings, timeout=10, transfer=receiving)
-    thread.join()
-    sent = result["sent"]
-    for path_, x in jax.tree_util.tree_flatten_with_path(params)[0]:
-        y = got
-        for k in path_:
-            y = y[k.key]
-        assert y.shape == x.shape and y.dtype == x.dtype and y.sharding == (sharded if y.ndim == 2 else whole)
-        np.testing.assert_array_equal(_bits(y), _bits(x))
-    assert sent["peak_bucket_bytes"] <= bucket_bytes and sent["bytes"] >= 6500
-    # 6,500 bytes: whole rows per bucket (w's rows are 96 bytes: 10 of them in 1000 bytes)
-    assert sent["buckets"] == (1 if bucket_bytes > 8000 else len(bucket_plan(jax.tree.leaves(params), 1000)))
-    assert acks == (list(range(sent["buckets"])) if path == "jax" else [])
-
-
-def test_a_receiver_without_a_transfer_server_refuses_device_to_device_weights():
-    server, client = _pair()
-    thread = threading.Thread(target=send_weights, args=([client], {"w": jnp.zeros((2, 3))}),
-                              kwargs={"version": 0, "bucket_bytes": 1 << 20, "transfer": DeviceTransfer(),
-                                      "pulled": lambda channel, bucket: None})
-    thread.start()
-    _, header = server.recv(timeout=10)
-    thread.join()
-    with pytest.raises(WeightsRefused, match="rollout.weight_transfer: jax"):
-        receive_weights(server, header, {"w": jnp.zeros((2, 3))}, {"w": None})
-
-
-def test_weights_go_to_several_receivers_and_one_gone_leaves_the_others_theirs():
-    """A trainer process serving several rollout processes: each gets every bucket; one whose channel breaks on
-    the way is dropped, the send goes on to the others and says so at the end; one closed before is skipped."""
-    params = {"w": jnp.arange(48, dtype=jnp.float32).reshape(8, 6), "b": jnp.ones((3,), jnp.bfloat16)}
-    (server_a, client_a), (_, client_b), (server_c, client_c), (_, client_d) = _pair(), _pair(), _pair(), _pair()
-    client_d.close()
-    real_send = client_b.send
-
-    def breaks_at_the_first_bucket(kind, body=None):
-        if kind == "weights_bucket":
-            client_b.close("the connection broke")
-        return real_send(kind, body)
-
-    client_b.send = breaks_at_the_first_bucket
-    result = {}
-
-    def send():
-        try:
-            send_weights([client_a, client_b, client_c, client_d], params, version=1, bucket_bytes=64)
-        except ChannelClosed as e:
-            result["lost"] = e
-
-    thread = threading.Thread(target=send)
-    thread.start()
-    for server in (server_a, server_c):
-        _, header = server.recv(timeout=10)
-        got = receive_weights(server, header, params, jax.tree.map(lambda x: x.sharding, params), timeout=10)
-        for key in params:
-            np.testing.assert_array_equal(_bits(got[key]), _bits(params[key]))
-    thread.join()
-    assert "lost" in result
-
-
-def test_weights_for_other_params_are_refused_naming_the_leaf():
-    server, client = _pair()
-    send_weights([client], {"w": jnp.zeros((2, 3), jnp.bfloat16)}, version=0, bucket_bytes=1 << 20)
-    _, header = server.recv(timeout=10)
-    with pytest.raises(WeightsRefused, match=r"\['w'\]: this job expects \[2, 3\] float32"):
-        receive_weights(server, header, {"w": jnp.zeros((2, 3), jnp.float32)}, {"w": None})
-
-
-def test_host_memory_stays_within_a_few_buckets():
-    params = {f"l{i}": jnp.full((256, 256), i, jnp.float32) for i in range(16)}  # 4 MiB, 256 KiB a leaf
-    bucket = 64 << 10  # each leaf split over 4 buckets
-    server, client = _pair()
-    tracemalloc.start()
-    try:
-        thread = threading.Thread(target=send_weights, args=([client], params),
-                                  kwargs={"version": 0, "bucket_bytes": bucket})
-        thread.start()
-        _, header = server.recv(timeout=10)
-        got = receive_weights(server, header, params, jax.tree.map(lambda x: x.sharding, params), timeout=10)
-        thread.join()
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
-    assert all(float(got[f"l{i}"][3, 7]) == i for i in range(16))
-    # Sender and receiver in one process: a bucket being read, one being sent, a few queued. 4 MiB in all.
-    assert peak < 8 * bucket, f"host peak {peak} bytes for buckets of {bucket}"
+    size = 2 << 20  # kept buffers start at 1 MiB
+    client.send("bucket", {"a": np.arange(3, dtype=np.int8), "b": np.ones(size // 4, np.float32)})
+    _, first = server.recv(timeout=10)
+    assert all(a.ctypes.data % channel_module.ALIGN == 0 for a in first.values())
+    on_device = jax.device_put(first["b"])  # aliases the frame's memory (CPU)
+    pointer = first["b"].ctypes.data
+    del first
+    client.send("bucket", {"a": np.arange(3, dtype=np.int8), "b": np.full(size // 4, 2, np.float32)})
+    _, second = server.recv(timeout=10)
+    assert second["b"].ctypes.data != pointer  # still in use by the device array: not reused
+    assert float(on_device[0]) == 1.0 and float(second["b"][0]) == 2.0
+    del on_device, second
+    client.send("bucket", {"a": np.arange(3, dtype=np.int8), "b": np.full(size // 4, 3, np.float32)})
+    _, third = server.recv(timeout=10)
+    assert float(third["b"][-1]) == 3.0
+    assert third["b"].ctypes.data % channel_module.ALIGN == 0
 
 
 def test_the_interface_toward_a_peer_is_the_one_its_traffic_leaves_by():

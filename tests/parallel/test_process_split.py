@@ -1,8 +1,8 @@
 """One job split across processes: `mesh.rollout_devices` gives the sampler whole processes (the last ones).
 
 In CI: the split's config errors, and the weights crossing from the trainer's processes to the sampler's
-(`parallel/process_crossing.py`) bit for bit, repeatedly (JAX's cross-host `device_put` hung on the second 12.6 MB
-transfer on CPU; the crossing is a collective). Under `pod` (python -m pytest tests -m pod): whole runs of 2 and
+(`parallel/weights/process_crossing.py`) bit for bit, repeatedly (JAX's cross-host `device_put` hung on the second
+12.6 MB transfer on CPU; the crossing is a collective). Under `pod` (python -m pytest tests -m pod): whole runs of 2 and
 3 processes, saved and resumed, against one process with the same split.
 """
 
@@ -41,8 +41,8 @@ import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
 jax.distributed.initialize(sys.argv[1], 3, int(sys.argv[2]))
-from jgrpo.parallel.mesh import param_copier
-from jgrpo.parallel.process_crossing import ProcessCrossing
+from jgrpo.parallel.weights.copies import param_copier
+from jgrpo.parallel.weights.process_crossing import ProcessCrossing
 devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
 trainer = Mesh(np.array(devices[:4]).reshape(4, 1), ("fsdp", "tensor"))
 sampler = Mesh(np.array(devices[4:]).reshape(2, 1), ("fsdp", "tensor"))

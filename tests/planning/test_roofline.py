@@ -1,8 +1,9 @@
-"""The roofline of a plan, by hand: each program's slowest resource, the iteration's sum, and the MFU bounds."""
+"""The roofline of a plan, by hand: each program's slowest resource, the iteration's sum, the MFU bounds, and the
+weights' trip between two jobs."""
 
 import pytest
 
-from jgrpo.planning.roofline import Chip, roofline
+from jgrpo.planning.roofline import Chip, roofline, weight_sync_seconds
 
 CHIP = Chip(hbm_gib=16, bf16_tflops=100, hbm_gbps=1000, ici_gbps=100)
 
@@ -40,3 +41,21 @@ def test_a_mixture_of_experts_counts_its_routed_experts_only():
     routed = 2048 * 128 + 8 * 3 * 2048 * 768  # the router, and 8 SwiGLU experts
     assert matmul_params(cfg) == 48 * (attention + routed) + 151936 * 2048
     assert 3.0e9 < matmul_params(cfg) < 3.5e9
+
+
+def test_weights_between_jobs_go_at_the_pace_of_their_slowest_stage_plus_one_bucket():
+    # DeepScaleR's 3.55 GB of bf16 into a v5p host (4 chips x 50 Gbps = 25 GB/s of DCN): one TCP connection (3.6
+    # GB/s, Raiden's measurement) is the slowest stage, not the DCN; a 512 MiB bucket fills (D2H at 11.5 GB/s) and
+    # drains (H2D at 16.4 GB/s) the pipeline once. Serially the three stages would add up.
+    bucket = 512 << 20
+    sync = weight_sync_seconds(3.55e9, dcn_gbps=25.0, bucket_bytes=bucket)
+    assert sync["bound_by"] == "link" and sync["link_gbps"] == 3.6
+    assert sync["seconds"] == pytest.approx(3.55 / 3.6 + bucket / 11.5e9 + bucket / 16.4e9)
+    assert sync["serial_seconds"] == pytest.approx(3.55 / 11.5 + 3.55 / 3.6 + 3.55 / 16.4)
+    # The channel at 80% of the link, and a link slower than TCP (v5e: 2 x 100 Gbps per 8 chips = 25 GB/s per host,
+    # here a host of 1 chip: 3.125 GB/s): the slower of the two, then the share.
+    assert weight_sync_seconds(1e9, dcn_gbps=3.125, bucket_bytes=bucket, channel_efficiency=0.8)["link_gbps"] == \
+        pytest.approx(2.5)
+    # Fewer bytes than a bucket: the bucket is the bytes.
+    assert weight_sync_seconds(1e6, dcn_gbps=25.0, bucket_bytes=bucket)["seconds"] == pytest.approx(
+        1e6 / 3.6e9 + 1e6 / 11.5e9 + 1e6 / 16.4e9)

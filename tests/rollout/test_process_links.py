@@ -14,7 +14,7 @@ from jgrpo.rollout.process_links import (
     weight_peers,
 )
 from jgrpo.rollout.records import Rollout
-from jgrpo.sampling.pool import SampleOutput
+from jgrpo.sampling.state import SampleOutput
 
 COUNTS = [(1, 1), (2, 2), (1, 2), (2, 1), (1, 4), (4, 1), (2, 8), (8, 2), (4, 16), (16, 4)]
 

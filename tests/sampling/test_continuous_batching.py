@@ -1,5 +1,5 @@
-"""Continuous batching (`generate(..., slots=S)`, jgrpo.sampling.slot_pool): a pool of S slots refilled as rows stop
-gives every row exactly the tokens static batching gives it, whatever its slot, with the same log-probs."""
+"""Continuous batching (`generate(..., slots=S)`, jgrpo.sampling.decode_loop): S slots taking the next row as rows
+stop give every row exactly the tokens static batching gives it, whatever its slot, with the same log-probs."""
 
 import jax
 import numpy as np
@@ -28,7 +28,7 @@ def test_continuous_equals_static_token_for_token(tiny_llama):
     graphdef, params = tiny_llama
     tokens, mask = sampler_prompts()
     kwargs = dict(num_samples=3, max_new_tokens=12, method=SamplingMethod(temperature=1.3), stop_ids=STOPS,
-                  key=jax.random.key(4), decode_chunk=4)  # 11 ring columns in 3 chunks: refilled rows wrap
+                  key=jax.random.key(4), page_size=4)  # rows over several pages, taken and given back
     static = generate(graphdef, params, tokens, mask, **kwargs)
     lengths = np.asarray(static.lengths)
     assert lengths.min() < 4 and lengths.max() == 12 and len(set(lengths.tolist())) >= 4, lengths  # a real spread
@@ -53,20 +53,9 @@ def test_continuous_with_scanned_layers_equals_static(tiny_llama):
     graphdef, params = tiny_llama
     tokens, mask = sampler_prompts()
     kwargs = dict(num_samples=2, max_new_tokens=9, method=SamplingMethod(temperature=1.0), stop_ids=STOPS,
-                  key=jax.random.key(1), decode_layers="scanned", decode_chunk=3)
+                  key=jax.random.key(1), decode_layers="scanned", page_size=3)
     _assert_same(generate(graphdef, params, tokens, mask, **kwargs),
                  generate(graphdef, params, tokens, mask, slots=3, **kwargs))
-
-
-@pytest.mark.parametrize("layers", ["unrolled", "scanned"])
-def test_the_softmax_per_cache_segment_samples_what_one_softmax_does(tiny_llama, layers):
-    """`sampler.decode_softmax: segments` (a TPU's default) == `whole`, continuous batching, chunks of 3."""
-    graphdef, params = tiny_llama
-    tokens, mask = sampler_prompts()
-    kwargs = dict(num_samples=2, max_new_tokens=9, method=SamplingMethod(temperature=1.0), stop_ids=STOPS,
-                  key=jax.random.key(1), decode_layers=layers, decode_chunk=3, slots=3)
-    _assert_same(generate(graphdef, params, tokens, mask, decode_softmax="whole", **kwargs),
-                 generate(graphdef, params, tokens, mask, decode_softmax="segments", **kwargs), rtol=1e-5)
 
 
 def test_rows_that_stop_at_once_and_single_token_rows(tiny_llama):
@@ -86,12 +75,12 @@ def test_rows_that_stop_at_once_and_single_token_rows(tiny_llama):
 
 
 def test_every_row_at_full_length_fits_the_bounded_laps(tiny_llama):
-    """The worst case the decode loops are bounded for: no stop ids, every row runs to N, in ceil(R/S) waves
-    (T = N - 1 exactly with chunks of 4, so a wave fills the ring to its last column)."""
+    """The worst case the decode loop is bounded for: no stop ids, every row runs to N, in ceil(R/S) waves
+    (N - 1 = 8 fed tokens: two whole pages of 4 per row)."""
     graphdef, params = tiny_llama
     tokens, mask = sampler_prompts()
     kwargs = dict(num_samples=2, max_new_tokens=9, method=SamplingMethod(temperature=1.0), stop_ids=(),
-                  key=jax.random.key(3), decode_chunk=4)
+                  key=jax.random.key(3), page_size=4)
     static = generate(graphdef, params, tokens, mask, **kwargs)
     assert (np.asarray(static.lengths) == 9).all()
     for slots in (1, 3):  # 8 waves of one row; 3 waves of 3, 3 and 2 rows

@@ -213,28 +213,17 @@ def test_bad_inputs_are_named(tiny_llama):
         generate(graphdef, params, tokens, mask, **{**kwargs, "max_new_tokens": 250})  # past 256 positions
 
 
-def test_decode_chunking_defaults():
-    from jgrpo.sampling.pool import decode_chunking
-
-    assert decode_chunking(256) == (64, 4)  # 255 generated slots fed back
-    assert decode_chunking(16) == (15, 1)  # short completions: one phase
-    assert decode_chunking(4097) == (512, 8)  # long ones: at most 8 compiled phases
-    assert decode_chunking(1) == (1, 1)
-    assert decode_chunking(10, 4) == (4, 3)
-    with pytest.raises(ValueError, match="chunk length"):
-        decode_chunking(10, 0)
-
-
-def test_decode_chunks_change_nothing_but_the_cache_read(tiny_llama):
-    """Several decode phases (chunks of 1, 3 and a ragged 4 over 9 fed slots) give the one-phase result."""
+def test_page_sizes_and_shrinking_change_nothing_but_the_reads(tiny_llama):
+    """Pages of 1, 3 and 16 tokens (a row's tokens across many pages, a prompt's last page part full, one page for
+    a whole row) and a loop that halves its slots as rows finish give the same samples."""
     graphdef, params = tiny_llama
     tokens, mask = sampler_prompts()
     method = SamplingMethod(temperature=1.0)
     kwargs = dict(num_samples=3, max_new_tokens=10, method=method, stop_ids=(2, 5), key=jax.random.key(5))
-    one = generate(graphdef, params, tokens, mask, **kwargs)
+    one = generate(graphdef, params, tokens, mask, page_size=16, shrink=0, **kwargs)
     assert (np.asarray(one.lengths) < 10).any() and (np.asarray(one.lengths) == 10).any()
-    for chunk in (1, 3, 4):
-        many = generate(graphdef, params, tokens, mask, decode_chunk=chunk, **kwargs)
+    for options in ({"page_size": 1}, {"page_size": 3, "shrink": 2}):
+        many = generate(graphdef, params, tokens, mask, **options, **kwargs)
         np.testing.assert_array_equal(many.tokens, one.tokens)
         np.testing.assert_array_equal(many.lengths, one.lengths)
         np.testing.assert_allclose(many.logprobs, one.logprobs, atol=1e-5, rtol=0)
@@ -243,14 +232,14 @@ def test_decode_chunks_change_nothing_but_the_cache_read(tiny_llama):
 
 
 def test_scanned_decode_layers_equal_the_unrolled_ones(tiny_llama):
-    """`decode_layers=scanned` (one lax.scan over stacked weights and caches) samples what the unrolled loop
-    does, over several chunks and on the 8-device mesh; `auto` keeps the unrolled loop on CPU."""
-    from jgrpo.models.decode import resolve_decode_layers, resolve_decode_softmax
+    """`decode_layers=scanned` (one lax.scan over stacked weights and page pools) samples what the unrolled loop
+    does, over several pages and on the 8-device mesh; `auto` keeps the unrolled loop on CPU."""
+    from jgrpo.models.decode_step import resolve_decode_layers
 
     graphdef, params = tiny_llama
     tokens, mask = sampler_prompts()
     kwargs = dict(num_samples=2, max_new_tokens=9, method=SamplingMethod(temperature=1.0), stop_ids=(2,),
-                  key=jax.random.key(7), decode_chunk=3)
+                  key=jax.random.key(7), page_size=4)
     unrolled = generate(graphdef, params, tokens, mask, **kwargs)
     mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
     for placement in ({}, {"mesh": mesh}):
@@ -260,6 +249,5 @@ def test_scanned_decode_layers_equal_the_unrolled_ones(tiny_llama):
         np.testing.assert_allclose(scanned.logprobs, unrolled.logprobs, atol=1e-5, rtol=0)
     assert resolve_decode_layers("auto", "cpu") == "unrolled" and resolve_decode_layers("auto", "tpu") == "scanned"
     assert resolve_decode_layers("auto", "gpu") == "unrolled"  # measured on an H100: configuration.md
-    assert [resolve_decode_softmax("auto", p) for p in ("cpu", "tpu", "gpu")] == ["whole", "segments", "whole"]
     with pytest.raises(ValueError, match="decode_layers must be auto or one of"):
         generate(graphdef, params, tokens, mask, decode_layers="diagonal", **kwargs)

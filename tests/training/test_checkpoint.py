@@ -12,9 +12,9 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from jgrpo.config import CheckpointConfig, MeshConfig
+from jgrpo.parallel.fingerprint import fingerprint
 from jgrpo.parallel.mesh import SAMPLE_RULES, TRAIN_RULES, make_mesh, place
 from jgrpo.training.checkpoint import Checkpointer, CheckpointError, PreemptionFlag, RunCounters, TrainState
-from jgrpo.training.fingerprint import fingerprint
 
 AXES = {"embed": P("embed", "mlp"), "norm": P(None)}
 
@@ -169,7 +169,7 @@ def test_no_usable_checkpoint_is_a_clear_error(tmp_path, mesh):
 
 
 def test_fingerprint_ignores_sharding_and_sees_one_bit(mesh):
-    from jgrpo.training.fingerprint import fingerprint
+    from jgrpo.parallel.fingerprint import fingerprint
 
     x = jax.random.normal(jax.random.key(0), (16, 8))
     sharded = place({"a": x}, {"a": P("embed", "mlp")}, mesh, TRAIN_RULES)

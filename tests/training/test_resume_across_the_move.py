@@ -15,7 +15,7 @@ import numpy as np
 
 from jgrpo.config.loading import load_config
 from jgrpo.models.hf import load_model
-from jgrpo.training.fingerprint import fingerprint
+from jgrpo.parallel.fingerprint import fingerprint
 from jgrpo.training.metrics_log import read_metrics
 from jgrpo.training.trainer import Trainer
 from tests.helpers import SPACE_REWARD, TESTDATA

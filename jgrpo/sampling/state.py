@@ -1,16 +1,14 @@
-"""The state of the sampler's slot pool, and the dimension names its shape comments use.
+"""The sampler's record (`SampleOutput`), the static shape of a sampling program (`Plan`, `PoolSpec`), and the
+dynamic state its loop carries (`PromptStore`, `Pool`), with the dimension names the shape comments use:
 
     B  prompts                 G  samples per prompt        R = B*G  rows (completions)
     N  tokens per row           (max_new_tokens)            V  vocabulary
     Q  queues (one per shard of the row axis)               Rq = R/Q  rows a queue serves
     S  slots (rows decoding at once)                        Sq = S/Q  slots a queue owns
     W  prompts a queue's rows come from                     P  prompt width (left-padded)
-    C  chunk length             T = chunks*C  ring columns  L layers, KVH kv heads, Dh head dim
+    ps page size (tokens)      NP pages of a queue's pool   pp  pages of a prompt, OP  own pages of a row
 
-A program's static shape is its `Plan`; with how tokens are drawn and where arrays live it is a `PoolSpec`, the
-static argument of every jitted function of `jgrpo.sampling.slot_pool`. The dynamic state is the `PromptStore`
-(the prefilled prompts slots are filled from) and the `Pool` (clock, pending rows, slots, rows, cache); `record`
-and `record_routing` write a step's tokens into the rows, `turn_ends` says where a turn ends.
+`record` and `record_routing` write a step's tokens into the rows, `turn_ends` says where a turn ends.
 """
 
 from __future__ import annotations
@@ -21,8 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jgrpo.models.decode import DecodeCache
-from jgrpo.models.llm import KVCache
+from jgrpo.models.paged_kv import PagedKV
+from jgrpo.sampling.pages import FreePages
 
 
 class SampleOutput(NamedTuple):
@@ -45,24 +43,13 @@ class SampleOutput(NamedTuple):
     # prefill (left padding: 0). What routing replay (`model.routing_replay`) gives the trainer's forwards.
     routing: jax.Array | None = None
     prompt_routing: jax.Array | None = None
+    # [R] int32: how often the row was preempted for lack of pages and drawn again from its start (the same keys:
+    # the same tokens up to rounding). Summed into `sampler/preempted`.
+    preempted: jax.Array | None = None
 
     def map(self, fn) -> SampleOutput:
         """`fn` applied to every field that is set (a missing `valid` stays None)."""
         return SampleOutput(*(None if x is None else fn(x) for x in self))
-
-
-def decode_chunking(max_new_tokens: int, chunk_len: int | None = None) -> tuple[int, int]:
-    """(chunk length C, number of chunks) for the generated columns; each chunk is one decode phase.
-
-    A step attends only to the chunks filled so far, so smaller chunks read less of the cache; each chunk
-    is one more compiled copy of the decode loop, so by default there are at most 8 and none shorter than 64.
-    """
-    columns = max(max_new_tokens - 1, 1)  # the last token is drawn but never fed back
-    if chunk_len is None:
-        chunk_len = min(columns, max(64, -(-columns // 8)))
-    if chunk_len < 1:
-        raise ValueError(f"decode chunk length must be positive, got {chunk_len}")
-    return chunk_len, -(-columns // chunk_len)
 
 
 class Plan(NamedTuple):
@@ -73,23 +60,31 @@ class Plan(NamedTuple):
     max_new_tokens: int  # N
     slots: int  # S
     queues: int  # Q
-    chunk_len: int  # C
-    chunks: int
-    scanned: bool  # decode_step_scanned instead of the unrolled decode_step
+    page_size: int  # ps
+    pages: int  # NP, pages of a queue's pool (page id NP = none)
+    prompt_pages: int  # pp, pages of the widest prompt
+    own_pages: int  # OP, pages of a row's own tokens at most
     stop_ids: tuple[int, ...]
     pad_id: int
+    scanned: bool  # the decode step's layers under one lax.scan (else unrolled)
+    attention: str = "xla"  # `sampler.paged_attention` resolved
+    block: int = 8  # table entries the xla attention reads at a time
+    # `generate`: the loop runs on fewer slots once fewer rows are left (halving Sq up to `shrink` times), the
+    # rows still decoding moved to the first slots (their page tables move, not their keys/values).
+    shrink: int = 0
+    may_preempt: bool = False  # the pool has fewer pages than every slot's row at its longest (`sampler.kv_pages`)
     # The slot interface (`jgrpo.sampling.turns`): a row whose turn ends (a stop id, or `turn_tokens` drawn) keeps
     # its slot, paused, until the host appends tokens to it or finishes it; tokens record their weights version;
-    # each slot's prompt segment holds the row's whole context (P + N columns). The ring holds one turn.
+    # a row takes its pages for N tokens when it starts (an episode cannot be drawn again: its environment moved on).
     interactive: bool = False
     turn_tokens: int = 0  # 0: max_new_tokens
-    append_width: int = 0  # W, the tokens an append prefills: a turn's last drawn token and the appended ids
+    append_width: int = 0  # the tokens an append prefills: a turn's last drawn token and the appended ids
+    chunk: int = 0  # the slot interface returns to the host every `chunk` decode steps
     # A mixture of experts records the experts of every position it runs (`SampleOutput.routing`): (layers L,
     # experts per token k, the record's dtype); None for a dense model.
     routing: tuple[int, int, str] | None = None
     # The KV cache's dtype (`sampler.kv_cache_dtype` resolved): a float dtype, or "int8" (models/kv_quant.py).
     kv_dtype: str = "float32"
-    merged_softmax: bool = False  # the decode's softmax per cache segment (`sampler.decode_softmax: segments`)
 
     @property
     def rows_per_queue(self) -> int:  # Rq
@@ -98,10 +93,6 @@ class Plan(NamedTuple):
     @property
     def slots_per_queue(self) -> int:  # Sq
         return self.slots // self.queues
-
-    @property
-    def ring(self) -> int:  # T
-        return self.chunks * self.chunk_len
 
     @property
     def turn_limit(self) -> int:
@@ -113,8 +104,8 @@ class Plan(NamedTuple):
 
 class PoolSpec(NamedTuple):
     """The static part of a sampling program: its shapes, how a token is drawn, where its arrays live
-    (`layout(name, x)` pins the sharding of the prefill cache, the decode cache, the per-queue arrays and the
-    prompt store; None on one device). Hashable: a static argument of the jitted programs."""
+    (`layout(name, x)` pins the sharding of the prefill cache, the pages, the per-queue arrays; None on one
+    device). Hashable: a static argument of the jitted programs."""
 
     plan: Plan
     method: Any  # jgrpo.sampling.methods.SamplingMethod
@@ -134,49 +125,48 @@ class Weights(NamedTuple):
 
 
 class PromptStore(NamedTuple):
-    """What slots are filled from, per queue: the prefilled prompts its rows come from (W of them)."""
+    """What rows start from, per queue: its W prompts, prefilled once into pages the G rows of each share."""
 
-    store: KVCache  # [L, Q, W, KVH, P, Dh] keys / values
     logits: jax.Array  # [Q, W, V] each prompt's last logits (its rows' first tokens are drawn from them)
-    mask: jax.Array  # [Q, W, P] bool
+    length: jax.Array  # [Q, W] int32 each prompt's real tokens
+    table: jax.Array  # [Q, W, pp] int32 each prompt's pages (NP past its last)
     keys: jax.Array  # [Q, W] each prompt's sample key
     index: jax.Array  # [Q, W] int32 each prompt's index in its own batch
     first: jax.Array  # [Q] int32 the queue's first prompt (global index)
-    tokens: jax.Array | None = None  # [Q, W, P] int32 the prompts' ids (interactive: a turn prefills its context)
     routing: jax.Array | None = None  # [Q, W, P, L, k] the prompts' experts (a mixture of experts)
 
 
-class Slots(NamedTuple):  # every field [Q, Sq] (prompt_mask [Q, Sq, P])
+class Slots(NamedTuple):  # every field [Q, Sq]
     row: jax.Array  # int32 the queue-local row the slot decodes; Rq = none
-    start: jax.Array  # int32 the clock at which the row feeds its first token (writes its first column)
-    count: jax.Array  # int32 tokens drawn for the row so far = the index of the next one
     last: jax.Array  # int32 the row's latest token, fed at the next step
-    done: jax.Array  # bool: the row has stopped (or the slot is empty): the slot is free
-    prompt_len: jax.Array  # int32 real tokens in the row's prompt (interactive: its context before this turn)
-    prompt_mask: jax.Array  # bool [Q, Sq, P] (interactive: [Q, Sq, P + N], the row's context)
+    done: jax.Array  # bool: nothing to decode (the slot is free, or its row stopped)
     held: jax.Array | None = None  # bool (interactive): the row's turn ended; the slot waits for the host
-    turn_start: jax.Array | None = None  # int32 (interactive): the index of the turn's first drawn token
 
 
-class Rows(NamedTuple):  # the output, per queue-local row
+class Rows(NamedTuple):  # the output and each row's pages, per queue-local row
     tokens: jax.Array  # [Q, Rq, N] int32
     logprobs: jax.Array  # [Q, Rq, N] float32
-    lengths: jax.Array  # [Q, Rq] int32
+    lengths: jax.Array  # [Q, Rq] int32 tokens so far (drawn and appended)
     stopped: jax.Array  # [Q, Rq] bool
+    pages: jax.Array  # [Q, Rq, OP] int32 the row's own pages (NP: not taken)
+    queued: jax.Array  # [Q, Rq] bool: waiting for a slot (not started yet, or preempted to start again)
+    preempted: jax.Array  # [Q, Rq] int32 times the row was preempted
     drawn: jax.Array | None = None  # [Q, Rq, N] bool (interactive): drawn by the sampler, not appended
     version: jax.Array | None = None  # [Q, Rq, N] int32 (interactive): the weights version that drew the token
     finished: jax.Array | None = None  # [Q, Rq] bool (interactive): the row is complete (its budget or the host)
+    turn_start: jax.Array | None = None  # [Q, Rq] int32 (interactive): the index of the turn's first drawn token
     routing: jax.Array | None = None  # [Q, Rq, N, L, k] the experts of each fed token (a mixture of experts)
 
 
 class Pool(NamedTuple):
     """The decode state: what every step reads and writes."""
 
-    clock: jax.Array  # [] int32 decode steps taken = the ring column written next (mod T)
-    pending: jax.Array  # [Q] int32 the next queue-local row waiting for a slot (Rq = none left)
+    clock: jax.Array  # [] int32 decode steps taken
+    free: FreePages  # the pages no row holds
+    refs: jax.Array  # [Q, W] int32 each prompt's rows not complete yet (its pages go with the last)
     slots: Slots
     rows: Rows
-    cache: DecodeCache
+    cache: PagedKV
     version: jax.Array | None = None  # [] int32 (interactive): the version of the params decoding now
 
 
@@ -188,6 +178,18 @@ def queue_prompts(batch: int, rows: int, queues: int, group: int) -> np.ndarray:
     last = (np.arange(queues) * per_queue + per_queue - 1) // group
     width = int((last - first).max()) + 1
     return np.minimum(first[:, None] + np.arange(width)[None, :], last[:, None])
+
+
+def queue_groups(rows: int, queues: int, group: int) -> np.ndarray:
+    """[Q, W] how many of each queue prompt's rows the queue serves (0 for the padding prompts)."""
+    per_queue = rows // queues
+    prompts = queue_prompts(rows // group, rows, queues, group)
+    starts = np.arange(queues)[:, None] * per_queue
+    lo = np.maximum(prompts * group, starts)
+    hi = np.minimum((prompts + 1) * group, starts + per_queue)
+    count = np.maximum(hi - lo, 0)
+    count[:, 1:] *= prompts[:, 1:] != prompts[:, :-1]  # a padding prompt repeats the last one: no rows of its own
+    return count.astype(np.int32)
 
 
 def record(rows: Rows, row, index, tokens, logprobs, stopped, active, version=None) -> Rows:

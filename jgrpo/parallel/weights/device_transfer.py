@@ -73,13 +73,3 @@ class DeviceTransfer:
 def _deadline(seconds: float) -> datetime.datetime:
     return datetime.datetime.now() + datetime.timedelta(seconds=seconds)
 
-
-def whole_on_one_device(x: jax.Array) -> jax.Array:
-    """`x` whole on this process's first device: all-gathered on its own devices (across processes when it spans
-    several: a collective every process of the job takes part in), never through the host."""
-    device = jax.local_devices()[0]
-    mesh = getattr(x.sharding, "mesh", None)
-    if len(x.sharding.device_set) == 1 or mesh is None:
-        return x if x.sharding.device_set == {device} else jax.device_put(x, device)
-    whole = jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
-    return next(s.data for s in whole.addressable_shards if s.device == device)
