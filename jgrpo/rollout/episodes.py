@@ -5,7 +5,7 @@ A batch's rows are episodes (row b*G + g: prompt b's episode g, all G of a group
 batch the prompts the environments opened with; `run(...)` drives the sampler's slot pool:
 
     state = sampler.start(params, prompts, key)          every episode's first turn starts
-    loop, one chunk of the decode ring at a time:
+    loop, one decode chunk (`sampler.decode_chunk` steps) at a time:
         a slot whose turn ended (a stop id or sampler.max_new_tokens) is paused: its turn goes to its
             environment now (`env.schedule: pool`), or when no slot decodes any more (`turn_sync`);
         at boundary b + env.resume_after (pool; turn_sync: once every environment has answered) the host takes

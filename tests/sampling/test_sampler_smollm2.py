@@ -90,9 +90,9 @@ def _assert_trainer_recomputes(graphdef, params, tokens, mask, G, method, out): 
 
 
 def test_continuous_batching_on_real_weights(smollm2):
-    # 16 rows through 4 slots, 48 new tokens at temperature 1: slots are refilled many times and the ring of
-    # 47 columns wraps, so a row starts mid-ring after another row's keys/values. Its log-probs must be the
-    # trainer's for its own tokens (nothing leaks from the slot's previous row, positions are the row's own).
+    # 16 rows through 4 slots, 48 new tokens at temperature 1: slots are refilled many times, so a row writes into
+    # pages that held another row's keys/values. Its log-probs must be the trainer's for its own tokens (nothing
+    # leaks from the slot's previous row, positions are the row's own).
     # Scanned layers (the accelerators' default; tests/sampling/test_continuous_batching.py covers both layouts on the
     # tiny model): one layer to compile instead of 30, 20 s less of this test.
     tokenizer, graphdef, params, tokens, mask = smollm2
@@ -102,10 +102,10 @@ def test_continuous_batching_on_real_weights(smollm2):
                             pad_id=tokenizer.pad_token_id, decode_layers="scanned")
     continuous, static = run(slots=4), run()
     lengths = np.asarray(continuous.lengths)
-    assert (lengths < 48).any() and (lengths == 48).sum() >= 4  # rows stop early and run long: refills mid-ring
+    assert (lengths < 48).any() and (lengths == 48).sum() >= 4  # rows stop early and run long: pages reused
     _assert_trainer_recomputes(graphdef, params, tokens, mask, G, method, continuous)
-    # Same keys as static batching: the same tokens up to float rounding (4 prompts' slots in another order,
-    # the ring read rotated: up to 3e-5 in a log-prob), so a draw within rounding of a boundary may flip a row:
+    # Same keys as static batching: the same tokens up to float rounding (4 prompts' slots and their pages in
+    # another order: up to 3e-5 in a log-prob), so a draw within rounding of a boundary may flip a row:
     # 2 of 16 rows at XLA's default optimisation level, 3 with the tests' LLVM passes off (tests/conftest.py), the
     # same 3e-5 either way. Unrelated streams would share no row; the log-probs up to each flip are checked below.
     ours, theirs = np.asarray(continuous.tokens), np.asarray(static.tokens)
