@@ -5,10 +5,10 @@ rollout modes: the completion token ids of every update, every per-iteration met
 final params' per-leaf L1 / L2 norms. It was recorded by
 `python scripts/compare_with_commit.py e0d0fa3 --write-golden tests/testdata/golden_run.json`, except its
 `sync_v4_recentred_m2po` mode, re-recorded on 2026-12-05 (`--modes sync_v4_recentred_m2po` at the commit that
-made `grpo.m2po_form: paper` the default: M2PO's mask instead of the clip, an intended change), and its
-`dynamic_sampling` mode, re-recorded on 2026-12-07 with the paged KV cache (#68, from a working tree of 0684bf1's
-sampler): attention summed a block of pages at a time moved one sampled token of the second update (row 4 from its
-fifth token; the first update's 128 tokens and every other mode's are the recorded ones). This checkout is
+made `grpo.m2po_form: paper` the default: M2PO's mask instead of the clip, an intended change). (The paged KV cache
+(#68) first read the tiny config's few-entry page tables in blocks of 16 entries, and the padding's other summation
+order flipped one token of `dynamic_sampling`'s second update; since its block covers the table, every mode samples
+the recorded tokens again.) This checkout is
 run the same way, in a fresh process on 2 emulated devices, and must sample the same token ids, and land within
 RTOL of every metric and norm.
 

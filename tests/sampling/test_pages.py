@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from jgrpo.sampling import decode_loop, pages
+from jgrpo.sampling.layout import attention_block
 from jgrpo.sampling.sampler import Prompts, Sampler, SamplingMethod
 from tests.helpers import generate
 from tests.helpers_models import sampler_prompts
@@ -42,6 +43,14 @@ def test_pool_pages_default_and_too_few():
     assert pages.pool_pages(11, prompts=3, prompt_pages=2, slots=4, own_pages=5) == 11
     with pytest.raises(ValueError, match="sampler.kv_pages=10 per queue is too few.*at least 11"):
         pages.pool_pages(10, prompts=3, prompt_pages=2, slots=4, own_pages=5)
+
+
+def test_the_xla_attention_block_covers_a_table_in_even_blocks():
+    # At most BLOCK_TOKENS (256) tokens' entries a block, as few blocks as cover the table, entries spread evenly:
+    # pages of 16 -> at most 16 entries; of 64 -> at most 4.
+    assert [attention_block(e, 16) for e in (1, 7, 16, 17, 20, 33)] == [1, 7, 16, 9, 10, 11]
+    assert [attention_block(e, 64) for e in (2, 4, 5, 9)] == [2, 4, 3, 3]
+    assert attention_block(3, 512) == 1  # a page over BLOCK_TOKENS: one entry at a time
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "spec"))
