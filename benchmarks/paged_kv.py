@@ -15,10 +15,12 @@ CPU: SmolLM2-135M-Instruct, 8 GSM8K-style prompts of ~200 tokens x G = 16, up to
 lengths, temperature 1, the same key on both engines; the slot pool is run from a git worktree of `--rev` (the
 commit before the paged cache) in a fresh process, the paged engine from this tree, each program compiled ahead
 (`jit(...).lower(...).compile()`) and timed on one call, peak memory = the process's resident-set peak during that
-call over its size before it.
+call over its size before it. `--kv-pages` (`sampler.kv_pages`: a budget of pages; the run prints the most its rows
+held at once, and a budget at or above that preempts none) and `--shrink` (`sampler.shrink`, for long CPU runs with
+a long tail of lengths) set the paged run's options; with either, the paged engine runs at its defaults as well.
 
-    python benchmarks/paged_kv.py                      # everything (~25 min on 2 cores)
-    python benchmarks/paged_kv.py --skip-tpu           # the CPU part only
+    python benchmarks/paged_kv.py --kv-pages 1792 --shrink 3   # docs/benchmarks.md (~15 min on 2 cores)
+    python benchmarks/paged_kv.py --skip-tpu                   # the CPU part only, the paged engine's defaults
 
 Prints a table, then one JSON line with every figure.
 """
@@ -132,13 +134,30 @@ def worktree(rev: str):
         subprocess.run(["git", "worktree", "remove", "--force", str(tmp)], cwd=ROOT, capture_output=True)
 
 
+def live_page_peak(lengths: list[int], prompt_lengths: list[int], group: int, page_size: int) -> int:
+    """The most pages rows of these final lengths hold at once when all start together (static batching, every
+    row in a slot): at step t each row still drawing holds its t fed tokens' pages, and each prompt with a row
+    still drawing its own pages. A `sampler.kv_pages` budget at least this never preempts a row."""
+    lengths = np.asarray(lengths)
+    prompt_pages = -(-np.asarray(prompt_lengths) // page_size)
+    most = 0
+    for t in range(int(lengths.max())):
+        alive = lengths > t
+        own = int(alive.sum()) * -(-t // page_size)
+        prompts = int(prompt_pages[alive.reshape(-1, group).any(axis=1)].sum())
+        most = max(most, own + prompts)
+    return most
+
+
 # ------------------------------------------------------------------ TPU: the planner's arithmetic
 
 
-def tpu_figures(name: str, lengths: list[int], prompt_len: float) -> dict:
-    """Rows in flight and a step's bytes over the live minimum for one config on v5e:2x4 (see the module)."""
+def tpu_figures(name: str, lengths: list[int], prompt_len: float, page_size: int = 0) -> dict:
+    """Rows in flight and a step's bytes over the live minimum for one config on v5e:2x4 (see the module), at the
+    config's page size or `page_size`."""
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     from jgrpo.config.loading import load_config
+    from jgrpo.models.paged_attention_tpu import read_granule
     from jgrpo.planning.abstract_run import lower_iteration, topology_devices
     from jgrpo.planning.fit import GIB, compile_program, sampler_pages
     from jgrpo.planning.paged_rows import (
@@ -150,7 +169,7 @@ def tpu_figures(name: str, lengths: list[int], prompt_len: float) -> dict:
     )
 
     path, overrides = CONFIGS[name]
-    config = load_config(ROOT / path, overrides)
+    config = load_config(ROOT / path, overrides + ([f"sampler.page_size={page_size}"] if page_size else []))
     devices, chip = topology_devices("v5e:2x4")
     iteration = lower_iteration(config, devices, names=("sample",))  # the sampler's program only
     (program,) = iteration.programs
@@ -168,12 +187,21 @@ def tpu_figures(name: str, lengths: list[int], prompt_len: float) -> dict:
     reserved = rows_in_flight(free, paged_row_tokens(prompt_len, N - 1, G, ps), kv)
     # A step at `paged` rows, each at half its final length (the rows of the length mix, round robin).
     mix = [(int(round(prompt_len)), int(final[i % len(final)] // 2)) for i in range(paged)]
-    reads = step_reads(sum(sample["decode_weight_bytes"].values()), kv, mix, page_size=ps, prompt_width=P,
-                       new_tokens=N)
+    weights = sum(sample["decode_weight_bytes"].values())
+
+    def granule(size):  # the pallas kernel reads part-full pages to a tile's rows, the xla blocks whole pages
+        return read_granule(kv.dtype, size) if s["attention"] == "pallas" else size
+
+    reads = step_reads(weights, kv, mix, page_size=ps, prompt_width=P, new_tokens=N, granule=granule(ps))
+    whole = step_reads(weights, kv, mix, page_size=ps, prompt_width=P, new_tokens=N)  # every live page whole
+    # The same step at other page sizes (the rows' live tokens rounded to their reads: what the page size trades).
+    by_page = {size: step_reads(weights, kv, mix, page_size=size, prompt_width=P, new_tokens=N,
+                                granule=granule(size)).paged_over_live for size in (16, 32, 64, 128)}
     return {"rows_today": today, "rows_paged": paged, "rows_at_mean": at_mean, "rows_reserved": reserved,
             "free_gib": free / GIB, "pool_gib": s["pool_bytes"] / GIB, "page_size": ps, "in_flight_tokens": in_flight,
             "mean_length": float(final.mean()), "bytes_paged_gb": reads.paged / 1e9,
             "bytes_over_live": reads.paged_over_live, "bytes_over_live_today": reads.slot_pool_over_live,
+            "bytes_over_live_by_page": by_page, "bytes_over_live_whole_pages": whole.paged_over_live,
             "weights_gb": reads.weights / 1e9, "attention": s["attention"]}
 
 
@@ -183,25 +211,42 @@ def main() -> int:
     parser.add_argument("--rev", default=REV, help="the commit of the slot pool (default: the one before pages)")
     parser.add_argument("--skip-tpu", action="store_true")
     parser.add_argument("--kv-pages", type=int, default=0, help="sampler.kv_pages for the paged run (0: default)")
+    parser.add_argument("--shrink", type=int, default=0, help="sampler.shrink for the paged run (0: default)")
+    parser.add_argument("--save", type=Path, help="write both CPU runs' figures (lengths, ids) to this JSON file")
     args = parser.parse_args()
     if args.worker:
         worker(args.worker)
         return 0
     with worktree(args.rev) as old:
         today = run_worker(old)
-    paged = run_worker(ROOT, {"kv_pages": args.kv_pages} if args.kv_pages else {})
+    options = {k: v for k, v in (("kv_pages", args.kv_pages), ("shrink", args.shrink)) if v}
+    paged = run_worker(ROOT, options)
+    default = run_worker(ROOT) if options else paged  # the paged engine at its defaults too, beside the options
+    if args.save:
+        args.save.write_text(json.dumps({"slot_pool": today, "paged": paged, "paged_default": default,
+                                         "options": options}))
+    peak = live_page_peak(paged["lengths"], paged["prompt_lengths"], 16, 16)
     same = sum(a == b for a, b in zip(today["ids"], paged["ids"], strict=True))
-    figures = {"cpu_tokens_per_s": (paged["tokens"] / paged["seconds"]) / (today["tokens"] / today["seconds"]),
+
+    def speed(r):
+        return r["tokens"] / r["seconds"]
+
+    figures = {"cpu_tokens_per_s": speed(paged) / speed(today),
                "cpu_peak_memory": paged["peak_bytes"] / max(today["peak_bytes"], 1),
                "cpu_preempted": paged["preempted"], "cpu_rows_identical": same, "cpu_rows": len(paged["ids"]),
-               "prompt_copies_per_group": 1}
+               "prompt_copies_per_group": 1, "cpu_options": options, "cpu_live_page_peak": peak,
+               "cpu_tokens_per_s_defaults": speed(default) / speed(today),
+               "cpu_peak_memory_defaults": default["peak_bytes"] / max(today["peak_bytes"], 1)}
     print(f"CPU, SmolLM2 8 x 16 rows, prompts {np.mean(paged['prompt_lengths']):.0f} tokens "
           f"(width {paged['prompt_width']}), own lengths mean {np.mean(paged['lengths']):.0f}, "
           f"{100 * np.mean(np.asarray(paged['lengths']) == 512):.0f}% at 512")
-    print(f"{'engine':12s} {'s':>8s} {'tokens/s':>9s} {'peak MB':>8s}")
-    for name, r in (("slot pool", today), ("paged", paged)):
-        print(f"{name:12s} {r['seconds']:8.1f} {r['tokens'] / r['seconds']:9.1f} {r['peak_bytes'] / 2**20:8.0f}")
-    print(f"rows identical: {same} of {len(paged['ids'])}; preempted: {paged['preempted']}")
+    print(f"{'engine':18s} {'s':>8s} {'tokens/s':>9s} {'peak MB':>8s}")
+    runs = [("slot pool", today), (f"paged {options or ''}", paged)] + ([("paged, defaults", default)] if options
+                                                                        else [])
+    for name, r in runs:
+        print(f"{name:18s} {r['seconds']:8.1f} {speed(r):9.1f} {r['peak_bytes'] / 2**20:8.0f}")
+    print(f"rows identical: {same} of {len(paged['ids'])}; preempted: {paged['preempted']}; the most pages the "
+          f"rows' own lengths hold at once: {peak} (CPU pages of 16)")
     if not args.skip_tpu:
         prompt_len = float(np.mean(paged["prompt_lengths"]))
         tpu = {"deepscaler": tpu_figures("deepscaler", [4096] * 16, prompt_len),
@@ -217,7 +262,9 @@ def main() -> int:
             "tpu_rows_in_flight_at_mean": {n: t["rows_at_mean"] / t["rows_today"] for n, t in tpu.items()},
             "tpu_rows_in_flight_reserved": {n: t["rows_reserved"] / t["rows_today"] for n, t in tpu.items()},
             "tpu_bytes_over_live": tpu["gsm8k"]["bytes_over_live"],
-            "tpu_bytes_over_live_today": tpu["gsm8k"]["bytes_over_live_today"], "tpu": tpu})
+            "tpu_bytes_over_live_today": tpu["gsm8k"]["bytes_over_live_today"],
+            "tpu_bytes_over_live_by_page": tpu["gsm8k"]["bytes_over_live_by_page"],
+            "tpu_bytes_over_live_whole_pages": tpu["gsm8k"]["bytes_over_live_whole_pages"], "tpu": tpu})
     print(json.dumps(figures))
     return 0
 

@@ -19,6 +19,7 @@ import sys
 
 from jgrpo.config.errors import UserError, exits_on_user_error
 from jgrpo.config.loading import load_config
+from jgrpo.models.paged_attention_tpu import read_granule
 from jgrpo.planning.abstract_run import (  # noqa: F401 - re-exported for callers of the planner
     EXAMPLE_TOPOLOGIES,
     Iteration,
@@ -107,7 +108,9 @@ def sampler_line(s: dict, chip: Chip, hbm_gib: float, sample: dict | None) -> st
     longest = rows_in_flight(free, paged_row_tokens(P, N - 1, G, ps), kv)
     half = rows_in_flight(free, paged_row_tokens(P, (N - 1) / 2, G, ps), kv)
     weights = sum((sample or {}).get("decode_weight_bytes", {}).values())
-    reads = step_reads(weights, kv, [(P, (N - 1) // 2)] * half, page_size=ps, prompt_width=P, new_tokens=N)
+    granule = read_granule(kv.dtype, ps) if s["attention"] == "pallas" else ps  # xla reads whole pages
+    reads = step_reads(weights, kv, [(P, (N - 1) // 2)] * half, page_size=ps, prompt_width=P, new_tokens=N,
+                       granule=granule)
     return (f"sampler cache: pages of {ps} tokens ({s['attention']} attention), a pool of {s['pages']} pages = "
             f"{s['pool_bytes'] / GIB:.2f} GiB per chip; beside the rest ({s['without_pool_bytes'] / GIB:.2f} GiB), "
             f"{longest} rows per chip fit at their longest, {half} at half of it, where a step reads "

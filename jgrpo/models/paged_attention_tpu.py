@@ -2,13 +2,17 @@
 nothing else.
 
 One kernel instance per (row, KV head). It reads the row's page table and lengths from SMEM (scalar prefetch),
-then walks its live table entries in blocks of `_BLOCK` pages: each page's [page_size, Dh] slice of this KV head
-is copied from HBM into VMEM (two buffers: the next block's copies run while this block computes), scored against
-the head's G query heads, and folded into a running softmax (log-sum-exp, as flash-decoding does), page by page,
-with the page's token count from the view (`PageView.tokens_in`: a prompt's last page part full, a row's last own
-page part full). An entry past the row's live ones is neither copied nor scored, so a step reads exactly the live
-pages of its rows: what `jgrpo.plan` counts from the page tables for this custom call (the HLO cost sees nothing
-inside a kernel). Int8 pages are copied as int8 with their per-token scales and scaled in VMEM.
+then walks its live table entries in blocks of `_BLOCK` pages: the live tokens of each page's [page_size, Dh] slice
+of this KV head are copied from HBM into VMEM in one copy (two buffers: the next block's copies run while this
+block computes), scored against the head's G query heads, and folded into a running softmax (log-sum-exp, as
+flash-decoding does), page by page, with the page's token count from the view (`PageView.tokens_in`: a prompt's
+last page part full, a row's last own page part full). A part-full page is copied up to its last live token rounded
+up to the TPU's tile of rows (`read_granule`: 16 tokens in bfloat16), not whole: a row's two part-full pages
+(its prompt's last, its own last) would otherwise read half a page each of nothing, 1.36x the live bytes of
+GSM8K-length rows in 64-token pages instead of 1.06x (benchmarks/paged_kv.py). An entry past the row's live ones
+is neither copied nor scored, so a step reads its rows' live tokens to the granule: what `jgrpo.plan` counts from
+the page tables for this custom call (the HLO cost sees nothing inside a kernel). Int8 pages are copied as int8
+with their per-token scales and scaled in VMEM.
 
 Rows are over the mesh's batch axes and KV heads over tensor (`shard_map` over the context mesh, as splash is):
 the pools, the queries and the views of a device are its own queues'. Why our own kernel and not jax's
@@ -37,8 +41,15 @@ _BLOCK = 4  # pages copied per block (double-buffered)
 _MASK = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: a masked score never makes inf - inf
 
 
+def read_granule(dtype, page_size: int) -> int:
+    """Tokens a part-full page is read in multiples of: the rows of one TPU tile of `dtype` (8 float32, 16
+    bfloat16, 32 int8: a copy that starts and ends on tile rows), or the whole page where that does not divide it."""
+    rows = 32 // jnp.dtype(dtype).itemsize
+    return rows if rows < page_size and page_size % rows == 0 else page_size
+
+
 def _kernel(layer_ref, table_ref, prompt_pages_ref, prompt_len_ref, own_len_ref, q_ref, k_hbm, v_hbm, *rest,
-            entries: int, page_size: int, int8: bool):
+            entries: int, page_size: int, granule: int, int8: bool):
     """Row b, KV head h: o [G, Dh] = softmax(q k^T / sqrt(Dh)) v over the row's live pages of layer `layer` (the
     pools are the stacked [L, pages, KVH, ps, Dh]: a page is copied from where it lies, no layer is sliced out)."""
     if int8:
@@ -50,22 +61,33 @@ def _kernel(layer_ref, table_ref, prompt_pages_ref, prompt_len_ref, own_len_ref,
     live = prompt_pages + (own_len + page_size - 1) // page_size
     blocks = (live + _BLOCK - 1) // _BLOCK
 
+    def tokens(entry):
+        """The live tokens of table entry `entry` of row b (0 past its live entries)."""
+        own = entry - prompt_pages
+        return jnp.clip(jnp.where(own < 0, prompt_len - entry * page_size, own_len - own * page_size), 0, page_size)
+
     def copies(block, slot):
-        """(entry, its copies) of each page of `block`: keys, values (and their scales) into buffer `slot`."""
+        """(condition, copies) of each page of `block` into buffer `slot`: keys, values (and their scales), of the
+        page's first n granules for each n (one copy size per n: a copy's shape is static), so that exactly one
+        condition of a live page holds, the one that covers its live tokens."""
         out = []
         for j in range(_BLOCK):
             entry = block * _BLOCK + j
             page = table_ref[b * entries + jnp.minimum(entry, entries - 1)]
+            need = (tokens(entry) + granule - 1) // granule
             pairs = [(k_hbm, k_buf), (v_hbm, v_buf)] + ([(k_scale_hbm, k_scale_buf), (v_scale_hbm, v_scale_buf)]
                                                         if int8 else [])
-            out.append((entry, [pltpu.make_async_copy(src.at[layer, page, h], dst.at[slot, j], sems.at[slot])
-                                for src, dst in pairs]))
+            for n in range(1, page_size // granule + 1):
+                rows = pl.ds(0, n * granule)
+                out.append(((entry < live) & (need == n),
+                            [pltpu.make_async_copy(src.at[layer, page, h, rows], dst.at[slot, j, rows], sems.at[slot])
+                             for src, dst in pairs]))
         return out
 
     def start(block, slot):
-        for entry, each in copies(block, slot):
-            @pl.when(entry < live)
-            def _(each=each):  # (run at once by pl.when; the default binds this entry's copies)
+        for condition, each in copies(block, slot):
+            @pl.when(condition)
+            def _(each=each):  # (run at once by pl.when; the default binds this page's copies)
                 for c in each:
                     c.start()
 
@@ -85,24 +107,27 @@ def _kernel(layer_ref, table_ref, prompt_pages_ref, prompt_len_ref, own_len_ref,
         def _():
             start(block + 1, 1 - slot)
 
-        pages = copies(block, slot)
-        for entry, each in pages:  # every copy of the block first: they share a semaphore, done in any order
-            @pl.when(entry < live)
+        for condition, each in copies(block, slot):  # every copy of the block first: one semaphore, any order
+            @pl.when(condition)
             def _(each=each):
                 for c in each:
                     c.wait()
 
-        for j, (entry, _) in enumerate(pages):
+        for j in range(_BLOCK):
+            entry = block * _BLOCK + j
+
             @pl.when(entry < live)
             def _(j=j, entry=entry):
-                k = k_buf[slot, j].astype(jnp.float32)  # [ps, Dh]
+                k = k_buf[slot, j].astype(jnp.float32)  # [ps, Dh]: rows past the copied granules are stale
                 v = v_buf[slot, j].astype(jnp.float32)
                 if int8:
                     k = k * k_scale_buf[slot, j]
                     v = v * v_scale_buf[slot, j]
-                own = entry - prompt_pages
-                tokens = jnp.where(own < 0, prompt_len - entry * page_size, own_len - own * page_size)
-                valid = jax.lax.broadcasted_iota(jnp.int32, (1, page_size), 1) < tokens  # [1, ps]
+                live_tokens = tokens(entry)
+                valid = jax.lax.broadcasted_iota(jnp.int32, (1, page_size), 1) < live_tokens  # [1, ps]
+                # Stale rows may hold anything (a NaN times a zero probability is a NaN): values past the live
+                # tokens are zeroed, scores past them masked.
+                v = jnp.where(jax.lax.broadcasted_iota(jnp.int32, (page_size, 1), 0) < live_tokens, v, 0.0)
                 scores = jnp.where(valid, jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
                                                               preferred_element_type=jnp.float32), _MASK)
                 m_prev = m_ref[...]  # [G, 1]
@@ -135,7 +160,8 @@ def _one_device(q, k_pool, v_pool, view: PageView, layer, interpret):
     buffers = [pltpu.VMEM((2, _BLOCK, ps, Dh), values.dtype)] * 2
     if int8:
         buffers += [pltpu.VMEM((2, _BLOCK, ps, 1), jnp.float32)] * 2
-    kernel = functools.partial(_kernel, entries=entries, page_size=ps, int8=int8)
+    kernel = functools.partial(_kernel, entries=entries, page_size=ps, granule=read_granule(values.dtype, ps),
+                               int8=int8)
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(

@@ -6,8 +6,9 @@ the same bytes at any row count, so a step's cost per token falls as rows are ad
 chip: rows in flight are what the cache's memory allows beside everything else the chip holds while sampling.
 
 - Paged (`models/paged_kv.py`): a row holds its prompt's pages (shared by the G rows of its group: 1/G each) and
-  its own pages for the tokens it has fed, rounded up to whole pages; a step reads exactly those pages (the
-  `pallas` kernel; the HLO cost cannot see inside it, so this is counted here from the page tables' lengths).
+  its own pages for the tokens it has fed, rounded up to whole pages; a step reads those tokens, the `pallas`
+  kernel's part-full pages rounded up to its read granule (a tile's rows, `read_granule`), the `xla` blocks' whole
+  pages (the HLO cost cannot see inside the kernel, so this is counted here from the page tables' lengths).
 - The slot pool (before pages): every slot held its prompt at the batch's padded width and a ring of N - 1
   columns rounded up to its decode chunks, and each queue the prompts once more (the prompt store); a step read
   the prompt segment and the chunks written so far, whatever the row's own length.
@@ -80,11 +81,15 @@ class StepReads:
 
 
 def step_reads(weights_bytes: float, kv: KVShape, rows: list[tuple[int, int]], *, page_size: int,
-               prompt_width: int, new_tokens: int) -> StepReads:
-    """What a decode step reads with `rows` in flight, each (its prompt's real tokens, its own tokens so far)."""
+               prompt_width: int, new_tokens: int, granule: int | None = None) -> StepReads:
+    """What a decode step reads with `rows` in flight, each (its prompt's real tokens, its own tokens so far),
+    when part-full pages are read in multiples of `granule` tokens (a divisor of `page_size`; None: whole pages)."""
     chunk, _ = slot_pool_chunking(new_tokens)
     tb = kv.token_bytes()
-    paged = sum((math.ceil(p / page_size) + math.ceil(o / page_size)) * page_size for p, o in rows)
+    g = granule or page_size
+    if page_size % g:
+        raise ValueError(f"a read granule of {g} tokens does not divide pages of {page_size}")
+    paged = sum((math.ceil(p / g) + math.ceil(o / g)) * g for p, o in rows)
     slots = sum(prompt_width + (o // chunk + 1) * chunk for _, o in rows)
     live = sum(p + o for p, o in rows)
     return StepReads(weights_bytes, weights_bytes + paged * tb, weights_bytes + slots * tb, weights_bytes + live * tb)

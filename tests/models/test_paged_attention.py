@@ -20,14 +20,14 @@ ROWS = [([], 0, [], 0), ([0, 1], 6, [2, 3], 5), ([0, 1], 6, [4], 1), ([5], 3, []
 ENTRIES = 6
 
 
-def random_pages(key, rows=ROWS):
-    """(q [1, n, H, Dh], k_pool, v_pool [1, PAGES, KVH, PS, Dh], view) of `rows`; table entries past a row's live
-    ones hold pages of other rows (what a stale table would), which the attention must not read."""
+def random_pages(key, rows=ROWS, page_size=PS, pages=PAGES, entries=ENTRIES):
+    """(q [1, n, H, Dh], k_pool, v_pool [1, pages, KVH, page_size, Dh], view) of `rows`; table entries past a row's
+    live ones hold the last page, which no row's tokens are on (what a stale table would): never to be read."""
     keys = jax.random.split(key, 3)
     q = jax.random.normal(keys[0], (1, len(rows), KVH * G, DH))
-    k_pool = jax.random.normal(keys[1], (1, PAGES, KVH, PS, DH)) * 3
-    v_pool = jax.random.normal(keys[2], (1, PAGES, KVH, PS, DH))
-    table = np.full((len(rows), ENTRIES), 15)  # past the live entries: page 15, which holds no row's tokens
+    k_pool = jax.random.normal(keys[1], (1, pages, KVH, page_size, DH)) * 3
+    v_pool = jax.random.normal(keys[2], (1, pages, KVH, page_size, DH))
+    table = np.full((len(rows), entries), pages - 1)
     for r, (prompt, _, own, _) in enumerate(rows):
         table[r, :len(prompt) + len(own)] = prompt + own
     view = PageView(jnp.asarray(table)[None], jnp.asarray([[len(p) for p, *_ in rows]]),
@@ -37,6 +37,7 @@ def random_pages(key, rows=ROWS):
 
 def reference(q, k_pool, v_pool, rows=ROWS):
     """softmax(q k^T / sqrt(Dh)) v over each row's tokens, gathered by hand from its pages."""
+    PS = k_pool.shape[3]  # noqa: N806 - the page size, as the module's constant names it
     out = []
     for r, (prompt, prompt_len, own, own_len) in enumerate(rows):
         tokens = [(p, i) for p in prompt for i in range(PS)][:prompt_len] + [(p, i) for p in own
@@ -89,3 +90,46 @@ def test_the_tpu_kernel_equals_the_formula_in_the_interpreter():
     want = reference(q, kv_quant.dequantize_kv(ks), kv_quant.dequantize_kv(vs))
     stacked = [kv_quant.per_part(lambda x: jnp.stack([x[:, ::-1], x]), p) for p in (ks, vs)]  # layer 0: other pages
     np.testing.assert_allclose(paged_attention_tpu(q, *stacked, view, layer=jnp.int32(1)), want, atol=2e-6, rtol=2e-6)
+
+
+def laid_out(page_size: int, rows: list[tuple[str | None, int, int]]):
+    """ROWS-style rows for `page_size` from (prompt name or None, prompt tokens, own tokens): each named prompt's
+    pages laid out once and shared by the rows that name it, each row's own pages after them."""
+    prompts, out, next_page = {}, [], 0
+
+    def pages(tokens):
+        nonlocal next_page
+        count = -(-tokens // page_size)
+        next_page += count
+        return list(range(next_page - count, next_page))
+
+    for name, prompt_tokens, own_tokens in rows:
+        if name is not None and name not in prompts:
+            prompts[name] = pages(prompt_tokens)
+        out.append((prompts.get(name, []), prompt_tokens, pages(own_tokens), own_tokens))
+    return out, next_page + 1  # one page more: the stale entries' page
+
+
+@pytest.mark.parametrize(("dtype", "page_size"), [("float32", 32), ("float32", 64), ("int8", 64)])
+def test_the_tpu_kernel_reads_part_full_pages_to_the_granule(dtype, page_size):
+    """Pages larger than the kernel's read granule (a tile's rows: 8 float32 tokens, 32 int8): a part-full page is
+    copied up to its last live token rounded to the granule, the rest of its buffer left stale (NaN in Pallas's
+    interpreter), and the output is still the formula's: one granule, one token past one, one short of a page,
+    a whole page, prompts shared and not."""
+    from jgrpo.models.paged_attention_tpu import paged_attention_tpu, read_granule
+
+    g = read_granule(dtype, page_size)
+    assert (g, page_size // g) == {("float32", 32): (8, 4), ("float32", 64): (8, 8), ("int8", 64): (32, 2)}[
+        (dtype, page_size)]
+    rows, pages = laid_out(page_size, [("a", page_size + g, 1), ("a", page_size + g, page_size + g + 1),
+                                       ("b", 1, page_size), ("b", 1, 2 * page_size - 1), (None, 0, 0),
+                                       ("c", g - 1, g)])
+    q, k_pool, v_pool, view = random_pages(jax.random.key(3), rows, page_size, pages, entries=4)
+    if dtype == "int8":
+        k_pool, v_pool = kv_quant.quantize_kv(k_pool), kv_quant.quantize_kv(v_pool)
+        want = reference(q, kv_quant.dequantize_kv(k_pool), kv_quant.dequantize_kv(v_pool), rows)
+    else:
+        want = reference(q, k_pool, v_pool, rows)
+    out = paged_attention_tpu(q, k_pool, v_pool, view)
+    assert np.isfinite(np.asarray(out)).all()
+    np.testing.assert_allclose(out, want, atol=3e-6, rtol=3e-6)

@@ -16,7 +16,9 @@ from jgrpo.config import ConfigError  # noqa: E402
 from jgrpo.config.loading import load_config  # noqa: E402
 from jgrpo.models.shapes import KNOWN_SHAPES, model_shapes  # noqa: E402
 from jgrpo.parallel.mesh import TRAIN_RULES  # noqa: E402
-from jgrpo.plan import abstract_run, main, per_chip_bytes, plan_iteration, topology_devices  # noqa: E402
+from jgrpo.plan import abstract_run, main, per_chip_bytes, plan_iteration, sampler_line, topology_devices  # noqa: E402
+from jgrpo.planning.fit import GIB  # noqa: E402
+from jgrpo.planning.paged_rows import KVShape, paged_row_tokens, rows_in_flight, step_reads  # noqa: E402
 
 TINY = ["checkpoint.every=0", "logging.tensorboard=false"]
 
@@ -69,6 +71,23 @@ def test_plan_of_a_small_run_and_a_broken_sharding_rule(v5e):
     assert logical <= update["argument_bytes"] <= 1.1 * logical
     assert update["alias_bytes"] >= resident["params"] + resident["opt_state"] - 64
     assert plan["peak_bytes"] >= sum(resident.values())
+
+    # The paged cache's line: a step's reads counted from the page tables as the pallas kernel copies them, a
+    # part-full page to its live tokens rounded to a tile's rows: the tiny model's float32 cache, 8 rows
+    # (tests/planning/test_paged_rows.py).
+    s, (_, chip) = plan["sampler"], topology_devices("v5e:2x4")
+    assert (s["page_size"], s["attention"], s["kv"]["dtype"]) == (64, "pallas", "float32")
+    P, N = s["prompt_width"], s["new_tokens"]
+    kv = KVShape(**s["kv"])
+    half = rows_in_flight(chip.hbm_gib * GIB - s["without_pool_bytes"], paged_row_tokens(P, (N - 1) / 2, s["group"],
+                                                                                         64), kv)
+    reads = step_reads(sum(sample["decode_weight_bytes"].values()), kv, [(P, (N - 1) // 2)] * half, page_size=64,
+                       prompt_width=P, new_tokens=N, granule=8)
+    whole = step_reads(sum(sample["decode_weight_bytes"].values()), kv, [(P, (N - 1) // 2)] * half, page_size=64,
+                       prompt_width=P, new_tokens=N)
+    line = sampler_line(s, chip, chip.hbm_gib, sample)
+    assert f"{half} at half of it" in line and f"({reads.paged_over_live:.2f}x the live minimum)" in line
+    assert reads.paged < whole.paged
 
     # A rule that forgets FSDP (weights replicated on every chip) costs 8x the param and optimiser bytes.
     broken = plan_iteration(config, v5e, train_rules={**TRAIN_RULES, "embed": None})
