@@ -26,6 +26,7 @@ import hashlib
 import importlib
 import json
 import os
+import platform
 import subprocess
 import sys
 import tempfile
@@ -60,7 +61,11 @@ COMMON = ["reward.functions=[compare_with_commit:space_fraction]", "optim.learni
           "run.eval_every=0"]
 # Metrics that measure the machine, not the computation: never the same twice.
 WALL_CLOCK = ("time/", "rollout/trainer_wait", "rollout/producer_idle", "rollout/queue_depth", "throughput/")
-ENV = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JGRPO_COMPILATION_CACHE": "0"}
+# XLA:CPU code for AVX at most on x86: the golden run was recorded so, and code with fused multiply-adds rounds
+# otherwise (tests/conftest.py).
+_ISA = " --xla_cpu_max_isa=AVX" if platform.machine().lower() in ("x86_64", "amd64") else ""
+ENV = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2" + _ISA,
+       "JGRPO_COMPILATION_CACHE": "0"}
 
 
 def space_fraction(prompt: str, completion: str, reference: dict) -> float:

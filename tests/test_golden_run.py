@@ -21,7 +21,10 @@ So RTOL is 1e-4, 3x the largest seen, far below what a changed formula or order 
 rounding) would move. Metrics below ATOL in size are float32 rounding residue (the mean of advantages that sum to
 zero, ~2e-7; the policy loss at ratio 1) that another summation order changes by its own size. The Theorem 1 lower
 bound multiplies such a residue (the TV between a policy and itself, ~4e-7) by the weight M (~60): it moved by
-up to 2.6e-5 between the machines at iterations where it is itself ~5e-5, hence its own floor.
+up to 2.6e-5 between the machines at iterations where it is itself ~5e-5, hence its own floor. Token ids are
+not so tolerant: an AVX-512 machine (2026-12-07) drew another token at sync_v4_recentred_m2po's 4th update, from
+code with fused multiply-adds; compiled for AVX at most (as the recorder now does on x86: docs/testing.md) it
+draws the recorded ones.
 """
 
 import importlib.util
