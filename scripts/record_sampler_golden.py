@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -41,7 +42,9 @@ def main() -> int:
     parser.add_argument("rev")
     parser.add_argument("--no-smollm2", action="store_true")
     args = parser.parse_args()
-    flags = "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
+    # The suite's flags (tests/conftest.py), XLA:CPU code for AVX at most on x86 included: recorded as replayed.
+    isa = " --xla_cpu_max_isa=AVX" if platform.machine().lower() in ("x86_64", "amd64") else ""
+    flags = "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0" + isa
     with worktree(args.rev) as theirs:
         code = CHILD.format(cases=str(ROOT / "tests" / "sampling" / "golden_cases.py"), out=str(OUT),
                             smollm2=not args.no_smollm2)
