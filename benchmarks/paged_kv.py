@@ -152,9 +152,8 @@ def live_page_peak(lengths: list[int], prompt_lengths: list[int], group: int, pa
 # ------------------------------------------------------------------ TPU: the planner's arithmetic
 
 
-def tpu_figures(name: str, lengths: list[int], prompt_len: float, page_size: int = 0) -> dict:
-    """Rows in flight and a step's bytes over the live minimum for one config on v5e:2x4 (see the module), at the
-    config's page size or `page_size`."""
+def tpu_figures(name: str, lengths: list[int], prompt_len: float) -> dict:
+    """Rows in flight and a step's bytes over the live minimum for one config on v5e:2x4 (see the module)."""
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     from jgrpo.config.loading import load_config
     from jgrpo.models.paged_attention_tpu import read_granule
@@ -169,7 +168,7 @@ def tpu_figures(name: str, lengths: list[int], prompt_len: float, page_size: int
     )
 
     path, overrides = CONFIGS[name]
-    config = load_config(ROOT / path, overrides + ([f"sampler.page_size={page_size}"] if page_size else []))
+    config = load_config(ROOT / path, overrides)
     devices, chip = topology_devices("v5e:2x4")
     iteration = lower_iteration(config, devices, names=("sample",))  # the sampler's program only
     (program,) = iteration.programs
@@ -188,20 +187,17 @@ def tpu_figures(name: str, lengths: list[int], prompt_len: float, page_size: int
     # A step at `paged` rows, each at half its final length (the rows of the length mix, round robin).
     mix = [(int(round(prompt_len)), int(final[i % len(final)] // 2)) for i in range(paged)]
     weights = sum(sample["decode_weight_bytes"].values())
-
-    def granule(size):  # the pallas kernel reads part-full pages to a tile's rows, the xla blocks whole pages
-        return read_granule(kv.dtype, size) if s["attention"] == "pallas" else size
-
-    reads = step_reads(weights, kv, mix, page_size=ps, prompt_width=P, new_tokens=N, granule=granule(ps))
-    whole = step_reads(weights, kv, mix, page_size=ps, prompt_width=P, new_tokens=N)  # every live page whole
-    # The same step at other page sizes (the rows' live tokens rounded to their reads: what the page size trades).
-    by_page = {size: step_reads(weights, kv, mix, page_size=size, prompt_width=P, new_tokens=N,
-                                granule=granule(size)).paged_over_live for size in (16, 32, 64, 128)}
+    # The pallas kernel reads a part-full page to a tile's rows, the xla blocks whole pages.
+    granule = read_granule(kv.dtype, ps) if s["attention"] == "pallas" else ps
+    reads = step_reads(weights, kv, mix, page_size=ps, prompt_width=P, new_tokens=N, granule=granule)
+    # The same step with every live page read whole, at several page sizes: what the granule saves.
+    whole = {size: step_reads(weights, kv, mix, page_size=size, prompt_width=P, new_tokens=N).paged_over_live
+             for size in sorted({16, 32, 64, 128, ps})}
     return {"rows_today": today, "rows_paged": paged, "rows_at_mean": at_mean, "rows_reserved": reserved,
             "free_gib": free / GIB, "pool_gib": s["pool_bytes"] / GIB, "page_size": ps, "in_flight_tokens": in_flight,
             "mean_length": float(final.mean()), "bytes_paged_gb": reads.paged / 1e9,
             "bytes_over_live": reads.paged_over_live, "bytes_over_live_today": reads.slot_pool_over_live,
-            "bytes_over_live_by_page": by_page, "bytes_over_live_whole_pages": whole.paged_over_live,
+            "bytes_over_live_whole_pages": whole[ps], "bytes_over_live_whole_by_page": whole,
             "weights_gb": reads.weights / 1e9, "attention": s["attention"]}
 
 
@@ -263,8 +259,8 @@ def main() -> int:
             "tpu_rows_in_flight_reserved": {n: t["rows_reserved"] / t["rows_today"] for n, t in tpu.items()},
             "tpu_bytes_over_live": tpu["gsm8k"]["bytes_over_live"],
             "tpu_bytes_over_live_today": tpu["gsm8k"]["bytes_over_live_today"],
-            "tpu_bytes_over_live_by_page": tpu["gsm8k"]["bytes_over_live_by_page"],
-            "tpu_bytes_over_live_whole_pages": tpu["gsm8k"]["bytes_over_live_whole_pages"], "tpu": tpu})
+            "tpu_bytes_over_live_whole_pages": tpu["gsm8k"]["bytes_over_live_whole_pages"],
+            "tpu_bytes_over_live_whole_by_page": tpu["gsm8k"]["bytes_over_live_whole_by_page"], "tpu": tpu})
     print(json.dumps(figures))
     return 0
 

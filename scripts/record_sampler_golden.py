@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +18,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
-from compare_with_commit import worktree  # noqa: E402
+from compare_with_commit import CPU_ISA_FLAG, worktree  # noqa: E402
 
 OUT = ROOT / "tests" / "testdata" / "sampler_golden.npz"
 CHILD = """
@@ -42,9 +41,8 @@ def main() -> int:
     parser.add_argument("rev")
     parser.add_argument("--no-smollm2", action="store_true")
     args = parser.parse_args()
-    # The suite's flags (tests/conftest.py), XLA:CPU code for AVX at most on x86 included: recorded as replayed.
-    isa = " --xla_cpu_max_isa=AVX" if platform.machine().lower() in ("x86_64", "amd64") else ""
-    flags = "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0" + isa
+    # The suite's flags (tests/conftest.py), its CPU instruction set included: recorded as the tests replay.
+    flags = f"--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 {CPU_ISA_FLAG}".strip()
     with worktree(args.rev) as theirs:
         code = CHILD.format(cases=str(ROOT / "tests" / "sampling" / "golden_cases.py"), out=str(OUT),
                             smollm2=not args.no_smollm2)

@@ -27,10 +27,11 @@ if "xla_backend_optimization_level" not in _flags:
 # otherwise: on an AVX-512 machine of this project's (2026-12-07) the golden run's sync_v4_recentred_m2po mode drew
 # another token at its 4th update and two learning tests (tests/training/test_trainer_learning.py) missed their
 # thresholds, where code for AVX (or SSE4.2) on the same machine reproduced the recording in all 6 modes and passed.
-# On x86 the tests' code is for AVX at most, so that what was recorded holds on every machine kind CI may draw.
-ISA = "--xla_cpu_max_isa=AVX" if platform.machine().lower() in ("x86_64", "amd64") else ""
+# On x86 the tests' code is for AVX at most, so that what was recorded holds on every machine kind CI may draw (the
+# golden recorders, scripts/compare_with_commit.py's CPU_ISA_FLAG, compile so too).
+_ISA = "--xla_cpu_max_isa=AVX" if platform.machine().lower() in ("x86_64", "amd64") else ""
 if "xla_cpu_max_isa" not in _flags:
-    _flags += f" {ISA}"
+    _flags += f" {_ISA}"
 os.environ["XLA_FLAGS"] = _flags.strip()
 
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
