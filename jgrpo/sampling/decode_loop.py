@@ -114,25 +114,8 @@ def prefill(spec: PoolSpec, model, tokens, mask, key, prompt_index=None) -> Pool
         prompts = jnp.asarray(queue_prompts(B, plan.rows, plan.queues, plan.num_samples))  # [Q, W]
         length = spec.pin("queues", jnp.sum(mask, axis=1, dtype=jnp.int32)[prompts])
         table, used = pages.prompt_tables(length, ps, pp, none)
-        # Token i of prompt b sits at column P - length_b + i of the left-padded cache: its page i // ps, slot i % ps.
-        columns = jnp.clip(P - length[..., None] + jnp.arange(pp * ps), 0, P - 1)  # [Q, W, pp * ps]
-
-        def paged(x):  # [L, B, P, KVH, Dh] -> [L, Q, W, pp, KVH, ps, Dh]
-            x = jax.vmap(lambda c: jax.vmap(lambda xq, cq: jax.vmap(lambda xw, cw: xw[cw])(xq, cq))(
-                c[prompts], columns))(x)
-            x = x.reshape(*x.shape[:3], pp, ps, *x.shape[4:])
-            return jnp.swapaxes(x, 4, 5)
-
-        new = kv_quant.per_part(lambda c: jax.tree.map(paged, c), dense)
-        cache = paged_kv.empty(model.cfg, plan.queues, plan.pages, ps, plan.kv_dtype, plan.scanned)
-        if plan.scanned:
-            write = jax.vmap(lambda pool, x: paged_kv.write_pages(pool, x, table))
-            cache = paged_kv.PagedKV((write(cache.k[0], new.k),), (write(cache.v[0], new.v),))
-        else:
-            layer = lambda c, i: kv_quant.per_part(lambda x: x[i], c)  # noqa: E731
-            cache = paged_kv.PagedKV(*(tuple(paged_kv.write_pages(pool, layer(parts, i), table)
-                                             for i, pool in enumerate(pools))
-                                       for pools, parts in ((cache.k, new.k), (cache.v, new.v))))
+        empty = paged_kv.empty(model.cfg, plan.queues, plan.pages, ps, plan.kv_dtype, plan.scanned)
+        cache = write_prompts(plan, empty, dense, prompts, length, table)
         keys = jnp.broadcast_to(key, prompts.shape) if key.ndim == 0 else spec.pin("queues", key[prompts])
         index = prompts if prompt_index is None else spec.pin("queues", prompt_index[prompts])
         if plan.routing:  # [Q, W, P, L, k]
@@ -141,10 +124,32 @@ def prefill(spec: PoolSpec, model, tokens, mask, key, prompt_index=None) -> Pool
             routing = None
         store = PromptStore(spec.pin("queues", last_logits[prompts]), length, table, keys, index, prompts[:, 0],
                             routing)
-        return store, _empty_pool(spec, pages.initial(plan.pages, used), spec.pin("cache", cache))
+        return store, empty_pool(spec, pages.initial(plan.pages, used), spec.pin("cache", cache))
 
 
-def _empty_pool(spec: PoolSpec, free, cache) -> Pool:
+def write_prompts(plan: Plan, cache: paged_kv.PagedKV, dense, prompts, length, table) -> paged_kv.PagedKV:
+    """The prompts' keys/values from the dense prefill cache `dense` [L, B, P, KVH, Dh] into pages: queue q's
+    prompts `prompts[q]` (indices into B), `length` [Q, n] real tokens each, at pages `table` [Q, n, pp]."""
+    ps, pp, P = plan.page_size, plan.prompt_pages, jax.tree.leaves(dense)[0].shape[2]
+    # Token i of prompt b sits at column P - length_b + i of the left-padded cache: its page i // ps, slot i % ps.
+    columns = jnp.clip(P - length[..., None] + jnp.arange(pp * ps), 0, P - 1)  # [Q, n, pp * ps]
+
+    def paged(x):  # [L, B, P, KVH, Dh] -> [L, Q, n, pp, KVH, ps, Dh]
+        x = jax.vmap(lambda c: jax.vmap(lambda xq, cq: jax.vmap(lambda xw, cw: xw[cw])(xq, cq))(
+            c[prompts], columns))(x)
+        x = x.reshape(*x.shape[:3], pp, ps, *x.shape[4:])
+        return jnp.swapaxes(x, 4, 5)
+
+    new = kv_quant.per_part(lambda c: jax.tree.map(paged, c), dense)
+    if plan.scanned:
+        write = jax.vmap(lambda pool, x: paged_kv.write_pages(pool, x, table))
+        return paged_kv.PagedKV((write(cache.k[0], new.k),), (write(cache.v[0], new.v),))
+    layer = lambda c, i: kv_quant.per_part(lambda x: x[i], c)  # noqa: E731
+    return paged_kv.PagedKV(*(tuple(paged_kv.write_pages(pool, layer(parts, i), table) for i, pool in enumerate(pools))
+                              for pools, parts in ((cache.k, new.k), (cache.v, new.v))))
+
+
+def empty_pool(spec: PoolSpec, free, cache) -> Pool:
     plan = spec.plan
     Q, Rq, Sq, N = plan.queues, plan.rows_per_queue, plan.slots_per_queue, plan.max_new_tokens
     rows = Rows(tokens=jnp.full((Q, Rq, N), plan.pad_id, jnp.int32), logprobs=jnp.zeros((Q, Rq, N), jnp.float32),
@@ -200,10 +205,15 @@ def admit(spec: PoolSpec, store: PromptStore, pool: Pool, width: int) -> Pool:
             jnp.arange(size, dtype=jnp.int32), mode="drop"))(rank, ok)
 
     target = starters(slot_rank, free & (slot_rank < n[:, None]), free.shape[1])
-    row = starters(row_rank, rows.queued & (row_rank < n[:, None]), Rq)
     valid = jnp.arange(M)[None, :] < n[:, None]  # [Q, M]
-    row = jnp.where(valid, row, Rq)
     q = _queues(plan)
+    if plan.stream:  # the oldest batch's rows first (lanes are reused: a row's index says nothing of its age)
+        local = jnp.arange(Rq)[None, :]
+        age = _pick(store.order, local_prompt(plan, store, q, local)) * Rq + local
+        row = jnp.argsort(jnp.where(rows.queued, age, jnp.iinfo(jnp.int32).max), axis=1)[:, :M].astype(jnp.int32)
+    else:
+        row = starters(row_rank, rows.queued & (row_rank < n[:, None]), Rq)
+    row = jnp.where(valid, row, Rq)
     prompt = local_prompt(plan, store, q, jnp.minimum(row, Rq - 1))
     first, first_lp = draw(spec, store, _pick(store.logits, prompt), q, row, jnp.zeros_like(row))
     first_stop = jnp.isin(first, plan.stops())
@@ -340,7 +350,8 @@ def feed(spec: PoolSpec, w: Weights, store: PromptStore, pool: Pool) -> Pool:
         slots = sl._replace(last=tokens, done=sl.done | (active & done), held=sl.held | (active & held))
         rows = rows._replace(finished=mark(rows.finished, sl.row, active & full))
         ended = active & full
-    pool = pool._replace(clock=pool.clock + 1, slots=slots, rows=rows, cache=spec.pin("cache", cache))
+    busy = None if pool.busy is None else pool.busy + jnp.sum(active, dtype=jnp.int32)
+    pool = pool._replace(clock=pool.clock + 1, slots=slots, rows=rows, cache=spec.pin("cache", cache), busy=busy)
     return release(spec, store, pool, sl.row, ended)
 
 

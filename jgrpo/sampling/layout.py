@@ -76,25 +76,31 @@ def _by_platform(value: int | None, table: dict, name: str) -> int:
     return table.get(name, table["other"]) if value is None or value < 0 else value
 
 
-def plan_and_layout(sampler, batch: int, prompt_len: int, cfg, interactive: bool = False) -> tuple[Plan, Layout | None]:
+def plan_and_layout(sampler, batch: int, prompt_len: int, cfg, interactive: bool = False,
+                    lanes: int = 0) -> tuple[Plan, Layout | None]:
     """The program's static shape for `batch` prompts of width `prompt_len`, and (with a mesh) its layout.
     `sampler` is the `jgrpo.sampling.sampler.Sampler` (its options); `cfg` the model's LLMConfig; `interactive`:
-    the slot interface's programs (`jgrpo.sampling.turns`: a turn at a time, rows paused between turns)."""
+    the slot interface's programs (`jgrpo.sampling.turns`: a turn at a time, rows paused between turns); `lanes`
+    > 0: its single-turn form that batches of batch / lanes prompts are fed into (`jgrpo.sampling.stream`)."""
     s = sampler
+    stream = lanes > 0
+    interactive = interactive or stream
     where = platform(s.mesh)
-    turn = (s.turn_tokens or s.max_new_tokens) if interactive else s.max_new_tokens
+    turn = (s.turn_tokens or s.max_new_tokens) if interactive and not stream else s.max_new_tokens
     rows = batch * s.num_samples
     slots = rows if s.slots is None else min(s.slots, rows)
     if slots < 1:
         raise ValueError(f"slots={slots} must be positive (None = one slot per row)")
     queues = queue_count(s.mesh, s.rules, rows, slots)
+    if stream and batch // lanes % queues:  # a lane holds the same number of its batch's prompts in every queue
+        queues = 1
     page_size = _by_platform(s.page_size or None, PAGE_SIZE_AUTO, where)
     prompt_pages = pages_for(prompt_len, page_size)
     # A row's own tokens: those it feeds after its prompt (N - 1; multi-turn rows: all N, drawn and appended).
     own_pages = max(1, pages_for(s.max_new_tokens if interactive else s.max_new_tokens - 1, page_size))
     prompts = queue_prompts(batch, rows, queues, s.num_samples).shape[1]
     # Multi-turn rows keep their pages while they wait between turns, parked or not: by default, room for them all.
-    holders = rows // queues if interactive else slots // queues
+    holders = rows // queues if interactive and not stream else slots // queues
     pages = pool_pages(s.kv_pages, prompts, prompt_pages, holders, own_pages)
     plan = Plan(rows=rows, num_samples=s.num_samples, max_new_tokens=s.max_new_tokens, slots=slots, queues=queues,
                 page_size=page_size, pages=pages, prompt_pages=prompt_pages, own_pages=own_pages,
@@ -104,7 +110,7 @@ def plan_and_layout(sampler, batch: int, prompt_len: int, cfg, interactive: bool
                 block=attention_block(prompt_pages + own_pages, page_size),
                 shrink=0 if interactive else _by_platform(s.shrink, SHRINK_AUTO, where),
                 may_preempt=pages < prompts * prompt_pages + holders * own_pages,
-                interactive=interactive, turn_tokens=turn if interactive else 0,
+                interactive=interactive, lanes=lanes, turn_tokens=turn if interactive else 0,
                 append_width=min(s.max_new_tokens, 1 + (s.append_tokens or s.max_new_tokens)) if interactive else 0,
                 chunk=(s.decode_chunk or max(8, -(-turn // 4))) if interactive else 0,
                 routing=routing_record(cfg), kv_dtype=resolve_kv_dtype(s.kv_cache_dtype, cfg.compute_dtype))

@@ -38,7 +38,7 @@ from jgrpo.models.llm import abstract_model, model_config, param_logical_axes
 from jgrpo.models.paged_attention import resolve_paged_attention
 from jgrpo.models.quantize import quantized, with_int8, without_scales
 from jgrpo.parallel.mesh import SAMPLE_RULES, Rules, logical_shardings, replicated
-from jgrpo.sampling import turns
+from jgrpo.sampling import stream, turns
 from jgrpo.sampling.decode_loop import sample
 from jgrpo.sampling.layout import plan_and_layout, platform
 from jgrpo.sampling.methods import SamplingMethod
@@ -156,11 +156,11 @@ class Sampler:
     def replace(self, **changes) -> Sampler:
         return dataclasses.replace(self, **changes)
 
-    def spec(self, batch: int, prompt_len: int, cfg, interactive: bool = False) -> PoolSpec:
-        """The static part of the program for `batch` prompts of width `prompt_len`."""
-        key = ("spec", batch, prompt_len, cfg, interactive)
+    def spec(self, batch: int, prompt_len: int, cfg, interactive: bool = False, lanes: int = 0) -> PoolSpec:
+        """The static part of the program for `batch` prompts of width `prompt_len` (a stream: in `lanes` lanes)."""
+        key = ("spec", batch, prompt_len, cfg, interactive, lanes)
         if key not in self._derived:
-            plan, layout = plan_and_layout(self, batch, prompt_len, cfg, interactive)
+            plan, layout = plan_and_layout(self, batch, prompt_len, cfg, interactive, lanes)
             self._derived[key] = PoolSpec(plan, self.method, layout)
         return self._derived[key]
 
@@ -192,6 +192,24 @@ class Sampler:
         spec = self.spec(*prompts.tokens.shape, cfg, interactive=True)
         with self._context(cfg):
             return turns.begin(self._graphdef(params), self.placed(params), spec, prompts, _typed(key), version)
+
+    def open_stream(self, params, *, lanes: int, batch: int, prompt_len: int) -> turns.SlotState:
+        """An empty pool of `lanes` lanes of `batch` prompts of width `prompt_len`, fed with `refill`
+        (`jgrpo.sampling.stream`)."""
+        cfg = self._config(params)
+        return stream.open_stream(self.spec(lanes * batch, prompt_len, cfg, lanes=lanes), cfg, prompt_len)
+
+    def refill(self, params, state: turns.SlotState, lane: int, prompts: Prompts, key: jax.Array,
+               order: int) -> turns.SlotState:
+        """Free `lane` takes a batch of prompts (`key`: the batch's key; `prompts.index` default 0 .. B-1),
+        prefilled with `params`; `order` ranks batches, oldest first. Its rows draw at the next `advance`."""
+        checked, cfg = self.checked(params, prompts)
+        B = checked.tokens.shape[0]
+        index = jnp.arange(B, dtype=jnp.int32) if prompts.index is None else jnp.asarray(prompts.index, jnp.int32)
+        keys = jnp.broadcast_to(_typed(key), (B,))
+        with self._context(cfg):
+            return stream.refill(self._graphdef(params), self.placed(params), state, lane,
+                                 Prompts(checked.tokens, checked.mask, index), keys, order)
 
     def advance(self, params, state: turns.SlotState, chunks: int = 1, version: int = 0) -> turns.SlotState:
         """Decode with `params` (of `version`) up to `chunks` chunk boundaries (every `decode_chunk` steps), or

@@ -80,6 +80,11 @@ class Plan(NamedTuple):
     turn_tokens: int = 0  # 0: max_new_tokens
     append_width: int = 0  # the tokens an append prefills: a turn's last drawn token and the appended ids
     chunk: int = 0  # the slot interface returns to the host every `chunk` decode steps
+    # A stream (`jgrpo.sampling.stream`) of this many lanes (0: none): the slot interface for single-turn rows fed
+    # a batch at a time into lanes of the pool while it decodes; a row that stops is complete (its slot free at
+    # once, never held for the host), waiting rows start oldest batch first, and the pool counts the slots that
+    # drew a token (`Pool.busy`).
+    lanes: int = 0
     # A mixture of experts records the experts of every position it runs (`SampleOutput.routing`): (layers L,
     # experts per token k, the record's dtype); None for a dense model.
     routing: tuple[int, int, str] | None = None
@@ -89,6 +94,10 @@ class Plan(NamedTuple):
     @property
     def rows_per_queue(self) -> int:  # Rq
         return self.rows // self.queues
+
+    @property
+    def stream(self) -> bool:
+        return self.lanes > 0
 
     @property
     def slots_per_queue(self) -> int:  # Sq
@@ -134,6 +143,7 @@ class PromptStore(NamedTuple):
     index: jax.Array  # [Q, W] int32 each prompt's index in its own batch
     first: jax.Array  # [Q] int32 the queue's first prompt (global index)
     routing: jax.Array | None = None  # [Q, W, P, L, k] the prompts' experts (a mixture of experts)
+    order: jax.Array | None = None  # [Q, W] int32 (a stream): each prompt's batch number; older rows start first
 
 
 class Slots(NamedTuple):  # every field [Q, Sq]
@@ -168,6 +178,7 @@ class Pool(NamedTuple):
     rows: Rows
     cache: PagedKV
     version: jax.Array | None = None  # [] int32 (interactive): the version of the params decoding now
+    busy: jax.Array | None = None  # [] int32 (a stream): slot-steps that drew a token (utilization: busy / S clock)
 
 
 def queue_prompts(batch: int, rows: int, queues: int, group: int) -> np.ndarray:
@@ -220,6 +231,8 @@ def turn_ends(plan: Plan, stopped, count, turn_start):
     ends at a stop id or after `turn_tokens` drawn tokens; a row is complete when its N tokens are used."""
     full = count >= plan.max_new_tokens
     turn_over = stopped | (count - turn_start >= plan.turn_limit)
+    if plan.stream:  # one turn: a row that stops is complete, nothing is held
+        return turn_over | full, jnp.zeros_like(full), turn_over | full
     return turn_over | full, turn_over & ~full, full
 
 
