@@ -32,67 +32,16 @@ import logging
 import threading
 import time
 import types
-from typing import NamedTuple
 
 import jax
 
-from jgrpo.rollout.records import Rollout
+from jgrpo.parallel.host_arrays import local_rows
+from jgrpo.rollout.intake import Intake, Produced
+from jgrpo.rollout.slot_metrics import generate_utilization, versions_per_row
 
 log = logging.getLogger(__name__)
 
 AGREE_POLL_S = 0.5  # several processes: how often process 0 tells the others it is still waiting
-
-
-class Produced(NamedTuple):
-    rollout: Rollout  # the batch, sampled and scored
-    version: int  # the iteration count of the params that sampled it
-    index: int  # j: the batch's place in the order drawn (its key is fold_in(sample_root, j))
-    data_state: dict  # the prompt iterator's state right after this batch
-
-
-class Intake:
-    """The trainer's side of batches sampled elsewhere (a producer thread here, or a rollout job over a channel):
-    taken in order, each judged against the staleness bound, too stale ones dropped and counted. Subclasses give
-    `_next` (the next batch, blocking) and `_count_drop` (a drop the sampling side must hear of)."""
-
-    def __init__(self, *, max_staleness: int, first_index: int, dropped: int):
-        self.max_staleness = max_staleness
-        self.taken = first_index  # batches the trainer took, trained or dropped
-        self.taken_data_state = None  # the prompt iterator's state after the last of them
-        self.dropped = dropped  # batches dropped as too stale, over the run (checkpointed)
-        self.staleness_counts: collections.Counter = collections.Counter()  # staleness -> batches trained
-
-    def _next(self) -> tuple[Produced | BaseException, int, float]:
-        """(the next batch or the error that ended its sampling, batches queued before it, sampler idle seconds)."""
-        raise NotImplementedError
-
-    def _count_drop(self) -> None:
-        self.dropped += 1
-
-    def take(self, iteration: int) -> tuple[Produced, dict]:
-        """The next batch for iteration `iteration` (blocks until sampled) and the rollout metrics."""
-        start, idle = time.perf_counter(), 0.0
-        while True:
-            item, depth, idle_before = self._next()
-            idle += idle_before
-            if isinstance(item, BaseException):
-                raise item
-            self.taken, self.taken_data_state = item.index + 1, item.data_state
-            staleness = iteration - item.version
-            if staleness <= self.max_staleness:
-                break
-            self._count_drop()
-            log.warning("iteration %d: dropped a batch sampled by version %d (%d iterations stale > "
-                        "rollout.max_staleness=%d)", iteration + 1, item.version, staleness, self.max_staleness)
-        self.staleness_counts[staleness] += 1
-        metrics = {"rollout/staleness": float(staleness), "rollout/queue_depth": float(depth),
-                   "rollout/producer_idle": idle, "rollout/trainer_wait": time.perf_counter() - start,
-                   "rollout/dropped": float(self.dropped)}
-        return item, metrics
-
-    def histogram(self) -> str:
-        """'staleness: batches' over this process's run, e.g. '0: 3, 1: 57'."""
-        return ", ".join(f"{s}: {n}" for s, n in sorted(self.staleness_counts.items()))
 
 
 class AsyncRollouts(Intake):
@@ -205,6 +154,15 @@ class AsyncRollouts(Intake):
             self._next_index += 1
         return params, version, index
 
+    def _metrics(self, rollout, prompts) -> dict:
+        """rollout/versions_per_row and slot_utilization of a batch sampled to its end with one version."""
+        samples, sampler = rollout.samples, self.source.sampler
+        plan = sampler.spec(*prompts.tokens.shape, sampler.cfg).plan if sampler.cfg is not None else None
+        lengths = local_rows(samples.lengths)
+        slots, queues = (plan.slots, plan.queues) if plan is not None else (sampler.slots or len(lengths), 1)
+        return {**versions_per_row(local_rows(samples.version), local_rows(samples.loss_mask)),
+                "rollout/slot_utilization": generate_utilization(lengths, slots, queues)}
+
     def _produce(self) -> None:
         while True:
             decided = self._decide()
@@ -216,8 +174,8 @@ class AsyncRollouts(Intake):
                 batch = self.source.next_batch(index)
                 data_state = self.source.data.get_state()
                 prompts = self.source.prompt_arrays(batch, self._width)
-                item = Produced(self.source.sample(params, batch, prompts, self.source.sample_key(index), version),
-                                version, index, data_state)
+                rollout = self.source.sample(params, batch, prompts, self.source.sample_key(index), version)
+                item = Produced(rollout, version, index, data_state, self._metrics(rollout, prompts))
             except BaseException as e:  # noqa: BLE001 - handed to the trainer, which raises it (DataExhausted too)
                 item = e
             del params

@@ -25,6 +25,7 @@ from jgrpo.parallel.host_arrays import move_rows, to_global_rows
 from jgrpo.parallel.mesh import SAMPLE_RULES, TRAIN_RULES
 from jgrpo.rollout.async_producer import AsyncRollouts
 from jgrpo.rollout.dynamic_sampling import fill_batch
+from jgrpo.rollout.in_flight import InFlightRollouts
 from jgrpo.rollout.records import Rollout
 from jgrpo.rollout.remote import RemoteRollouts
 from jgrpo.rollout.sampling_weights import Refresh, SamplingWeights
@@ -165,6 +166,11 @@ class Collector:
             self.producer = RemoteRollouts(self.config, first_index=counters.batches_drawn,
                                            dropped=counters.stale_dropped, data_state=self.data_state(),
                                            prompt_width=counters.prompt_width, train_mesh=self.train_mesh)
+        elif self.config.rollout.weight_updates == "in_flight":
+            r = self.config.rollout
+            self.producer = InFlightRollouts(self.source, max_staleness=r.max_staleness, lag=r.in_flight_lag,
+                                             publish_every=r.publish_every, first_index=counters.batches_drawn,
+                                             dropped=counters.stale_dropped, first_version=state.iteration)
         else:
             self.producer = AsyncRollouts(self.source, max_staleness=self.config.rollout.max_staleness,
                                           first_index=counters.batches_drawn, dropped=counters.stale_dropped,

@@ -8,7 +8,7 @@ then on each publish sends weights (`parallel/weights/send.py`: whole, or the ch
 rollout job holds, `rollout.weight_delta`, in buckets of `rollout.sync_bucket_mb`, checked by fingerprint) and
 the rollout job sends each batch it sampled and scored, with the version of the weights that sampled it, as a
 record. With LoRA only the adapters cross: the rollout job holds the frozen base it loaded itself. The
-trainer judges staleness as with the producer thread (`async_producer.Intake`): one-job async's rules, other
+trainer judges staleness as with the producer thread (`intake.Intake`): one-job async's rules, other
 transport.
 
 Failures: a rollout job that closes its socket (killed) or goes silent (`channel.SILENCE_S`) is waited for, up to
@@ -40,7 +40,7 @@ from jgrpo.parallel.mesh import SAMPLE_RULES
 from jgrpo.parallel.weights.device_transfer import DeviceTransfer
 from jgrpo.parallel.weights.send import WeightSender
 from jgrpo.rewards.scorer import RewardResult
-from jgrpo.rollout.async_producer import Intake, Produced
+from jgrpo.rollout.intake import Intake, Produced
 from jgrpo.rollout.process_links import join_rollouts, link_problem, rollout_targets, trainer_sources, weight_peers
 from jgrpo.rollout.records import Rollout
 from jgrpo.rollout.sources import DataExhausted
