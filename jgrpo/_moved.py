@@ -39,6 +39,8 @@ MOVED = {
     # The weight transport gathered in one folder (parallel/weights/); the content fingerprint went below it.
     "training.fingerprint": "parallel.fingerprint", "parallel.device_transfer": "parallel.weights.device_transfer",
     "parallel.process_crossing": "parallel.weights.process_crossing",
+    # Rollouts that never drain: one name per concept (`collect` and `collector` differed by two letters).
+    "rollout.collect": "rollout.scoring",
 }
 _warned: set[str] = set()
 

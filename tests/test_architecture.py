@@ -170,7 +170,7 @@ OWNERS = [
     ("metric reduction by suffix", "jgrpo.rl.diagnostics", r"""endswith\(\s*(["']_(min|max)|"_" \+)"""),
     ("param copy", "jgrpo.parallel.weights.copies", r"(jnp|jax\.numpy)\.copy\b"),
     ("replicated key", "jgrpo.parallel.mesh", r"lambda: jax\.random\.key\("),
-    ("decode and score completions", "jgrpo.rollout.collect", r"\.batch_decode\(|\bscorer\.score\("),
+    ("decode and score completions", "jgrpo.rollout.scoring", r"\.batch_decode\(|\bscorer\.score\("),
 ]
 
 
@@ -230,11 +230,11 @@ def test_the_old_module_paths_still_work_and_warn_once():
             from jgrpo.planning import plan_iteration
             import jgrpo.trainer as again
             from jgrpo.rollout import sample_and_score as again_too
-        import jgrpo.rollout.collect, jgrpo.sampling.sampler, jgrpo.planning.fit
+        import jgrpo.rollout.scoring, jgrpo.sampling.sampler, jgrpo.planning.fit
         assert jgrpo.trainer is jgrpo.training.trainer and again is jgrpo.training.trainer
         assert jgrpo.trainer.__spec__.name == "jgrpo.training.trainer"
         assert generate is jgrpo.sampling.sampler.generate and plan_iteration is jgrpo.planning.fit.plan_iteration
-        assert sample_and_score is jgrpo.rollout.collect.sample_and_score
+        assert sample_and_score is jgrpo.rollout.scoring.sample_and_score
         for w in caught:
             print(w.category.__name__, w.message)
     """)
@@ -246,7 +246,7 @@ def test_the_old_module_paths_still_work_and_warn_once():
         "(docs/architecture.md)",
         "FutureWarning jgrpo.sampler moved to jgrpo.sampling.sampler; the old path goes in the next release "
         "(docs/architecture.md)",
-        "FutureWarning jgrpo.rollout.sample_and_score moved to jgrpo.rollout.collect.sample_and_score; the old path "
+        "FutureWarning jgrpo.rollout.sample_and_score moved to jgrpo.rollout.scoring.sample_and_score; the old path "
         "goes in the next release (docs/architecture.md)",
         "FutureWarning jgrpo.planning.plan_iteration moved to jgrpo.planning.fit.plan_iteration; the old path goes "
         "in the next release (docs/architecture.md)",

@@ -30,13 +30,20 @@ class RolloutConfig:
     # the version it started with (the slots drain at each batch's end). in_flight: one pool never drains, the next
     # batches' rows start as rows finish, and version k takes effect at a decode-chunk boundary while rows go on
     # (their keys/values kept): the first boundary at which the batches of iterations 0 .. k - 1 + in_flight_lag
-    # are complete, the sampler waiting there for version k if it is late, so the tokens do not depend on timing.
+    # are complete (one version per boundary), the sampler waiting there for version k if it is late, so the
+    # tokens do not depend on timing; with checkpoints, a resume from one goes on bit for bit.
     # Every token records its version; a batch's staleness is its oldest token's. jgrpo/rollout/in_flight.py.
     weight_updates: Literal["between_batches", "in_flight"] = "between_batches"
     # in_flight: how many batches past those version k trains on the sampler completes before it takes version k
     # (the trainer's time to train, in batches sampled); 1 <= lag <= max_staleness - publish_every + 1. The sampler
     # holds max_staleness - lag + 1 batches at once (the most the staleness bound lets it start).
     in_flight_lag: int = 1
+    # in_flight: the keys/values rows in flight computed with older weights, when a version takes effect. keep
+    # (PipelineRL): as they are; a token's behaviour log-prob is then the sampler's, which no single version
+    # reproduces. recompute (AReaL): every live prompt's and running row's context computed again with the new
+    # weights (a forward over each running row's prompt and tokens per update), so each token is drawn in a context
+    # of its own version alone.
+    in_flight_kv: Literal["keep", "recompute"] = "keep"
     # both: one job samples and trains (the modes above). trainer / rollout: two jobs, each its own jax.distributed
     # world, joined by a TCP channel (rollout.mode: async): the trainer job listens on rollout.endpoint, the
     # rollout job connects, samples with the weights the trainer sends and sends the scored batches back.
@@ -80,8 +87,6 @@ class RolloutConfig:
                    "rollout.weight_updates=in_flight (lag 0 would stop the sampler while the trainer trains; a "
                    "larger lag would start batches staler than the bound)")
             _check(self.mode == "async", "rollout.mode", self.mode, "async with rollout.weight_updates=in_flight")
-            _check(self.role == "both", "rollout.role", self.role,
-                   "both with rollout.weight_updates=in_flight (a rollout job samples between batches for now)")
         _check(self.max_staleness >= self.publish_every - 1, "rollout.max_staleness", self.max_staleness,
                f">= rollout.publish_every - 1 = {self.publish_every - 1}: params published every "
                f"{self.publish_every} iterations are that stale at the last iteration before the next publish")

@@ -26,6 +26,7 @@ from jgrpo.parallel.mesh import SAMPLE_RULES, TRAIN_RULES
 from jgrpo.rollout.async_producer import AsyncRollouts
 from jgrpo.rollout.dynamic_sampling import fill_batch
 from jgrpo.rollout.in_flight import InFlightRollouts
+from jgrpo.rollout.intake import Intake
 from jgrpo.rollout.records import Rollout
 from jgrpo.rollout.remote import RemoteRollouts
 from jgrpo.rollout.sampling_weights import Refresh, SamplingWeights
@@ -64,9 +65,12 @@ class Collector:
     def __init__(self, config, *, source: RolloutSource, weights: SamplingWeights, train_mesh):
         self.config, self.source, self.weights, self.train_mesh = config, source, weights, train_mesh
         self.rows = config.data.batch_size * config.grpo.num_generations
-        # rollout.mode=async: started at the first iteration (two jobs: the channel to the rollout job).
-        self.producer: AsyncRollouts | RemoteRollouts | None = None
+        # rollout.mode=async: where the batches come from, started at the first iteration: a producer thread here
+        # (between batches or in flight), or two jobs' channel to the rollout job (`RemoteRollouts`, which produces
+        # nothing itself): each an `Intake`, the trainer's side of batches sampled elsewhere.
+        self.intake: Intake | None = None
         self._taken_data_state = None
+        self._restored_stream = None  # in flight: the sampler's state a resumed run starts from (`set_stream`)
 
     def collect(self, state, timings: dict) -> Collected:
         """Iteration `state.iteration`'s batch, sampled and scored (see the module doc)."""
@@ -133,9 +137,9 @@ class Collector:
         if why:
             log.info("iteration %d: %s: the behaviour policy refreshes before the next sampling", state.iteration, why)
         refresh = None if last else self.weights.refresh_for(state, state.iteration, requested)
-        publishes = self.producer is not None and state.iteration % self.config.rollout.publish_every == 0
+        publishes = self.intake is not None and state.iteration % self.config.rollout.publish_every == 0
         if publishes:
-            self.producer.publish(jax.block_until_ready(self._published(state)), state.iteration)
+            self.intake.publish(jax.block_until_ready(self._published(state)), state.iteration)
         if publishes or refresh is not None:
             timings["weight_sync"] = timings.get("weight_sync", 0.0) + time.perf_counter() - start
             _add_quantize(timings, self.weights)
@@ -147,14 +151,14 @@ class Collector:
     def _take(self, state):
         """The producer's batch for iteration k: (rollout, version, metrics). The run counters follow the batches
         the producer handed over (trained or dropped as too stale)."""
-        if self.producer is None:
+        if self.intake is None:
             self._start(state)
         try:
-            produced, metrics = self.producer.take(state.iteration)
+            produced, metrics = self.intake.take(state.iteration)
         finally:  # dropped batches are consumed too, also when the data then runs out
-            counters, producer = state.counters, self.producer
-            counters.batches_drawn, counters.stale_dropped = producer.taken, producer.dropped
-            self._taken_data_state = producer.taken_data_state or self._taken_data_state
+            counters, intake = state.counters, self.intake
+            counters.batches_drawn, counters.stale_dropped = intake.taken, intake.dropped
+            self._taken_data_state = intake.taken_data_state or self._taken_data_state
         return produced.rollout, produced.version, metrics
 
     def _start(self, state) -> None:
@@ -163,23 +167,27 @@ class Collector:
             self.source.set_data_state(self._taken_data_state)
         counters = state.counters
         if self.config.rollout.role == "trainer":  # two jobs: the batches come from the rollout job
-            self.producer = RemoteRollouts(self.config, first_index=counters.batches_drawn,
-                                           dropped=counters.stale_dropped, data_state=self.data_state(),
-                                           prompt_width=counters.prompt_width, train_mesh=self.train_mesh)
+            self.intake = RemoteRollouts(self.config, first_index=counters.batches_drawn,
+                                         dropped=counters.stale_dropped, data_state=self.data_state(),
+                                         prompt_width=counters.prompt_width, train_mesh=self.train_mesh)
         elif self.config.rollout.weight_updates == "in_flight":
             r = self.config.rollout
-            self.producer = InFlightRollouts(self.source, max_staleness=r.max_staleness, lag=r.in_flight_lag,
-                                             publish_every=r.publish_every, first_index=counters.batches_drawn,
-                                             dropped=counters.stale_dropped, first_version=state.iteration)
+            self.intake = InFlightRollouts(self.source, max_staleness=r.max_staleness, lag=r.in_flight_lag,
+                                           publish_every=r.publish_every, first_index=counters.batches_drawn,
+                                           dropped=counters.stale_dropped, first_version=state.iteration,
+                                           recompute=r.in_flight_kv == "recompute",
+                                           snapshot_every=self.config.checkpoint.every,
+                                           restored=self._restored_stream)
+            self._restored_stream = None
         else:
-            self.producer = AsyncRollouts(self.source, max_staleness=self.config.rollout.max_staleness,
-                                          first_index=counters.batches_drawn, dropped=counters.stale_dropped,
-                                          prompt_width=counters.prompt_width)
-        self.producer.publish(self._published(state), state.iteration)
+            self.intake = AsyncRollouts(self.source, max_staleness=self.config.rollout.max_staleness,
+                                        first_index=counters.batches_drawn, dropped=counters.stale_dropped,
+                                        prompt_width=counters.prompt_width)
+        self.intake.publish(self._published(state), state.iteration)
 
     def _published(self, state):
         """The copy the producer samples with; a rollout job joins LoRA's base to it itself."""
-        return self.weights.published(state, with_base=not isinstance(self.producer, RemoteRollouts))
+        return self.weights.published(state, with_base=not isinstance(self.intake, RemoteRollouts))
 
     def data_state(self) -> dict:
         """The prompt iterator's state of the batches trained on (not of those sampled ahead)."""
@@ -190,17 +198,29 @@ class Collector:
         self.source.set_data_state(data_state)
         self._taken_data_state = None
 
+    def stream_snapshot(self, iteration: int) -> dict | None:
+        """In flight: the sampler's state for the checkpoint of `iteration` (`InFlightRollouts.snapshot`), or None
+        (other modes, or an iteration that is not a multiple of checkpoint.every: its resume is not exact)."""
+        every = self.config.checkpoint.every
+        if not isinstance(self.intake, InFlightRollouts) or not every or iteration % every:
+            return None
+        return self.intake.snapshot(iteration)
+
+    def set_stream(self, snapshot: dict | None) -> None:
+        """A resume: the in-flight sampler starts from the checkpoint's snapshot (None: from the data position)."""
+        self._restored_stream = snapshot
+
     def stop(self, run_over: bool = True) -> str | None:
         """Stop the async producer, if any; returns its staleness summary for the log. Two jobs: `run_over`
         ends the rollout job too, else (preempted, failed) it waits for the trainer to resume."""
-        if self.producer is None:
+        if self.intake is None:
             return None
-        producer, self.producer = self.producer, None
-        if isinstance(producer, RemoteRollouts):
-            producer.close(run_over)
+        intake, self.intake = self.intake, None
+        if isinstance(intake, RemoteRollouts):
+            intake.close(run_over)
         else:
-            producer.close()
-        return (f"async rollouts: staleness (iterations: batches) {producer.histogram()}; {producer.dropped} "
+            intake.close()
+        return (f"async rollouts: staleness (iterations: batches) {intake.histogram()}; {intake.dropped} "
                 f"dropped as staler than rollout.max_staleness={self.config.rollout.max_staleness}")
 
 

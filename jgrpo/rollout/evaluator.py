@@ -28,9 +28,9 @@ from jgrpo.data import bucketed_length, build_prompt_iterator
 from jgrpo.parallel.host_arrays import global_max, global_sum, local_rows
 from jgrpo.parallel.mesh import replicated_key
 from jgrpo.rewards import RewardScorer, get_reward
-from jgrpo.rollout.collect import Scoring, prompt_arrays, sample_and_score
 from jgrpo.rollout.episodes import EpisodeRunner
 from jgrpo.rollout.estimators import summed_by_label, summed_over_prompts
+from jgrpo.rollout.scoring import Scoring, prompt_arrays, sample_and_score
 from jgrpo.sampling.methods import SamplingMethod
 from jgrpo.sampling.sampler import Sampler
 

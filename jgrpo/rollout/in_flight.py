@@ -13,21 +13,25 @@ the oldest batch's next waiting row. Between two decode chunks (`sampler.decode_
    order (a batch that completes before an older one waits for it).
 
 The schedule. Version k takes effect at the first chunk boundary at which the batches of iterations
-0 .. k - 1 + lag are complete (lag = `rollout.in_flight_lag`; with `publish_every` p, the newest multiple of p
-due). Every input of that rule is the sampler's own progress, so the same config gives the same tokens whatever
-the timing of the trainer, the network or the reward functions (tested with injected delays): a late version
-makes the sampler wait at its boundary, as a slow environment does under `env.resume_after`; an early one waits
-for its boundary. The trainer has had the batches version k trains on since `lag` batches before the boundary:
-that is its time to train before the sampler waits. Lanes: max_staleness - lag + 1, the most batches step 2 ever
-lets start beyond the last batch handed over.
+0 .. k - 1 + lag are complete (lag = `rollout.in_flight_lag`; with `publish_every` p, versions are the multiples
+of p), one version per boundary (when a chunk completes two batches, the next version waits for the next
+boundary: every version is in effect for at least a chunk). Every input of that rule is the sampler's own
+progress, so the same config gives the same tokens whatever the timing of the trainer, the network or the reward
+functions (tested with injected delays): a late version makes the sampler wait at its boundary, as a slow
+environment does under `env.resume_after`; an early one waits for its boundary. The trainer has had the batches
+version k trains on since `lag` batches before the boundary: that is its time to train before the sampler waits.
+Lanes: max_staleness - lag + 1, the most batches step 2 ever lets start beyond the last batch handed over.
 
 Keys are async's: batch j's prompt b, sample g draws token t with fold_in(fold_in(fold_in(sample_root, j),
 b * G + g), t), so a batch that no update reaches draws what between-batches sampling draws with that version.
 
-Resume: as between batches, the checkpoint keeps the data position of the batches the trainer took; the batches
-in flight are drawn again from there with the restored params, so after a resume the rows in flight at the kill
-are sampled again from their start with the newest version (no batch lost or trained twice; not the same tokens as
-the run that was not killed).
+Exact resume: at each checkpoint (iteration v, a multiple of `checkpoint.every`) the trainer saves, beside its
+own state, the producer's state at the boundary where version v takes effect (`in_flight_snapshot`: the pool with
+its keys/values, the batches sampled and not yet taken; the trainer waits for the sampler to reach that boundary,
+which with lag 1 is the completion of the batch it trains next). A run killed and resumed from that checkpoint
+goes on from there bit for bit (tested with kill -9). A checkpoint at another iteration (a preemption's, or the
+run's last when it is not a multiple) has no snapshot: its resume samples the batches in flight again from their
+start with the restored version (each prompt still trained once; not the tokens of the run that was not killed).
 """
 
 from __future__ import annotations
@@ -37,14 +41,15 @@ import logging
 import time
 
 import jax
-import numpy as np
 
 from jgrpo.data import bucketed_length
 from jgrpo.parallel.host_arrays import local_rows, to_global_rows
 from jgrpo.parallel.mesh import SAMPLE_RULES
 from jgrpo.rollout.async_producer import AsyncRollouts
-from jgrpo.rollout.collect import prompt_arrays
+from jgrpo.rollout.in_flight_snapshot import Flight, restore_flight, take_snapshot
+from jgrpo.rollout.in_flight_snapshot import rows_of as _rows
 from jgrpo.rollout.intake import Produced
+from jgrpo.rollout.scoring import prompt_arrays
 from jgrpo.rollout.slot_metrics import versions_per_row
 from jgrpo.sampling.stream import batch_rows
 
@@ -55,7 +60,8 @@ class InFlightRollouts(AsyncRollouts):
     """The in-flight producer thread; the trainer's side (`publish`, `take`, `close`) is `AsyncRollouts`'."""
 
     def __init__(self, source, *, max_staleness: int, lag: int, publish_every: int, first_index: int,
-                 dropped: int, first_version: int):
+                 dropped: int, first_version: int, recompute: bool = False, snapshot_every: int = 0,
+                 restored: dict | None = None):
         if jax.process_count() > 1:
             raise ValueError("rollout.weight_updates=in_flight runs on one process for now (several processes "
                              "sample between batches)")
@@ -63,7 +69,13 @@ class InFlightRollouts(AsyncRollouts):
             raise ValueError("rollout.weight_updates=in_flight samples single-turn rows; multi-turn episodes "
                              "(env.name) sample between batches")
         self.lag, self.publish_every, self.first_version = lag, publish_every, first_version
+        self.recompute = recompute  # rollout.in_flight_kv: recompute (else keep)
         self.versions: dict[int, object] = {}  # published params not yet superseded by the schedule
+        # Exact resume: the state at each boundary where a version that is a multiple of `snapshot_every` (the
+        # trainer's checkpoint.every) takes effect, until the trainer's checkpoint takes it; `restored`: the one
+        # a resumed run starts from (`in_flight_snapshot`).
+        self.snapshot_every, self._restored, self._snapshots, self._skip = snapshot_every, restored, {}, None
+        self._given = first_version  # the last version whose snapshot the trainer took
         super().__init__(source, max_staleness=max_staleness, first_index=first_index, dropped=dropped,
                          prompt_width=0)
 
@@ -106,75 +118,131 @@ class InFlightRollouts(AsyncRollouts):
 
     def _stream(self) -> None:
         src, c = self.source, self.source.config
-        B, G = c.data.batch_size, c.grpo.num_generations
-        sampler = src.sampler.replace(slots=c.sampler.slots or B * G)  # one iteration's rows decode at once
+        B = c.data.batch_size
+        sampler = src.sampler.replace(slots=c.sampler.slots or B * c.grpo.num_generations)  # one batch's rows
         width = bucketed_length(c.data.max_prompt_length, c.sampler.prompt_bucket)  # every batch fits
         lanes = self.max_staleness - self.lag + 1
-        version = self.first_version
-        params = self._params_of(version)
+        params = self._params_of(self.first_version)
         if params is None:
             return
         state = sampler.open_stream(params, lanes=lanes, batch=B, prompt_len=width)
-        in_lane: dict[int, tuple] = {}  # lane -> (batch index, batch, data state after it, started at)
-        finished_rows: dict[int, object] = {}  # pool row -> its output (numpy), until its batch is complete
-        complete: dict[int, Produced] = {}  # batches done, waiting for an older one to be handed over
-        handed = self._next_index  # the next batch to hand over
-        mark = (0, 0, time.perf_counter())  # (busy, clock, wall) when the last batch was handed over
+        f = Flight(state, self.first_version, params, handed=self._next_index)
+        if self._restored is not None:
+            f = self._restore(f, self._restored)
+            self._restored = None
         while True:
-            due = self._due(handed)
-            if due > version:
-                params = self._params_of(due)
-                if params is None:
+            if self._due(f.handed) > f.version:  # the next version takes effect (one per boundary)
+                due = (f.version // self.publish_every + 1) * self.publish_every
+                if self.snapshot_every and due % self.snapshot_every == 0 and due != self._skip:
+                    self._keep_snapshot(due, f)
+                f.params = self._params_of(due)
+                if f.params is None:
                     return
-                version = due
+                f.version = due
+                if self.recompute:
+                    f.state = sampler.recompute(f.params, f.state, self._store_prompts(f, width, sampler))
             for lane in range(lanes):
                 with self._cond:
                     if self._stopping:
                         return
-                    may = self._next_index - self.dropped - version <= self.max_staleness
+                    may = self._next_index - self.dropped - f.version <= self.max_staleness
                     index = self._next_index
-                if lane in in_lane or not may:
+                if lane in f.in_lane or not may:
                     continue
                 batch = src.next_batch(index)
-                data_state = src.data.get_state()
                 prompts = prompt_arrays(batch.token_ids, width=width, pad_id=src.pad_id, mesh=src.mesh,
                                         global_prompts=B)
-                state = sampler.refill(params, state, lane, prompts, src.sample_key(index), index)
-                in_lane[lane] = (index, batch, data_state, time.perf_counter())
+                f.state = sampler.refill(f.params, f.state, lane, prompts, src.sample_key(index), index)
+                f.in_lane[lane] = (index, batch, src.data.get_state())
                 with self._cond:
                     self._next_index += 1
-            if not in_lane:  # cannot happen with 1 <= lag <= max_staleness - publish_every + 1 (config checks)
-                raise RuntimeError(f"the in-flight schedule stalled at version {version}, batch {self._next_index}")
-            state = sampler.advance(params, state, chunks=1, version=version)
-            rows, out, state = sampler.drain(state)
-            for i, r in enumerate(rows):
-                finished_rows[int(r)] = out.map(lambda x, i=i: x[i])
-            for lane, (index, batch, data_state, _) in list(in_lane.items()):
-                mine = batch_rows(state.spec, lane)
-                if all(int(r) in finished_rows for r in mine):
-                    rows_out = [finished_rows.pop(int(r)) for r in mine]
-                    complete[index] = self._scored(rows_out, index, batch, data_state)
-                    del in_lane[lane]
-            while handed in complete:
-                busy, clock = (int(x) for x in jax.device_get((state.pool.busy, state.pool.clock)))
-                item = complete.pop(handed)
-                steps = max(clock - mark[1], 1)
-                metrics = {**item.metrics, "rollout/slot_utilization": (busy - mark[0]) / (steps * sampler.slots)}
-                rollout = dataclasses.replace(item.rollout, sample_seconds=time.perf_counter() - mark[2])
-                mark = (busy, clock, time.perf_counter())
+            if not f.in_lane:  # cannot happen with 1 <= lag <= max_staleness - publish_every + 1 (config checks)
+                raise RuntimeError(f"the in-flight schedule stalled at version {f.version}, batch {self._next_index}")
+            f.state = sampler.advance(f.params, f.state, chunks=1, version=f.version)
+            _, _, f.state = sampler.drain(f.state)
+            for lane, (index, batch, data_state) in list(f.in_lane.items()):
+                mine = batch_rows(f.state.spec, lane)
+                if f.state.drained[mine].all():
+                    f.complete[index] = (_rows(f.state, mine), batch, data_state)
+                    del f.in_lane[lane]
+            while f.handed in f.complete:
+                rows, batch, data_state = f.complete.pop(f.handed)
+                busy, clock = (int(x) for x in jax.device_get((f.state.pool.busy, f.state.pool.clock)))
+                utilization = (busy - f.mark[0]) / (max(clock - f.mark[1], 1) * sampler.slots)
+                item = self._scored(rows, f.handed, batch, data_state, {"rollout/slot_utilization": utilization})
+                item = item._replace(rollout=dataclasses.replace(item.rollout,
+                                                                 sample_seconds=time.perf_counter() - f.wall))
+                f.mark, f.wall = (busy, clock), time.perf_counter()
                 with self._cond:
-                    self._queue.append(item._replace(rollout=rollout, metrics=metrics))
+                    self._queue.append(item)
                     self._cond.notify_all()
-                handed += 1
+                f.handed += 1
 
-    def _scored(self, rows_out: list, index: int, batch, data_state) -> Produced:
-        """A complete batch's rows (numpy, in batch order) as global arrays, scored."""
+    def _store_prompts(self, f: Flight, width: int, sampler):
+        """The stream's prompts in its store's order (queue q's entries lane by lane: lane m's batch prompts
+        q * B/Q ..), a free lane's entries a one-token stand-in (their keys/values are not written)."""
+        plan = f.state.spec.plan
+        Q, lanes = plan.queues, plan.lanes
+        n = plan.rows_per_queue // plan.num_samples // lanes
+        by_lane = {lane: batch.token_ids for lane, (_, batch, _) in f.in_lane.items()}
+        ids = [by_lane[m][q * n + i] if m in by_lane else [sampler.pad_id]
+               for q in range(Q) for m in range(lanes) for i in range(n)]
         src = self.source
-        fields = {f: np.stack([getattr(r, f) for r in rows_out]) for f in rows_out[0]._fields
-                  if getattr(rows_out[0], f) is not None}
-        host = rows_out[0].map(lambda _: None)._replace(**fields)
-        samples = host.map(lambda x: to_global_rows(x, src.mesh, SAMPLE_RULES, len(rows_out)))
+        return prompt_arrays(ids, width=width, pad_id=src.pad_id, mesh=src.mesh, global_prompts=len(ids))
+
+    def _scored(self, host, index: int, batch, data_state, metrics: dict) -> Produced:
+        """A complete batch's rows (numpy SampleOutput, in batch order) as global arrays, scored."""
+        src = self.source
+        samples = host.map(lambda x: to_global_rows(x, src.mesh, SAMPLE_RULES, len(host.tokens)))
         rollout = src.scoring.score(samples, batch, local_rows(samples.tokens), local_rows(samples.lengths))
         drawn = host.loss_mask
         oldest = int(host.version[drawn].min()) if drawn.any() else self.first_version
-        return Produced(rollout, oldest, index, data_state, versions_per_row(host.version, drawn))
+        return Produced(rollout, oldest, index, data_state, {**versions_per_row(host.version, drawn), **metrics})
+
+    # ------------------------------------------------------------------ exact resume
+
+    def snapshot(self, version: int) -> dict | None:
+        """The trainer's checkpoint at iteration `version` (a multiple of `snapshot_every`): the sampler's state at
+        the boundary where version `version` takes effect, once it is there (None if the producer stopped
+        first, e.g. the data ran out). The trainer trains nothing meanwhile, so the batches queued then are those
+        it has not taken."""
+        with self._cond:
+            if version <= self._given:  # (the run's final save of a step it saved already)
+                return None
+            self._cond.wait_for(lambda: version in self._snapshots or self._stopping or self._failed())
+            kept = self._snapshots.pop(version, None)
+            self._snapshots = {v: s for v, s in self._snapshots.items() if v > version}
+            self._given = version
+            return kept
+
+    def _failed(self) -> bool:
+        return any(isinstance(item, BaseException) for item in self._queue) or not self._thread.is_alive()
+
+    def _keep_snapshot(self, version: int, f: Flight) -> None:
+        with self._cond:
+            queued = list(self._queue)
+        kept = take_snapshot(f, queued, self._next_index)
+        with self._cond:
+            self._snapshots[version] = kept
+            self._cond.notify_all()
+
+    def _restore(self, f: Flight, saved: dict) -> Flight:
+        """The producer as it was at the boundary of the snapshot: its pool, its lanes' batches (read again from
+        the data, from the trainer's position), and the batches it had sampled that the trainer had not taken
+        (scored again, queued)."""
+        src, meta = self.source, saved["meta"]
+        f, rows_of_batch = restore_flight(f, saved)
+        batches = {}
+        for index in range(self._next_index, meta["next_index"]):  # read again, in order: the iterator as it was
+            batches[index] = (src.next_batch(index), src.data.get_state())
+        self._next_index = meta["next_index"]
+        f.in_lane = {int(lane): (index, *batches[index]) for lane, index in meta["lanes"].items()}
+        for entry in meta["batches"]:  # sampled, not taken by the trainer: queued in order, or waiting for one
+            index, rows = entry["index"], rows_of_batch[entry["index"]]
+            if index < f.handed:
+                item = self._scored(rows, index, *batches[index], {})
+                self._queue.append(item._replace(version=entry["version"], metrics=entry["metrics"]))
+            else:
+                f.complete[index] = (rows, *batches[index])
+        self._skip = self.first_version  # (its checkpoint is written: not taken again)
+        return f

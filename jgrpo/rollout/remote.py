@@ -288,8 +288,8 @@ class RemoteRollouts(Intake):
                 rollout.samples = rollout.samples.map(lambda x: to_global_rows(np.asarray(x), self.train_mesh,
                                                                                SAMPLE_RULES, self.rows))
                 rollout.rewards = np.asarray(rollout.rewards)
-                return (Produced(rollout, body["version"], body["index"], body["data_state"]), body["queued"],
-                        body["idle"])
+                return (Produced(rollout, body["version"], body["index"], body["data_state"], body.get("metrics")),
+                        body["queued"], body["idle"])
             links = self._connected()
             # The next part of the first batch not yet whole: from the first link that has not sent it.
             have = self._parts.get(self._received, {})

@@ -39,12 +39,13 @@ from jgrpo.parallel.mesh import make_meshes, replicated
 from jgrpo.parallel.weights.device_transfer import DeviceTransfer
 from jgrpo.parallel.weights.receive import WeightReceiver
 from jgrpo.rollout.async_producer import AGREE_POLL_S, AsyncRollouts
-from jgrpo.rollout.collect import Scoring
 from jgrpo.rollout.episodes import EpisodeRunner
+from jgrpo.rollout.in_flight import InFlightRollouts
 from jgrpo.rollout.process_links import rollout_targets, split_rollout
 from jgrpo.rollout.remote import CODEC
 from jgrpo.rollout.run_parts import load_run_parts
 from jgrpo.rollout.sampling_weights import SamplingWeights
+from jgrpo.rollout.scoring import Scoring
 from jgrpo.rollout.sources import RolloutSource, sample_root
 
 log = logging.getLogger(__name__)
@@ -181,10 +182,16 @@ class RolloutJob:
         # it) is sampled again: it came from weights the restarted trainer no longer has.
         self.discarded += max(0, self._drawn - body["first_index"])
         log.info("sampling for the trainer from batch %d", body["first_index"])
-        producer = AsyncRollouts(self.source, max_staleness=self.config.rollout.max_staleness,
-                                 first_index=body["first_index"], dropped=body["dropped"],
-                                 prompt_width=body["prompt_width"],
-                                 agree=broadcast_json if jax.process_count() > 1 else None)
+        r = self.config.rollout
+        if r.weight_updates == "in_flight":  # (the trainer published version first_index - dropped at its start)
+            producer = InFlightRollouts(self.source, max_staleness=r.max_staleness, lag=r.in_flight_lag,
+                                        publish_every=r.publish_every, first_index=body["first_index"],
+                                        dropped=body["dropped"], first_version=body["first_index"] - body["dropped"],
+                                        recompute=r.in_flight_kv == "recompute")
+        else:
+            producer = AsyncRollouts(self.source, max_staleness=r.max_staleness, first_index=body["first_index"],
+                                     dropped=body["dropped"], prompt_width=body["prompt_width"],
+                                     agree=broadcast_json if jax.process_count() > 1 else None)
         stop = threading.Event()
         forwarder = threading.Thread(target=self._forward, args=(producer, channels, stop), daemon=True,
                                      name="jgrpo-rollout-forwarder")
@@ -231,7 +238,7 @@ class RolloutJob:
                 for channel, part in zip(channels, split_rollout(rollout, len(channels)), strict=True):
                     channel.send("record", {"index": item.index, "version": item.version,
                                             "data_state": item.data_state, "queued": queued, "idle": idle,
-                                            "rollout": part})
+                                            "metrics": item.metrics, "rollout": part})
             except ChannelClosed:  # this batch never reached the trainer: the next start says where to go on
                 return
             except Exception as e:  # noqa: BLE001 - the trainer must hear of it, not wait for a batch forever

@@ -30,8 +30,8 @@ import numpy as np
 from jgrpo.data import bucketed_length
 from jgrpo.parallel.host_arrays import global_max, local_rows, row_block, to_global_rows
 from jgrpo.parallel.mesh import SAMPLE_RULES
-from jgrpo.rollout.collect import Scoring, prompt_arrays, sample_and_score
 from jgrpo.rollout.records import Rollout
+from jgrpo.rollout.scoring import Scoring, prompt_arrays, sample_and_score
 from jgrpo.sampling.sampler import Prompts, Sampler
 
 log = logging.getLogger(__name__)

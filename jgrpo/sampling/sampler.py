@@ -211,6 +211,13 @@ class Sampler:
             return stream.refill(self._graphdef(params), self.placed(params), state, lane,
                                  Prompts(checked.tokens, checked.mask, index), keys, order)
 
+    def recompute(self, params, state: turns.SlotState, prompts: Prompts) -> turns.SlotState:
+        """A stream's keys/values of live prompts and running rows computed again with `params` (`prompts`: the
+        store's, queue-major: `jgrpo.sampling.stream.recompute`)."""
+        checked, cfg = self.checked(params, prompts)
+        with self._context(cfg):
+            return stream.recompute(self._graphdef(params), self.placed(params), state, checked)
+
     def advance(self, params, state: turns.SlotState, chunks: int = 1, version: int = 0) -> turns.SlotState:
         """Decode with `params` (of `version`) up to `chunks` chunk boundaries (every `decode_chunk` steps), or
         until nothing can run."""

@@ -29,10 +29,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jgrpo.models import paged_kv
+from jgrpo.models import kv_quant, paged_kv
 from jgrpo.models.llm import init_cache, merge_model, position_ids_from_mask
 from jgrpo.sampling import pages
-from jgrpo.sampling.decode_loop import empty_pool, write_prompts
+from jgrpo.sampling.decode_loop import empty_pool, local_prompt, write_prompts
 from jgrpo.sampling.state import PoolSpec, PromptStore
 from jgrpo.sampling.turns import SlotState
 
@@ -133,3 +133,69 @@ def refill(graphdef, params, state: SlotState, lane: int, prompts, keys, order: 
     drained = state.drained.copy()
     drained[rows] = False
     return SlotState(state.spec, store, pool, drained, state.parked, state.unstacked)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "spec"), donate_argnames=("store", "pool"))
+def _recompute(graphdef, params, store: PromptStore, pool, tokens, mask, *, spec: PoolSpec):
+    """Every live prompt's and every running row's keys/values computed again with `params`, and the prompts'
+    last logits (what waiting rows start from). `tokens`/`mask` [Q * W, P]: the store's prompts, queue-major."""
+    plan = spec.plan
+    model = merge_model(graphdef, params)
+    Q, W, Rq, N, ps = plan.queues, plan.rows_per_queue // plan.num_samples, plan.rows_per_queue, \
+        plan.max_new_tokens, plan.page_size
+    P = tokens.shape[1]
+    queues = jnp.arange(Q)[:, None]
+    with jax.named_scope("recompute_prompts"):
+        dense = spec.pin("prefill", init_cache(model.cfg, Q * W, P, plan.kv_dtype))
+        hidden, dense, _ = model.routed(tokens, position_ids_from_mask(mask), mask, dense, 0)
+        live = pool.refs > 0  # [Q, W]: prompts some row still needs (the others' pages went back to the pool)
+        table = jnp.where(live[..., None], store.table, plan.pages)
+        cache = write_prompts(plan, pool.cache, dense, jnp.arange(Q * W).reshape(Q, W), store.length, table)
+        logits = model.logits(hidden[:, -1]).reshape(Q, W, -1)
+        store = store._replace(logits=jnp.where(live[..., None], logits, store.logits))
+    with jax.named_scope("recompute_rows"):
+        sl, rows = pool.slots, pool.rows
+        running = ~sl.done  # [Q, Sq]
+        row = jnp.minimum(sl.row, Rq - 1)
+        pick = jax.vmap(lambda x, i: x[i])
+        prompt = local_prompt(plan, store, queues, row)  # [Q, Sq]
+        fed = pick(rows.lengths, row) - 1  # the row's tokens in its pages (its last is drawn, not fed yet)
+        by_queue = lambda x: x.reshape(Q, W, *x.shape[1:])  # noqa: E731
+        seq = jnp.concatenate([pick(by_queue(tokens), prompt), pick(rows.tokens, row)], axis=-1)  # [Q, Sq, P + N]
+        seq_mask = jnp.concatenate([pick(by_queue(mask), prompt), jnp.arange(N) < fed[..., None]], axis=-1)
+        S = seq.shape[0] * seq.shape[1]
+        seq, seq_mask = seq.reshape(S, P + N), seq_mask.reshape(S, P + N)
+        own = init_cache(model.cfg, S, P + N, plan.kv_dtype)
+        _, own, _ = model.routed(seq, position_ids_from_mask(seq_mask), seq_mask, own, 0)
+        OP = plan.own_pages
+        pages = jnp.where(running[..., None] & (jnp.arange(OP) * ps < fed[..., None]), pick(rows.pages, row),
+                          plan.pages)  # [Q, Sq, OP]: the pages that hold fed tokens
+
+        def paged(x):  # [L, S, P + N, KVH, Dh] -> [L, Q, Sq, OP, KVH, ps, Dh]: the own tokens in page layout
+            x = x[:, :, P:]
+            x = jnp.pad(x, ((0, 0), (0, 0), (0, OP * ps - N), (0, 0), (0, 0)))
+            x = x.reshape(x.shape[0], Q, S // Q, OP, ps, *x.shape[3:])
+            return jnp.swapaxes(x, 4, 5)
+
+        new = kv_quant.per_part(lambda c: jax.tree.map(paged, c), own)
+        if plan.scanned:
+            write = jax.vmap(lambda p, x: paged_kv.write_pages(p, x, pages))
+            cache = paged_kv.PagedKV((write(cache.k[0], new.k),), (write(cache.v[0], new.v),))
+        else:
+            layer = lambda c, i: kv_quant.per_part(lambda x: x[i], c)  # noqa: E731
+            cache = paged_kv.PagedKV(*(tuple(paged_kv.write_pages(p, layer(parts, i), pages)
+                                             for i, p in enumerate(pools))
+                                       for pools, parts in ((cache.k, new.k), (cache.v, new.v))))
+    return store, pool._replace(cache=spec.pin("cache", cache))
+
+
+def recompute(graphdef, params, state: SlotState, prompts) -> SlotState:
+    """AReaL's choice at a weight update: the pool's keys/values of every live prompt and running row computed
+    again with `params`, so every token drawn from now on is drawn in a context of one version. `prompts`: the
+    store's prompts (tokens, mask [Q * W, P], queue-major; a free lane's entries any left-padded prompt)."""
+    if state.spec.plan.routing:
+        raise ValueError("recomputing the keys/values of rows in flight is not built for a mixture of experts (its "
+                         "routing record would need recomputing too): keep them (rollout.in_flight_kv: keep)")
+    store, pool = _recompute(graphdef, params, state.store, state.pool, prompts.tokens, prompts.mask,
+                             spec=state.spec)
+    return SlotState(state.spec, store, pool, state.drained, state.parked, state.unstacked)

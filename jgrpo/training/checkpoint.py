@@ -85,6 +85,9 @@ class TrainState:
     behaviour_version: int  # the iteration whose current params the behaviour copy holds
     data_state: dict  # the prompt iterator's get_state()
     counters: RunCounters = dataclasses.field(default_factory=RunCounters)
+    # In flight (`rollout.weight_updates`): the sampler's state at this iteration's boundary, {"arrays", "meta"}
+    # (jgrpo/rollout/in_flight_snapshot.py), saved as the items `stream` and `stream_meta`; None: not kept.
+    rollout_stream: dict | None = None
 
 
 class CheckpointError(RuntimeError):
@@ -190,11 +193,11 @@ class Checkpointer:
         # Orbax wants an absolute path; a bucket path is one already (and absolute() would mangle its "//").
         directory = self.directory if "://" in str(self.directory) else self.directory.absolute()
         registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
-        for name in _ARRAY_ITEMS + ("rng",):
+        for name in _ARRAY_ITEMS + ("rng", "stream"):
             handler = _ArrayHandler(use_compression=config.compress, multiprocessing_options=processing)
             registry.add(name, ocp.args.StandardSave, handler)
             registry.add(name, ocp.args.StandardRestore, handler)
-        for name in ("meta", "data", "config"):
+        for name in ("meta", "data", "config", "stream_meta"):
             handler = ocp.JsonCheckpointHandler(multiprocessing_options=processing)
             registry.add(name, ocp.args.JsonSave, handler)
             registry.add(name, ocp.args.JsonRestore, handler)
@@ -225,6 +228,7 @@ class Checkpointer:
         # ones and refuses them; as numpy the holder (process 0: Orbax writes numpy from there) writes them whole,
         # and a restore lays them out as before.
         saved = jax.device_get(arrays) if self.processes is not None and len(self.processes) == 1 else arrays
+        fingerprints = {name: fingerprint(tree) for name, tree in arrays.items()}  # (the stream's added below)
         items = {
             **{name: ocp.args.StandardSave(tree) for name, tree in saved.items()},
             "meta": ocp.args.JsonSave(
@@ -234,9 +238,10 @@ class Checkpointer:
                     "behaviour_version": state.behaviour_version,
                     "has_behaviour": state.behaviour is not None,
                     "has_reference": state.reference is not None,
+                    "has_stream": state.rollout_stream is not None,
                     "rng_impl": str(jax.random.key_impl(state.rng)),
                     "counters": state.counters.to_json(),
-                    "fingerprints": {name: fingerprint(tree) for name, tree in arrays.items()},
+                    "fingerprints": fingerprints,
                     **({"base": {"name": self.base[0], "fingerprint": self.base[1]}} if self.base else {}),
                     "saved_at": time.time(),
                 }
@@ -244,6 +249,10 @@ class Checkpointer:
             "data": ocp.args.JsonSave(state.data_state),
             "config": ocp.args.JsonSave(self.resolved_config),
         }
+        if state.rollout_stream is not None:  # host arrays, fingerprinted beside the others
+            items["stream"] = ocp.args.StandardSave(state.rollout_stream["arrays"])
+            items["stream_meta"] = ocp.args.JsonSave(state.rollout_stream["meta"])
+            fingerprints["stream"] = fingerprint(state.rollout_stream["arrays"])
         self.manager.save(step, args=ocp.args.Composite(**items), force=True)
 
     def wait(self) -> None:
@@ -341,6 +350,7 @@ class Checkpointer:
         for name in abstract:
             if fingerprint(restored[name]) != meta["fingerprints"][name]:
                 raise CheckpointError(f"item '{name}' does not match the fingerprint recorded at save time (corrupt)")
+        stream = self._restore_stream(step, meta) if meta.get("has_stream") else None
         rng = jax.random.wrap_key_data(restored["rng"]["key_data"], impl=meta["rng_impl"])
         log.info("restored checkpoint step %d from %s", step, self.directory)
         return TrainState(
@@ -354,7 +364,19 @@ class Checkpointer:
             behaviour_version=int(meta["behaviour_version"]),
             data_state=data_state,
             counters=RunCounters.from_json(meta.get("counters", {})),
+            rollout_stream=stream,
         )
+
+    def _restore_stream(self, step: int, meta: dict) -> dict:
+        """The in-flight sampler's snapshot: its JSON, then its host arrays laid out as that says."""
+        stream_meta = self.manager.restore(step, args=ocp.args.Composite(
+            stream_meta=ocp.args.JsonRestore()))["stream_meta"]
+        like = jax.tree.map(lambda spec: np.zeros(spec[0], spec[1]), stream_meta["layout"],
+                            is_leaf=lambda x: isinstance(x, list) and len(x) == 2 and isinstance(x[1], str))
+        arrays = self.manager.restore(step, args=ocp.args.Composite(stream=ocp.args.StandardRestore(like)))["stream"]
+        if fingerprint(arrays) != meta["fingerprints"]["stream"]:
+            raise CheckpointError("item 'stream' does not match the fingerprint recorded at save time (corrupt)")
+        return {"arrays": jax.tree.map(np.asarray, arrays), "meta": stream_meta}
 
     # ------------------------------------------------------------- internals
 

@@ -30,13 +30,13 @@ from jgrpo.config import Config, ConfigError
 from jgrpo.config.loading import to_dict
 from jgrpo.parallel.fingerprint import fingerprint
 from jgrpo.parallel.mesh import make_meshes, replicated, replicated_key
-from jgrpo.rollout.collect import Scoring
 from jgrpo.rollout.collector import Collected, Collector
 from jgrpo.rollout.episodes import EpisodeRunner
 from jgrpo.rollout.evaluator import Evaluator
 from jgrpo.rollout.remote import RolloutJobLost
 from jgrpo.rollout.run_parts import load_run_parts
 from jgrpo.rollout.sampling_weights import Refresh, SamplingWeights
+from jgrpo.rollout.scoring import Scoring
 from jgrpo.rollout.sources import DataExhausted, RolloutSource, sample_root
 from jgrpo.training.checkpoint import PreemptionFlag, RunCounters, TrainState, latest_data_state
 from jgrpo.training.checkpoint_split import make_checkpointer
@@ -197,6 +197,7 @@ class Trainer:
         if restored.reference is not None:  # swapped before: the initial params are no longer the reference
             self.initial_reference = None
         self.collector.set_data_state(restored.data_state)
+        self.collector.set_stream(restored.rollout_stream)
         log.info("resumed from iteration %d (epoch %d) in %s", restored.iteration, restored.epoch, self.run_dir)
         return True
 
@@ -354,7 +355,9 @@ class Trainer:
             return 0.0
         t = time.perf_counter()
         self.state.data_state = self.collector.data_state()
+        self.state.rollout_stream = self.collector.stream_snapshot(it)  # (in flight: the sampler's state)
         self.checkpointer.save(self.state)
+        self.state.rollout_stream = None
         return time.perf_counter() - t
 
     def _enter_epoch(self, epoch: int) -> None:

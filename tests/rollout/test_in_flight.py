@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from jgrpo.config import ConfigError
-from jgrpo.rollout.collect import Scoring
 from jgrpo.rollout.collector import Collector
 from jgrpo.rollout.in_flight import InFlightRollouts
+from jgrpo.rollout.scoring import Scoring
 from jgrpo.training.trainer import Trainer
 from tests.helpers import tiny_config
 

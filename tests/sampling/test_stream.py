@@ -3,6 +3,7 @@ decoding, on the tiny Llama. Each batch draws what `generate` draws with its key
 first; the pool counts the slot-steps that drew a token; a version change mid-row is recorded per token."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -123,3 +124,51 @@ def test_one_batch_streamed_uses_the_slots_as_generate_would(tiny_llama):
     done, state, _, _ = _stream(sampler, params, batches=1, lanes=1)
     busy, clock = int(state.pool.busy), int(state.pool.clock)
     assert busy / (3 * (clock - 1)) == pytest.approx(generate_utilization(done[0].lengths, 3))
+
+
+def _logprobs_under(graphdef, params, prompt_tokens, prompt_mask, tokens, method):
+    """Each token's log-prob [N] from one full forward over [its prompt | its tokens] with `params` (the trainer's
+    view of that version)."""
+    from jgrpo.models.llm import merge_model, position_ids_from_mask
+    from jgrpo.rl.logprobs import token_logprobs
+
+    seq = jnp.concatenate([prompt_tokens, tokens])[None]
+    mask = jnp.concatenate([prompt_mask, jnp.ones_like(tokens, bool)])[None]
+    model = merge_model(graphdef, params)
+    hidden, _ = model(seq, position_ids_from_mask(mask), mask)
+    P, N = prompt_tokens.shape[0], tokens.shape[0]
+    lp, _ = token_logprobs(hidden[:, P - 1:P + N - 1], model.unembedding(), tokens[None], chunk=4,
+                           process_logits=method.process_logits)
+    return np.asarray(lp[0])
+
+
+@pytest.mark.parametrize("kv", ["recompute", "keep"])
+def test_recomputed_rows_draw_each_token_in_its_own_versions_context(tiny_llama, kv):
+    """A weight update every chunk: with the keys/values recomputed at each update, every token's log-prob is its
+    version's alone (the trainer's forward under that version matches it); kept, the tokens after an update were
+    drawn in a context older versions computed, which no single version reproduces."""
+    graphdef, params = tiny_llama
+    method = SamplingMethod(temperature=1.0)
+    versions = [jax.tree.map(lambda x, v=v: x * (1 + 0.1 * v) if jnp.issubdtype(x.dtype, jnp.floating) else x,
+                             params) for v in range(6)]
+    sampler = Sampler(graphdef, max_new_tokens=20, num_samples=G, method=method, slots=4, decode_chunk=4)
+    prompts = _batch(0)
+    state = sampler.open_stream(params, lanes=1, batch=2, prompt_len=WIDTH)
+    state = sampler.refill(versions[0], state, 0, prompts, _key(0), 0)
+    for chunk in range(5):
+        if chunk and kv == "recompute":
+            state = sampler.recompute(versions[chunk], state, prompts)
+        state = sampler.advance(versions[chunk], state, version=chunk)
+    rows, out, state = sampler.drain(state)
+    assert len(rows) == 4 and (out.lengths == 20).all()
+    gaps = []
+    for r in range(4):
+        tokens, mask = jnp.asarray(prompts.tokens[r // G]), jnp.asarray(prompts.mask[r // G])
+        for v in np.unique(out.version[r]):
+            lp = _logprobs_under(graphdef, versions[v], tokens, mask, jnp.asarray(out.tokens[r]), method)
+            mine = out.version[r] == v
+            gaps.append(np.abs(lp[mine] - out.logprobs[r][mine]).max())
+    if kv == "recompute":
+        assert max(gaps) < 1e-4, gaps
+    else:
+        assert max(gaps) > 1e-3, gaps

@@ -76,7 +76,7 @@ def test_a_step_with_nothing_in_the_loss_leaves_params_optimiser_and_schedule_un
     # yet AdamW would still step along its momentum. With optim.skip_empty_steps such steps change nothing.
     trainer = _trainer(tmp_path, "optim.learning_rate=1e-2", "grpo.beta=0.04", f"optim.skip_empty_steps={skip}",
                        "run.iterations=5")
-    # The rollout source scores the samples (jgrpo.rollout.collect.Scoring): it must see the replacement too.
+    # The rollout source scores the samples (jgrpo.rollout.scoring.Scoring): it must see the replacement too.
     trainer.parts = trainer.parts._replace(scorer=_RewardsGoConstant(trainer.scorer, varying=2))
     source = trainer.collector.source
     source.scoring = dataclasses.replace(source.scoring, scorer=trainer.scorer)
