@@ -35,8 +35,10 @@ from tests.helpers import ROOT, TESTDATA
 GOLDEN = TESTDATA / "golden_run.json"
 RTOL, ATOL = 1e-4, 1e-6
 RESIDUE = {"theorem1/lower_bound": 1e-4}
-# Metrics made after the recording (nothing to compare them with): rows the paged cache preempted (#68).
-ADDED = frozenset({"sampler/preempted"})
+# Metrics made after the recording (nothing to compare them with): rows the paged cache preempted (#68), the
+# versions per row and the slots' use that async logs (#71).
+ADDED = frozenset({"sampler/preempted", "rollout/versions_per_row", "rollout/versions_per_row_max",
+                   "rollout/slot_utilization"})
 
 
 def _compare_script():
