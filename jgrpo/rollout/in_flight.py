@@ -9,8 +9,8 @@ the oldest batch's next waiting row. Between two decode chunks (`sampler.decode_
    starts only with a version v >= j - dropped - max_staleness, so no token of it is staler than the bound;
 3. decodes one chunk with that version's params (the keys/values computed before stay: PipelineRL's choice; every
    token records the version that drew it and its log-prob, which the loss takes as the behaviour policy's);
-4. drains the rows that completed; a batch whose rows are all done is scored and queued for the trainer in batch
-   order (a batch that completes before an older one waits for it).
+4. reads which rows completed (one flag per row); a batch whose rows are all done is read off the devices, scored
+   and queued for the trainer in batch order (a batch that completes before an older one waits for it).
 
 The schedule. Version k takes effect at the first chunk boundary at which the batches of iterations
 0 .. k - 1 + lag are complete (lag = `rollout.in_flight_lag`; with `publish_every` p, versions are the multiples
@@ -41,9 +41,10 @@ import logging
 import time
 
 import jax
+import numpy as np
 
 from jgrpo.data import bucketed_length
-from jgrpo.parallel.host_arrays import local_rows, to_global_rows
+from jgrpo.parallel.host_arrays import fetch, local_rows, to_global_rows
 from jgrpo.parallel.mesh import SAMPLE_RULES
 from jgrpo.rollout.async_producer import AsyncRollouts
 from jgrpo.rollout.in_flight_snapshot import Flight, restore_flight, take_snapshot
@@ -159,11 +160,13 @@ class InFlightRollouts(AsyncRollouts):
             if not f.in_lane:  # cannot happen with 1 <= lag <= max_staleness - publish_every + 1 (config checks)
                 raise RuntimeError(f"the in-flight schedule stalled at version {f.version}, batch {self._next_index}")
             f.state = sampler.advance(f.params, f.state, chunks=1, version=f.version)
-            _, _, f.state = sampler.drain(f.state)
+            finished = np.asarray(fetch(f.state.pool.rows.finished)).reshape(-1)  # (the rows' outputs: once, below)
             for lane, (index, batch, data_state) in list(f.in_lane.items()):
                 mine = batch_rows(f.state.spec, lane)
-                if f.state.drained[mine].all():
+                if finished[mine].all():  # the batch is complete: its rows read, its lane free for the next one
                     f.complete[index] = (_rows(f.state, mine), batch, data_state)
+                    f.state = dataclasses.replace(f.state, drained=f.state.drained | np.isin(
+                        np.arange(len(finished)), mine))
                     del f.in_lane[lane]
             while f.handed in f.complete:
                 rows, batch, data_state = f.complete.pop(f.handed)

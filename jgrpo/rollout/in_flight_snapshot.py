@@ -51,8 +51,11 @@ class Flight:
 
 def rows_of(state: SlotState, rows: np.ndarray) -> SampleOutput:
     """The pool's rows `rows` (global indices, in order) as numpy."""
-    out = fetch(outputs(state.spec.plan, state.pool, store=state.store))
+    out = fetch(_outputs(state.spec.plan, state.pool, state.store))
     return out.map(lambda x: np.asarray(x)[rows])
+
+
+_outputs = jax.jit(lambda plan, pool, store: outputs(plan, pool, store=store), static_argnums=0)
 
 
 def _is_key(x) -> bool:
@@ -74,7 +77,7 @@ def take_snapshot(f: Flight, queued: list, next_index: int) -> dict:
     for index, (host, _, _) in f.complete.items():
         rows[str(index)] = _fields(host)
         batches.append({"index": index, "version": None, "metrics": {}})
-    arrays = {"pool": pool, "drained": np.asarray(f.state.drained), "batch_rows": rows}
+    arrays = {"pool": pool, "drained": f.state.drained.copy(), "batch_rows": rows}
     meta = {"version": f.version, "handed": f.handed, "next_index": next_index, "mark": list(f.mark),
             "lanes": {str(lane): index for lane, (index, _, _) in f.in_lane.items()}, "batches": batches,
             "layout": jax.tree.map(lambda x: [list(x.shape), str(x.dtype)], arrays)}

@@ -32,7 +32,8 @@ import numpy as np
 from jgrpo.models import kv_quant, paged_kv
 from jgrpo.models.llm import init_cache, merge_model, position_ids_from_mask
 from jgrpo.sampling import pages
-from jgrpo.sampling.decode_loop import empty_pool, local_prompt, write_prompts
+from jgrpo.sampling.decode_loop import local_prompt
+from jgrpo.sampling.prefill import empty_pool, write_prompts
 from jgrpo.sampling.state import PoolSpec, PromptStore
 from jgrpo.sampling.turns import SlotState
 
