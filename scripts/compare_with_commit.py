@@ -230,12 +230,16 @@ def main(argv: list[str] | None = None) -> int:
         theirs_run, ours_run = (json.loads((Path(tmp) / f"{n}.json").read_text()) for n in ("theirs", "ours"))
     differ = False
     for mode in args.modes:
-        found = differences(ours_run[mode], theirs_run[mode])
+        # Metrics REV never logged have nothing to be compared with: named, not counted as differences.
+        keys = [{k for r in run[mode]["metrics"] for k in r} for run in (ours_run, theirs_run)]
+        new = frozenset(keys[0] - keys[1])
+        found = differences(ours_run[mode], theirs_run[mode], added=new)
         differ |= bool(found)
         updates = len(ours_run[mode]["tokens"])
         print(f"{mode:<24} " + (f"bit-for-bit equal ({updates} updates' token ids, "
                                 f"{len(ours_run[mode]['metrics'])} metric records, final params)" if not found
-                                else "DIFFERS: " + "; ".join(found[:5]) + (" ..." if len(found) > 5 else "")))
+                                else "DIFFERS: " + "; ".join(found[:5]) + (" ..." if len(found) > 5 else ""))
+              + (f"; new metrics, not compared: {', '.join(sorted(new))}" if new else ""))
     return 1 if differ else 0
 
 
